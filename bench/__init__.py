@@ -1,0 +1,1 @@
+"""Benchmarks: sweeps, load drivers, roofline, telemetry, reports."""

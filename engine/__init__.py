@@ -1,0 +1,1 @@
+"""The in-process Gemma 4 engine (placeholder until the engine core lands)."""

@@ -1,0 +1,1 @@
+"""Triton kernels of the engine, each with a PyTorch reference."""

@@ -1,0 +1,92 @@
+"""The `gpurig` command line: one subcommand per tool, each calling the same function as MCP.
+
+Each area registers its own subcommands from a small module (cli_host, cli_patch, cli_engine,
+...), so this file stays a table of contents. Modules must not import torch at import time:
+`gpurig --help` has to be instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+from mcp_server.output import report_error
+from tools.errors import GpurigError
+
+# (module, attribute): each module has `register(subparsers)` adding its subcommands.
+TOP_LEVEL_MODULES = ["mcp_server.cli_host", "mcp_server.cli_patch"]
+# Modules adding subcommands under `gpurig engine ...`.
+ENGINE_MODULES = ["mcp_server.cli_engine", "mcp_server.cli_engine_serve"]
+
+
+def _register_mcp(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("mcp", help="serve the MCP tools (stdio by default)")
+    p.add_argument("--transport", choices=["stdio", "streamable-http"], default="stdio")
+    p.add_argument("--host", default="127.0.0.1", help="bind address for streamable-http")
+    p.add_argument("--port", type=int, default=8765, help="port for streamable-http")
+    p.set_defaults(func=_run_mcp)
+
+
+def _run_mcp(args: argparse.Namespace) -> int:
+    from mcp_server.server import serve
+
+    serve(transport=args.transport, host=args.host, port=args.port)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="gpurig",
+        description="Get a small LLM served, fast and verified, on the GPU you have.",
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="log debug output to stderr")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    _register_mcp(sub)
+    for name in TOP_LEVEL_MODULES:
+        _load(name).register(sub)
+    engine = sub.add_parser("engine", help="the in-process 4-bit Gemma 4 engine")
+    engine_sub = engine.add_subparsers(dest="engine_command", metavar="ENGINE_COMMAND")
+    engine.set_defaults(func=lambda _a: (engine.print_help(), 2)[1])
+    for name in ENGINE_MODULES:
+        _load(name).register(engine_sub)
+    return parser
+
+
+def _load(name: str):
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as exc:
+        if exc.name == name:  # the area is not built yet: register nothing for it
+            return _Empty()
+        raise
+
+
+class _Empty:
+    @staticmethod
+    def register(_sub: argparse._SubParsersAction) -> None:
+        return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.WARNING,
+        stream=sys.stderr,
+        format="%(levelname)s %(name)s: %(message)s",
+    )
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except GpurigError as err:
+        return report_error(err)
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

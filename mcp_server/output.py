@@ -1,0 +1,38 @@
+"""How the CLI shows a tool's pydantic result: a readable table by default, JSON with --json."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable
+
+from pydantic import BaseModel
+from tabulate import tabulate
+
+from tools.errors import GpurigError
+
+
+def print_result(result: BaseModel, as_json: bool, render: Callable[[BaseModel], str]) -> None:
+    """Print `result` as JSON (for scripts) or through `render` (for people)."""
+    if as_json:
+        sys.stdout.write(result.model_dump_json(indent=2) + "\n")
+    else:
+        sys.stdout.write(render(result).rstrip("\n") + "\n")
+
+
+def kv_table(rows: list[tuple[str, object]]) -> str:
+    """A two-column table of names and values, the common shape of a report."""
+    return tabulate([(k, "" if v is None else v) for k, v in rows], tablefmt="plain")
+
+
+def grid(rows: list[list[object]], headers: list[str]) -> str:
+    """A table with headers."""
+    return tabulate(rows, headers=headers, tablefmt="simple")
+
+
+def report_error(err: GpurigError) -> int:
+    """Print a tool error for a person and return the CLI's exit code for it (2)."""
+    sys.stderr.write(f"gpurig: error: {err.message}\n")
+    if err.remedy:
+        sys.stderr.write(f"gpurig: what to do: {err.remedy}\n")
+    return 2

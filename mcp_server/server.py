@@ -1,0 +1,56 @@
+"""The gpurig MCP server.
+
+`mcp` at module level is what `mcp dev mcp_server/server.py` and `gpurig mcp` run. Each area
+adds its tools from its own module (`mcp_host`, `mcp_patch`, ...) through `register(mcp)`; a tool
+there is a thin wrapper that calls the function in tools/ (or patches/, bench/, engine/) and
+returns its pydantic model, which becomes the tool's structured output and outputSchema.
+
+Logging goes to stderr only: over stdio, stdout is the wire.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a file by `mcp dev mcp_server/server.py`
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from mcp.server.mcpserver import MCPServer
+
+log = logging.getLogger("gpurig.mcp")
+
+INSTRUCTIONS = (
+    "gpurig gets a small LLM (Gemma 4 E2B) served on this machine's GPU and verifies it. "
+    "Start with `doctor` for a readiness report, then check_host_capacity and verify_gpu_arch. "
+    "Every tool returns a structured report; a failure explains what to do."
+)
+
+# Modules with `register(mcp)`, in the order their tools appear.
+TOOL_MODULES = ["mcp_server.mcp_host", "mcp_server.mcp_patch"]
+
+mcp: MCPServer = MCPServer("gpurig", instructions=INSTRUCTIONS, log_level="WARNING")
+
+for _name in TOOL_MODULES:
+    try:
+        _module = importlib.import_module(_name)
+    except ModuleNotFoundError as _exc:
+        if _exc.name != _name:
+            raise
+        continue
+    _module.register(mcp)
+
+
+def serve(transport: str = "stdio", host: str = "127.0.0.1", port: int = 8765) -> None:
+    """Run the server on stdio or streamable HTTP."""
+    logging.basicConfig(stream=sys.stderr, level=logging.WARNING)
+    if transport == "stdio":
+        mcp.run("stdio")
+    else:
+        mcp.run("streamable-http", host=host, port=port)
+
+
+if __name__ == "__main__":
+    serve()

@@ -1,0 +1,1 @@
+"""Patch definitions and the code that applies, verifies and reverts them."""
