@@ -1,0 +1,85 @@
+"""MCP tools for the Turing patch: thin wrappers around tools/turing.py.
+
+A GpurigError becomes a ToolError carrying its message and remedy: the SDK hides the text of any
+other exception from the client, and the remedy is the part an LLM caller needs most.
+"""
+
+from __future__ import annotations
+
+from mcp.server.mcpserver import MCPServer
+from mcp.server.mcpserver.exceptions import ToolError
+
+from mcp_server.annotations import DESTRUCTIVE, IDEMPOTENT_WRITE, READ_ONLY
+from tools import turing
+from tools.errors import GpurigError
+from tools.turing import PatchDiff, TuringPatchReport
+
+
+def _tool_error(err: GpurigError) -> ToolError:
+    text = err.message + (f" What to do: {err.remedy}" if err.remedy else "")
+    return ToolError(text)
+
+
+def register(mcp: MCPServer) -> None:
+    @mcp.tool(annotations=IDEMPOTENT_WRITE)
+    def apply_turing_patch(
+        python_bin: str | None = None, dry_run: bool = False
+    ) -> TuringPatchReport:
+        """Insert gpurig's shared-memory clamp into the vLLM that the serving Python imports.
+
+        Needed on GPUs below compute capability 8.0 (Turing: T4, GTX 16xx, RTX 20xx) to serve
+        Gemma 4: without it vLLM's Triton attention at head size 512 fails with
+        "OutOfResources: shared memory". Idempotent: a patched file is left alone (changed=false).
+        Refuses, leaving the file byte-identical, when the file is not the stock one from the
+        wheel or its layout is unknown (vLLM older than 0.26). The stock bytes are backed up.
+        python_bin: the interpreter that runs vLLM (default: GPURIG_PYTHON, else this Python).
+        dry_run: report what would happen without writing.
+        Result: state_before/state_after (stock|patched|modified), clamp_present, occurrences.
+        """
+        try:
+            return turing.apply_turing_patch(python_bin, dry_run=dry_run)
+        except GpurigError as err:
+            raise _tool_error(err) from err
+
+    @mcp.tool(annotations=READ_ONLY)
+    def verify_turing_patch(python_bin: str | None = None) -> TuringPatchReport:
+        """Report whether the installed vLLM carries the Turing clamp, without changing anything.
+
+        state_after: `stock` (identical to the wheel's RECORD hash: no clamp), `patched` (the
+        clamp exactly once, the rest of the file stock) or `modified` (anything else, e.g. an
+        edit by hand). Run it after every vLLM install or upgrade: a reinstall removes the clamp,
+        and start_vllm_server refuses to start on a GPU below capability 8.0 unless `patched`.
+        python_bin: the interpreter that runs vLLM (default: GPURIG_PYTHON, else this Python).
+        """
+        try:
+            return turing.verify_turing_patch(python_bin)
+        except GpurigError as err:
+            raise _tool_error(err) from err
+
+    @mcp.tool(annotations=DESTRUCTIVE)
+    def revert_turing_patch(
+        python_bin: str | None = None, dry_run: bool = False
+    ) -> TuringPatchReport:
+        """Remove the Turing clamp, restoring the file exactly as the vLLM wheel installed it.
+
+        Afterwards the file's hash matches the wheel's RECORD again (state `stock`). A stock file
+        is left alone. A file with changes gpurig did not make is refused and left as it is.
+        Reverting makes vLLM fail on Turing GPUs again; use it to upgrade vLLM or to compare.
+        dry_run: report what would happen without writing.
+        """
+        try:
+            return turing.revert_turing_patch(python_bin, dry_run=dry_run)
+        except GpurigError as err:
+            raise _tool_error(err) from err
+
+    @mcp.tool(annotations=READ_ONLY)
+    def turing_patch_diff(python_bin: str | None = None, upstream: bool = False) -> PatchDiff:
+        """The Turing clamp as a unified diff against the installed vLLM's stock file.
+
+        upstream=true leaves out gpurig's marker comments: the form to propose to vLLM
+        (`git apply -p1` in a vLLM checkout). Changes nothing.
+        """
+        try:
+            return turing.patch_diff(python_bin, upstream=upstream)
+        except GpurigError as err:
+            raise _tool_error(err) from err

@@ -1,0 +1,207 @@
+"""Find the vLLM that the serving interpreter would import, and one file of it, without importing it.
+
+Importing vllm needs a CUDA build of torch and takes seconds, and the tool server may run under a
+different Python than vLLM (the seeds' host: python3.12 for the tools, /usr/bin/python3.13 with
+PYTHONUSERBASE for vLLM). So we ask the serving interpreter itself, through a small stdlib-only
+script: `importlib.metadata` finds the installed distribution the same way on a venv, a user-site
+install under PYTHONUSERBASE and system site-packages, and its RECORD gives each file's hash as
+the wheel shipped it. `importlib.util.find_spec("vllm")` (which does not run vllm/__init__.py)
+tells where `import vllm` would load from, so a source checkout shadowing the wheel is caught.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+from pydantic import BaseModel, Field
+
+from tools.errors import InvalidInputError, NotFoundError
+from tools.settings import serving_python
+
+# Runs under the serving interpreter: stdlib only, Python >= 3.8, one JSON object on stdout.
+_PROBE = r"""
+import json, os, sys
+from importlib import metadata, util
+name, target = sys.argv[1], sys.argv[2]
+out = {"executable": sys.executable, "python_version": sys.version.split()[0],
+       "prefix": sys.prefix, "found": False}
+try:
+    dist = metadata.distribution(name)
+except metadata.PackageNotFoundError:
+    print(json.dumps(out)); sys.exit(0)
+out["found"] = True
+out["version"] = dist.version
+out["dist_info"] = str(getattr(dist, "_path", "") or "")
+out["root"] = str(dist.locate_file(""))
+entry = None
+for f in dist.files or []:
+    if f.as_posix() == target:
+        entry = f
+        break
+out["in_record"] = entry is not None
+out["record_hash"] = (entry.hash.mode + "=" + entry.hash.value) if entry is not None and entry.hash else None
+out["record_size"] = entry.size if entry is not None else None
+out["target"] = str(dist.locate_file(target))
+others = []
+for d in metadata.distributions():
+    try:
+        dname = d.metadata["Name"]
+    except Exception:
+        continue
+    if dname and dname.lower().replace("_", "-") == name and str(getattr(d, "_path", "")) != out["dist_info"]:
+        others.append(str(getattr(d, "_path", "")) + " (" + str(d.version) + ")")
+out["shadowed"] = others
+try:
+    spec = util.find_spec(name.replace("-", "_"))
+    out["import_dirs"] = list(spec.submodule_search_locations or []) if spec else []
+except Exception as exc:
+    out["import_dirs"] = []
+    out["import_error"] = repr(exc)
+print(json.dumps(out))
+"""
+
+PROBE_TIMEOUT_S = 60
+
+
+class InstalledFile(BaseModel):
+    """One file of an installed distribution, as the serving interpreter sees it."""
+
+    python: str = Field(description="the interpreter asked (as given)")
+    python_executable: str = Field(description="its sys.executable")
+    python_version: str
+    distribution: str
+    version: str
+    dist_info: str = Field(description="the .dist-info folder holding METADATA and RECORD")
+    site_packages: str = Field(description="the folder the package is installed in")
+    path: str = Field(description="absolute path of the file")
+    relative_path: str = Field(description="path inside the distribution, '/'-separated")
+    record_sha256: str = Field(description="the file's sha256 in RECORD (urlsafe base64)")
+    record_size: int | None
+    shadowed: list[str] = Field(
+        default_factory=list, description="other installs of the same distribution, not used"
+    )
+
+
+def _run_probe(python: str, distribution: str, relative_path: str) -> dict:
+    resolved = shutil.which(python) if os.sep not in python else str(Path(python).expanduser())
+    if not resolved or not Path(resolved).exists():
+        raise NotFoundError(
+            f"serving interpreter not found: {python}",
+            remedy="pass --python with the interpreter that runs vLLM (e.g. .venv/bin/python), "
+            "or set GPURIG_PYTHON",
+        )
+    if not os.access(resolved, os.X_OK) or Path(resolved).is_dir():
+        raise InvalidInputError(
+            f"not an executable interpreter: {resolved}",
+            remedy="point --python / GPURIG_PYTHON at a python executable",
+        )
+    try:
+        proc = subprocess.run(
+            [resolved, "-c", _PROBE, distribution, relative_path],
+            capture_output=True,
+            text=True,
+            timeout=PROBE_TIMEOUT_S,
+            cwd="/",
+            check=False,
+        )
+    except subprocess.TimeoutExpired as exc:
+        raise InvalidInputError(
+            f"{resolved} did not answer within {PROBE_TIMEOUT_S} s",
+            remedy="check that it is a working Python interpreter",
+        ) from exc
+    except OSError as exc:
+        raise InvalidInputError(
+            f"cannot run {resolved}: {exc.strerror or exc}",
+            remedy="point --python / GPURIG_PYTHON at a python executable",
+        ) from exc
+    lines = proc.stdout.strip().splitlines()
+    try:
+        if proc.returncode != 0 or not lines:
+            raise ValueError
+        answer = json.loads(lines[-1])
+        if not isinstance(answer, dict):
+            raise ValueError
+    except ValueError as exc:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
+        raise InvalidInputError(
+            f"{resolved} did not answer like a Python >= 3.8 interpreter "
+            f"(exit {proc.returncode}: {tail[0][:200]})",
+            remedy="point --python / GPURIG_PYTHON at the python that runs vLLM",
+        ) from exc
+    return answer
+
+
+def locate_installed_file(
+    relative_path: str, distribution: str = "vllm", python_bin: str | None = None
+) -> InstalledFile:
+    """Ask the serving interpreter where `distribution` is installed and where `relative_path` is.
+
+    Raises NotFoundError (with what to do) when the distribution is not installed there, when its
+    RECORD does not list the file (a source/editable install, or a release without that file),
+    or when `import` would load the package from somewhere else than the distribution.
+    """
+    python = serving_python(python_bin)
+    answer = _run_probe(python, distribution, relative_path)
+    where = f"{answer['executable']} (Python {answer['python_version']})"
+    if not answer.get("found"):
+        raise NotFoundError(
+            f"{distribution} is not installed for {where}",
+            remedy=f"install it there ({answer['executable']} -m pip install {distribution}), "
+            "or pass --python / set GPURIG_PYTHON to the interpreter that has it",
+        )
+    version = answer["version"]
+    if not answer.get("in_record") or not answer.get("record_hash"):
+        raise NotFoundError(
+            f"{distribution} {version} for {where} does not list {relative_path} with a hash "
+            "in its RECORD (a source or editable install, or a release without this file)",
+            remedy=f"install a released wheel: {answer['executable']} -m pip install "
+            f"--force-reinstall --no-deps {distribution}=={version}",
+        )
+    mode, _, digest = answer["record_hash"].partition("=")
+    if mode != "sha256":
+        raise NotFoundError(
+            f"RECORD of {distribution} {version} hashes {relative_path} with {mode}, not sha256",
+            remedy=f"reinstall the wheel: {answer['executable']} -m pip install "
+            f"--force-reinstall --no-deps {distribution}=={version}",
+        )
+    path = Path(answer["target"])
+    package_dir = str(path.parents[len(Path(relative_path).parts) - 2])
+    import_dirs = [str(Path(d)) for d in answer.get("import_dirs", [])]
+    if import_dirs and not any(_same_dir(package_dir, d) for d in import_dirs):
+        raise NotFoundError(
+            f"`import {distribution}` under {where} loads from {import_dirs[0]}, not from the "
+            f"installed {distribution} {version} at {package_dir}",
+            remedy="remove the shadowing copy from sys.path (PYTHONPATH, a source checkout in "
+            "the working directory), or point --python at the interpreter vLLM really runs under",
+        )
+    if not path.is_file():
+        raise NotFoundError(
+            f"{path} is listed in the RECORD of {distribution} {version} but missing on disk",
+            remedy=f"reinstall: {answer['executable']} -m pip install --force-reinstall "
+            f"--no-deps {distribution}=={version}",
+        )
+    return InstalledFile(
+        python=python,
+        python_executable=answer["executable"],
+        python_version=answer["python_version"],
+        distribution=distribution,
+        version=version,
+        dist_info=answer.get("dist_info") or "",
+        site_packages=str(Path(answer["root"])),
+        path=str(path),
+        relative_path=relative_path,
+        record_sha256=digest,
+        record_size=answer.get("record_size"),
+        shadowed=answer.get("shadowed", []),
+    )
+
+
+def _same_dir(a: str, b: str) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return os.path.normpath(a) == os.path.normpath(b)
