@@ -1,0 +1,200 @@
+"""The readiness report: every read-only check for this host, in one list.
+
+Each area adds ONE entry to `CHECKS`: "module:function", where the function takes the shared
+`DoctorContext` and returns a `Check` (or a list of them, for an area whose report has several
+independent parts). A module that does not exist yet is skipped, like the CLI's and the MCP
+server's module lists, so the list can name areas before they land.
+
+Checks run concurrently (the GPU probe imports torch for ~2 s; nothing else should wait on
+it), each in its own guard: a check that raises becomes a `fail` entry, never a crashed report.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+from tools.errors import GpurigError, InvalidInputError
+
+log = logging.getLogger(__name__)
+
+Status = Literal["ok", "warn", "fail", "skip"]
+_RANK: dict[str, int] = {"skip": 0, "ok": 1, "warn": 2, "fail": 3}
+
+
+class Check(BaseModel):
+    """One line of the readiness report."""
+
+    name: str = Field(description="what was checked, e.g. 'host memory', 'torch'")
+    status: Status = Field(description="ok, warn (works but needs attention), fail, skip (n/a)")
+    detail: str = Field(description="what was found")
+    remedy: str | None = Field(None, description="what to do, with exact commands where known")
+
+
+class DoctorReport(BaseModel):
+    """doctor's answer: the overall status is the worst of the checks (skip counts as ok)."""
+
+    status: Literal["ok", "warn", "fail"]
+    checks: list[Check]
+    seconds: float
+
+
+@dataclass
+class DoctorContext:
+    """What every check may use; checks must treat it as read-only."""
+
+    python_bin: str | None = None
+    need_gib: float | None = None
+    extra: dict[str, object] = field(default_factory=dict)
+
+
+CheckFn = Callable[[DoctorContext], "Check | list[Check]"]
+
+# One entry per area, in report order: "module:function".
+CHECKS: list[str] = [
+    "tools.doctor:check_host",
+    "tools.doctor:check_gpu",
+]
+
+
+# ---------------------------------------------------------------------------------------------
+# Host and GPU
+
+
+def check_host(ctx: DoctorContext) -> list[Check]:
+    """check_host_capacity, one Check per rule (memory for staging, disk space, /tmp)."""
+    from tools.host import check_host_capacity
+
+    host = check_host_capacity(need_gib=ctx.need_gib)
+    names = {"memory_staging": "host memory", "disk_space": "disk space", "tmp_small": "/tmp"}
+    checks = [
+        Check(
+            name=names.get(a.rule, a.rule),
+            status=a.status,
+            detail=a.reason,
+            remedy=" && ".join(a.commands) or None,
+        )
+        for a in host.advice
+    ]
+    fs = "; ".join(
+        f"{f.mount_point} {f.free_gib:.1f}/{f.total_gib:.1f} GiB free ({', '.join(f.paths)})"
+        for f in host.filesystems
+    )
+    checks.insert(0, Check(name="filesystems", status="ok", detail=fs))
+    return checks
+
+
+def check_gpu(ctx: DoctorContext) -> list[Check]:
+    """verify_gpu_arch, one Check per component (driver, gpu, torch, vllm)."""
+    from tools.gpu import verify_gpu_arch
+
+    report = verify_gpu_arch(python_bin=ctx.python_bin)
+    checks: list[Check] = []
+    for component in ("probe", "driver", "gpu", "torch", "vllm"):
+        found = [d for d in report.diagnoses if d.component == component]
+        if not found:
+            ok = _component_ok(component, report)
+            if ok is not None:
+                checks.append(ok)
+            continue
+        worst = max(found, key=lambda d: _RANK_DIAG[d.severity])
+        status: Status = {"ok": "ok", "info": "ok", "warn": "warn", "fail": "fail"}[worst.severity]
+        if worst.code == "vllm_missing" and status == "ok":
+            status = "skip"  # nothing to import: the vLLM check could not run
+        remedies = [d.remedy for d in found if d.remedy and d.severity in ("warn", "fail")]
+        checks.append(
+            Check(
+                name=component if component != "probe" else "gpu probe",
+                status=status,
+                detail="; ".join(d.message for d in found),
+                remedy="; ".join(remedies) or None,
+            )
+        )
+    return checks
+
+
+_RANK_DIAG = {"ok": 0, "info": 1, "warn": 2, "fail": 3}
+
+
+def _component_ok(component: str, report) -> Check | None:
+    """A line for a component with nothing to report, so the table shows what was checked."""
+    probe = report.probe
+    if component == "driver" and report.nvml.available:
+        n = report.nvml
+        return Check(
+            name="driver",
+            status="ok",
+            detail=f"NVIDIA driver {n.driver_version} (CUDA {n.cuda_driver_version}), "
+            f"{len(n.gpus)} GPU(s)",
+        )
+    if component == "torch" and probe and probe.torch.imported:
+        t = probe.torch
+        return Check(
+            name="torch",
+            status="ok",
+            detail=f"torch {t.version} (CUDA {t.cuda}) under Python {probe.python.version} "
+            f"({probe.python.executable}), arch {', '.join(t.arch_list)}",
+        )
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Running
+
+
+def _load(entry: str) -> CheckFn | None:
+    module_name, _, attr = entry.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name == module_name:  # that area has not landed yet
+            return None
+        raise
+    return getattr(module, attr)
+
+
+def _run_one(entry: str, fn: CheckFn, ctx: DoctorContext) -> list[Check]:
+    try:
+        result = fn(ctx)
+    except GpurigError as err:
+        return [Check(name=entry, status="fail", detail=err.message, remedy=err.remedy)]
+    except Exception as exc:  # a broken check must not hide the others
+        log.exception("doctor check %s crashed", entry)
+        return [Check(name=entry, status="fail", detail=f"the check crashed: {exc!r}")]
+    return result if isinstance(result, list) else [result]
+
+
+def overall(checks: list[Check]) -> Literal["ok", "warn", "fail"]:
+    worst = max((_RANK[c.status] for c in checks), default=1)
+    return "fail" if worst == 3 else "warn" if worst == 2 else "ok"
+
+
+def doctor(python_bin: str | None = None, need_gib: float | None = None) -> DoctorReport:
+    """Run every registered check concurrently and return them in registry order."""
+    started = time.monotonic()
+    # Bad arguments are the caller's to fix: raise before running anything.
+    if need_gib is not None and not need_gib > 0:
+        raise InvalidInputError(
+            f"need_gib must be a positive number of GiB, got {need_gib}",
+            remedy="pass the size of the weights in GiB, e.g. 10",
+        )
+    if python_bin is not None:
+        from tools.gpu import resolve_python
+
+        python_bin = resolve_python(python_bin)
+    ctx = DoctorContext(python_bin=python_bin, need_gib=need_gib)
+    loaded = [(entry, _load(entry)) for entry in CHECKS]
+    runnable = [(entry, fn) for entry, fn in loaded if fn is not None]
+    with ThreadPoolExecutor(max_workers=max(1, len(runnable))) as pool:
+        futures = [pool.submit(_run_one, entry, fn, ctx) for entry, fn in runnable]
+        checks = [check for fut in futures for check in fut.result()]
+    return DoctorReport(
+        status=overall(checks), checks=checks, seconds=round(time.monotonic() - started, 3)
+    )
