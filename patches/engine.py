@@ -97,6 +97,10 @@ def insert_block(spec: PatchSpec, text: str, markers: bool = True) -> str:
     `markers=False` inserts the body alone: the form to propose upstream, where a gpurig marker
     means nothing.
     """
+    if count_markers(spec, text):
+        raise PatchLayoutError(
+            f"{spec.target}: already holds a gpurig {spec.id} block", ["gpurig marker present"]
+        )
     hits = check_layout(spec, text)
     target_line = next(h.line_numbers[0] for h in hits if h.line == spec.insert_before)
     lines = _lines(text)

@@ -29,28 +29,28 @@ BODY = """\
     # head size 512 the default KV tiles ask for more (OutOfResources). Halve the
     # tiles until (BLOCK_M + 2 * TILE) * head_size * element_size fits a budget
     # 4 KiB under that limit, and launch with a single pipeline stage.
-    _gpurig_cap = current_platform.get_device_capability()
-    if _gpurig_cap is not None and _gpurig_cap[0] < 8:
-        _gpurig_smem = getattr(
+    _smem_cap = current_platform.get_device_capability()
+    if _smem_cap is not None and _smem_cap[0] < 8:
+        _smem_limit = getattr(
             torch.cuda.get_device_properties(q.device),
             "shared_memory_per_block_optin",
             0,
         )
-        _gpurig_budget = (_gpurig_smem or 65536) - 4096
-        _gpurig_row = head_size * q.element_size()
-        _gpurig_min_tile = 32 if q.element_size() == 1 else 16
+        _smem_budget = (_smem_limit or 65536) - 4096
+        _smem_row = head_size * q.element_size()
+        _smem_min_tile = 32 if q.element_size() == 1 else 16
         if (
-            (BLOCK_M + 2 * TILE_SIZE_PREFILL) * _gpurig_row > _gpurig_budget
-            or (BLOCK_M + 2 * TILE_SIZE_DECODE) * _gpurig_row > _gpurig_budget
+            (BLOCK_M + 2 * TILE_SIZE_PREFILL) * _smem_row > _smem_budget
+            or (BLOCK_M + 2 * TILE_SIZE_DECODE) * _smem_row > _smem_budget
         ):
             while (
-                TILE_SIZE_PREFILL > _gpurig_min_tile
-                and (BLOCK_M + 2 * TILE_SIZE_PREFILL) * _gpurig_row > _gpurig_budget
+                TILE_SIZE_PREFILL > _smem_min_tile
+                and (BLOCK_M + 2 * TILE_SIZE_PREFILL) * _smem_row > _smem_budget
             ):
                 TILE_SIZE_PREFILL //= 2
             while (
-                TILE_SIZE_DECODE > _gpurig_min_tile
-                and (BLOCK_M + 2 * TILE_SIZE_DECODE) * _gpurig_row > _gpurig_budget
+                TILE_SIZE_DECODE > _smem_min_tile
+                and (BLOCK_M + 2 * TILE_SIZE_DECODE) * _smem_row > _smem_budget
             ):
                 TILE_SIZE_DECODE //= 2
             launch_num_stages = 1
