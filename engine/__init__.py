@@ -1,1 +1,66 @@
-"""The in-process Gemma 4 engine (placeholder until the engine core lands)."""
+"""The in-process Gemma 4 engine: packed 4-bit weights from disk to arithmetic.
+
+Public surface (the contract engine-speed and engine-server build on):
+
+    import engine
+    eng = engine.load("ckpt/", device=None, max_context=None, memory_cap_mib=None, prefill_chunk=None)
+    new_ids = eng.generate(ids, max_new_tokens=64, temperature=0.0, top_k=None, top_p=None,
+                           seed=None, stop_ids=None)      # eng.last_finish_reason: "stop" | "length"
+    for tok in eng.stream(ids, 64): ...                   # generator; .close() stops it
+    eng.tokenizer, eng.chat_template, eng.bos_id, eng.eos_ids, eng.max_context,
+    eng.model_dir, eng.model_name, eng.device, eng.memory_report()
+
+Errors: engine.errors.EngineError, CheckpointError, ContextLengthError (.limit, .requested).
+Checkpoints: engine.checkpoint_maker.make_checkpoint / quantize_checkpoint. Kernel dispatch
+points: engine/ops.py. Layout of 4-bit embeddings: engine/FORMAT.md.
+
+Importing this package is cheap: torch loads on first use of `load`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from engine.errors import CheckpointError, ContextLengthError, EngineError, GenerationError
+
+if TYPE_CHECKING:
+    from engine.memory import MemoryReport
+    from engine.runtime import Engine
+
+__all__ = [
+    "CheckpointError",
+    "ContextLengthError",
+    "Engine",
+    "EngineError",
+    "GenerationError",
+    "MemoryReport",
+    "load",
+]
+
+
+def load(
+    path, device=None, max_context=None, memory_cap_mib=None, prefill_chunk=None, dtype=None
+) -> Engine:
+    """Load a Gemma 4 W4A16 checkpoint directory; see engine.runtime.load."""
+    from engine.runtime import load as _load
+
+    return _load(
+        path,
+        device=device,
+        max_context=max_context,
+        memory_cap_mib=memory_cap_mib,
+        prefill_chunk=prefill_chunk,
+        dtype=dtype,
+    )
+
+
+def __getattr__(name: str):
+    if name == "Engine":
+        from engine.runtime import Engine
+
+        return Engine
+    if name == "MemoryReport":
+        from engine.memory import MemoryReport
+
+        return MemoryReport
+    raise AttributeError(name)

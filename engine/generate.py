@@ -1,0 +1,162 @@
+"""Reading a prompt in chunks and producing tokens: greedy or sampled, with stop ids.
+
+The decode loop keeps the next token and its position in device tensors that it updates in
+place, so the step `model.decode_step(token, position, cache)` sees the same tensors every time
+(what a CUDA graph replay needs). The only host sync per token is reading the sampled id, which
+streaming and the stop check need anyway.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from engine.cache import KVCache
+from engine.errors import ContextLengthError, GenerationError
+from engine.model import Gemma4Model
+
+DEFAULT_PREFILL_CHUNK = 256
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick each token. temperature 0 (or None) means greedy."""
+
+    temperature: float = 0.0
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int | None = None
+
+    def validate(self) -> None:
+        if self.temperature is not None and self.temperature < 0:
+            raise GenerationError(
+                f"temperature {self.temperature} is negative", "use 0 (greedy) or more"
+            )
+        if self.top_k is not None and self.top_k < 1:
+            raise GenerationError(
+                f"top_k {self.top_k} must be at least 1", "use top_k >= 1 or leave it unset"
+            )
+        if self.top_p is not None and not 0.0 < self.top_p <= 1.0:
+            raise GenerationError(
+                f"top_p {self.top_p} must be in (0, 1]", "use a value such as 0.95"
+            )
+
+    @property
+    def greedy(self) -> bool:
+        return not self.temperature
+
+
+class Sampler:
+    """Picks the next token from logits [V]; holds its own seeded generator."""
+
+    def __init__(self, params: SamplingParams, device: torch.device) -> None:
+        params.validate()
+        self.params = params
+        self.generator: torch.Generator | None = None
+        if not params.greedy:
+            self.generator = torch.Generator(device=device)
+            if params.seed is None:
+                self.generator.seed()
+            else:
+                self.generator.manual_seed(params.seed)
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits [V] -> the chosen id as a 1-element int64 tensor on the same device."""
+        logits = logits.float()
+        p = self.params
+        if p.greedy:
+            return logits.argmax(dim=-1, keepdim=True)
+        logits = logits / p.temperature
+        if p.top_k is not None and p.top_k < logits.shape[-1]:
+            kth = torch.topk(logits, p.top_k).values[-1]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        if p.top_p is not None and p.top_p < 1.0:
+            sorted_logits, order = torch.sort(logits, descending=True)
+            probs = torch.softmax(sorted_logits, dim=-1)
+            before = torch.cumsum(probs, dim=-1) - probs  # mass of the tokens ranked above
+            drop_sorted = before > p.top_p
+            drop_sorted[0] = False  # always keep the most likely token
+            drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
+            logits = logits.masked_fill(drop, float("-inf"))
+        probs = torch.softmax(logits, dim=-1)
+        return torch.multinomial(probs, 1, generator=self.generator)
+
+
+@dataclass
+class GenerationState:
+    """Why the last generation ended: 'stop' (a stop id) or 'length' (max tokens / context)."""
+
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+
+
+def check_prompt(prompt: list[int], vocab_size: int, max_context: int) -> None:
+    if not prompt:
+        raise GenerationError("the prompt is empty", "pass at least one token id (e.g. the bos id)")
+    if len(prompt) > max_context:
+        raise ContextLengthError(requested=len(prompt), limit=max_context)
+    bad = [t for t in prompt if not 0 <= int(t) < vocab_size]
+    if bad:
+        raise GenerationError(
+            f"token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})",
+            "encode the prompt with this checkpoint's tokenizer",
+        )
+
+
+def prefill(model: Gemma4Model, cache: KVCache, prompt: list[int], chunk: int) -> torch.Tensor:
+    """Read the whole prompt, `chunk` tokens at a time; returns the last token's logits [V]."""
+    cache.reset()
+    ids = torch.tensor(prompt, dtype=torch.int64, device=model.device)
+    logits = None
+    for start in range(0, len(prompt), chunk):
+        end = min(start + chunk, len(prompt))
+        logits = model.prefill_chunk(ids[start:end], start, cache, last=end == len(prompt))
+    assert logits is not None
+    return logits
+
+
+def generate_stream(
+    model: Gemma4Model,
+    cache: KVCache,
+    prompt: list[int],
+    max_new_tokens: int,
+    sampling: SamplingParams,
+    stop_ids: set[int],
+    chunk: int,
+    state: GenerationState,
+) -> Iterator[int]:
+    """Yield new token ids one by one; a stop id ends the stream without being yielded.
+
+    Stops at `max_new_tokens` or when the context is full ('length'). Closing the generator
+    stops it at the next token.
+    """
+    check_prompt(prompt, model.cfg.vocab_size, cache.max_context)
+    if max_new_tokens < 0:
+        raise GenerationError(f"max_new_tokens {max_new_tokens} is negative", "use 0 or more")
+    sampler = Sampler(sampling, model.device)
+    state.finish_reason, state.prompt_tokens, state.new_tokens = None, len(prompt), 0
+    if max_new_tokens == 0:
+        state.finish_reason = "length"
+        return
+    logits = prefill(model, cache, prompt, chunk)
+    token = sampler(logits)  # [1] int64 on the device
+    position = torch.tensor([len(prompt)], dtype=torch.int64, device=model.device)
+    next_pos = len(prompt)
+    while True:
+        tok = int(token.item())
+        if tok in stop_ids:
+            state.finish_reason = "stop"
+            return
+        state.new_tokens += 1
+        if state.new_tokens >= max_new_tokens or next_pos >= cache.max_context:
+            state.finish_reason = "length"
+            yield tok
+            return
+        yield tok
+        logits = model.decode_step(token, position, cache)[0]
+        token = sampler(logits)
+        position += 1
+        next_pos += 1

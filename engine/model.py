@@ -1,0 +1,348 @@
+"""The Gemma 4 text model in PyTorch: the engine's reference forward pass (CPU and GPU).
+
+Weights stay as stored: packed 4-bit linears (`PackedLinear`), plain ones (`PlainLinear`), and the
+embedding tables plain or 4-bit; every product and lookup goes through engine/ops.py, which
+dequantizes one weight at a time (the model is never expanded to a 16-bit copy).
+
+Facts followed (transformers 5.24 `Gemma4ForCausalLM` is the reference; see docs/gemma4.md):
+embeddings scaled by sqrt(hidden) rounded to the compute dtype; per-layer embeddings (PLE) mixed
+from a table lookup and a projection of the embeddings; q/k RMS-normed with weights, v without;
+attention scale 1.0; RoPE 'default' on sliding layers and 'proportional' (partial) on full
+layers; post-attention / post-feedforward norms; a per-layer-input residual; the layer output
+multiplied by layer_scalar; the last num_kv_shared_layers reuse the K/V of the last own-KV layer
+of their type (and may have a double-wide MLP); final logits soft-capped.
+
+Reading a prompt: `prefill_chunk` runs the own-KV layers on a chunk and writes their K/V; the
+KV-shared layers write nothing, so they run only for the last prompt token. `decode_step` runs
+one token through every layer from device tensors only (no Python int changes between steps).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine import ops
+from engine.cache import KVCache
+from engine.checkpoint import CheckpointReader
+from engine.config import TextConfig
+from engine.errors import CheckpointError
+from engine.ops import Linear
+
+
+@dataclass
+class LayerWeights:
+    """One decoder layer's weights as stored; k/v/k_norm are None on KV-shared layers."""
+
+    input_norm: torch.Tensor
+    q: Linear
+    q_norm: torch.Tensor
+    k: Linear | None
+    v: Linear | None  # None with attention_k_eq_v: values are the raw keys
+    k_norm: torch.Tensor | None
+    o: Linear
+    post_attn_norm: torch.Tensor
+    pre_ffn_norm: torch.Tensor
+    gate: Linear
+    up: Linear
+    down: Linear
+    post_ffn_norm: torch.Tensor
+    ple_gate: Linear | None
+    ple_proj: Linear | None
+    ple_norm: torch.Tensor | None
+    layer_scalar: torch.Tensor
+
+    def linears(self) -> list[Linear]:
+        return [
+            w
+            for w in (
+                self.q,
+                self.k,
+                self.v,
+                self.o,
+                self.gate,
+                self.up,
+                self.down,
+                self.ple_gate,
+                self.ple_proj,
+            )
+            if w is not None
+        ]
+
+    def nbytes(self) -> int:
+        tensors = [
+            self.input_norm,
+            self.q_norm,
+            self.k_norm,
+            self.post_attn_norm,
+            self.pre_ffn_norm,
+            self.post_ffn_norm,
+            self.ple_norm,
+            self.layer_scalar,
+        ]
+        return sum(w.nbytes() for w in self.linears()) + sum(
+            t.numel() * t.element_size() for t in tensors if t is not None
+        )
+
+
+class Gemma4Model:
+    """Gemma 4 text decoder over packed weights; owns no cache (the caller passes a `KVCache`)."""
+
+    def __init__(
+        self,
+        cfg: TextConfig,
+        embed: Linear,
+        lm_head: Linear,
+        ple_table: Linear | None,
+        ple_projection: Linear | None,
+        ple_projection_norm: torch.Tensor | None,
+        layers: list[LayerWeights],
+        final_norm: torch.Tensor,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
+        self.cfg = cfg
+        self.embed = embed
+        self.lm_head = lm_head
+        self.ple_table = ple_table
+        self.ple_projection = ple_projection
+        self.ple_projection_norm = ple_projection_norm
+        self.layers = layers
+        self.final_norm = final_norm
+        self.device = device
+        self.dtype = dtype
+        self.inv_freq = {
+            kind: torch.tensor(spec.inv_freq(), dtype=torch.float32, device=device)
+            for kind, spec in cfg.rope.items()
+        }
+        # rounded to the compute dtype, as transformers rounds them to the weight dtype
+        self.embed_scale = torch.tensor(cfg.embed_scale, dtype=dtype, device=device)
+        self.ple_scale = torch.tensor(cfg.per_layer_embed_scale, dtype=dtype, device=device)
+
+    # ---- loading ---------------------------------------------------------------------------
+    @classmethod
+    def load(
+        cls, reader: CheckpointReader, cfg: TextConfig, device: torch.device, dtype: torch.dtype
+    ) -> Gemma4Model:
+        group = cfg.quant.group_size if cfg.quant else 32
+
+        def lin(name: str) -> Linear:
+            return reader.linear(name, device, group)
+
+        def vec(name: str) -> torch.Tensor:
+            return reader.tensor(name, device)
+
+        embed = _table(reader, "embed_tokens", device)
+        _check_shape("embed_tokens", embed, (cfg.vocab_size, cfg.hidden_size))
+        if not cfg.tie_word_embeddings and reader.has("lm_head.weight"):
+            lm_head: Linear = lin("lm_head")
+        else:
+            lm_head = embed  # one copy serves both
+        ple_table = ple_projection = ple_norm = None
+        p = cfg.hidden_size_per_layer_input
+        if p:
+            ple_table = _table(reader, "embed_tokens_per_layer", device)
+            _check_shape(
+                "embed_tokens_per_layer",
+                ple_table,
+                (cfg.vocab_size_per_layer_input, cfg.num_hidden_layers * p),
+            )
+            ple_projection = lin("per_layer_model_projection")
+            ple_norm = vec("per_layer_projection_norm.weight")
+        layers = []
+        for i in range(cfg.num_hidden_layers):
+            pre = f"layers.{i}."
+            own = i < cfg.first_shared_layer
+            v_name = pre + "self_attn.v_proj"
+            has_v = reader.has(v_name + ".weight") or reader.has(v_name + ".weight_packed")
+            layer = LayerWeights(
+                input_norm=vec(pre + "input_layernorm.weight"),
+                q=lin(pre + "self_attn.q_proj"),
+                q_norm=vec(pre + "self_attn.q_norm.weight"),
+                k=lin(pre + "self_attn.k_proj") if own else None,
+                v=lin(v_name) if own and (has_v or not cfg.attention_k_eq_v) else None,
+                k_norm=vec(pre + "self_attn.k_norm.weight") if own else None,
+                o=lin(pre + "self_attn.o_proj"),
+                post_attn_norm=vec(pre + "post_attention_layernorm.weight"),
+                pre_ffn_norm=vec(pre + "pre_feedforward_layernorm.weight"),
+                gate=lin(pre + "mlp.gate_proj"),
+                up=lin(pre + "mlp.up_proj"),
+                down=lin(pre + "mlp.down_proj"),
+                post_ffn_norm=vec(pre + "post_feedforward_layernorm.weight"),
+                ple_gate=lin(pre + "per_layer_input_gate") if p else None,
+                ple_proj=lin(pre + "per_layer_projection") if p else None,
+                ple_norm=vec(pre + "post_per_layer_input_norm.weight") if p else None,
+                layer_scalar=(
+                    vec(pre + "layer_scalar")
+                    if reader.has(pre + "layer_scalar")
+                    else torch.ones(1, device=device)
+                ).to(dtype),
+            )
+            hd, hq = cfg.layer_head_dims[i], cfg.num_attention_heads
+            _check_shape(pre + "self_attn.q_proj", layer.q, (hq * hd, cfg.hidden_size))
+            if layer.k is not None:
+                _check_shape(
+                    pre + "self_attn.k_proj", layer.k, (cfg.layer_kv_heads[i] * hd, cfg.hidden_size)
+                )
+            _check_shape(pre + "mlp.gate_proj", layer.gate, (cfg.mlp_width(i), cfg.hidden_size))
+            layers.append(layer)
+        return cls(
+            cfg,
+            embed,
+            lm_head,
+            ple_table,
+            ple_projection,
+            ple_norm,
+            layers,
+            vec("norm.weight"),
+            device,
+            dtype,
+        )
+
+    # ---- pieces ----------------------------------------------------------------------------
+    def _embed(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """ids [T] -> hidden [T, H] and per-layer inputs [T, L, P] (None without PLE)."""
+        cfg = self.cfg
+        h = ops.embed_rows(ids, self.embed, self.dtype) * self.embed_scale
+        if self.ple_table is None:
+            return h, None
+        t, n, p = ids.shape[0], cfg.num_hidden_layers, cfg.hidden_size_per_layer_input
+        tok = (ops.embed_rows(ids, self.ple_table, self.dtype) * self.ple_scale).reshape(t, n, p)
+        proj = ops.linear(h, self.ple_projection) * (cfg.hidden_size**-0.5)
+        proj = ops.rms_norm(proj.reshape(t, n, p), self.ple_projection_norm, cfg.rms_norm_eps)
+        return h, (proj + tok) * (2.0**-0.5)
+
+    def _rope(self, positions: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        return {
+            kind: ops.rope_cos_sin(positions, f, self.dtype) for kind, f in self.inv_freq.items()
+        }
+
+    def _layer(
+        self,
+        i: int,
+        h: torch.Tensor,
+        ple: torch.Tensor | None,
+        positions: torch.Tensor,
+        rope: dict[str, tuple[torch.Tensor, torch.Tensor]],
+        cache: KVCache,
+        prefill_start: int | None,
+    ) -> torch.Tensor:
+        """One decoder layer on h [T, H]. prefill_start is the chunk's first position when
+        reading a prompt chunk (attend, then write the chunk's K/V), None when the layer's cache
+        already holds what it needs (decode: write first, then attend over the whole buffer)."""
+        cfg, w = self.cfg, self.layers[i]
+        eps, t = cfg.rms_norm_eps, h.shape[0]
+        hd, kvh = cfg.layer_head_dims[i], cfg.layer_kv_heads[i]
+        kind = cfg.layer_types[i]
+        window = cfg.sliding_window if cfg.is_sliding(i) else None
+        cos, sin = rope[kind]
+
+        x = ops.rms_norm(h, w.input_norm, eps)
+        q = ops.linear(x, w.q).reshape(t, cfg.num_attention_heads, hd)
+        q = ops.apply_rope(ops.rms_norm(q, w.q_norm, eps), cos, sin)
+        if w.k is not None:
+            k_raw = ops.linear(x, w.k).reshape(t, kvh, hd)
+            v_raw = ops.linear(x, w.v).reshape(t, kvh, hd) if w.v is not None else k_raw
+            k = ops.apply_rope(ops.rms_norm(k_raw, w.k_norm, eps), cos, sin)
+            v = ops.rms_norm(v_raw, None, eps)
+            lc = cache.layers[i]
+            if prefill_start is not None:
+                if lc.window is None:  # full layer: the filled prefix
+                    ck, cv, cp = lc.k[:prefill_start], lc.v[:prefill_start], lc.pos[:prefill_start]
+                else:  # sliding ring: all of it
+                    ck, cv, cp = lc.k, lc.v, lc.pos
+                attn = ops.attention_prefill(q, k, v, ck, cv, cp, positions, window)
+                lc.write(k, v, positions)
+            else:
+                lc.write(k, v, positions)
+                attn = ops.attention_decode(q, lc.k, lc.v, lc.pos, positions, window)
+        else:
+            lc = cache.layers[cfg.kv_producer(i)]
+            attn = ops.attention_decode(q, lc.k, lc.v, lc.pos, positions, window)
+
+        h = h + ops.rms_norm(ops.linear(attn.reshape(t, -1), w.o), w.post_attn_norm, eps)
+        x = ops.rms_norm(h, w.pre_ffn_norm, eps)
+        mlp = ops.linear(ops.gelu_tanh(ops.linear(x, w.gate)) * ops.linear(x, w.up), w.down)
+        h = h + ops.rms_norm(mlp, w.post_ffn_norm, eps)
+        if ple is not None:
+            g = ops.gelu_tanh(ops.linear(h, w.ple_gate)) * ple[:, i]
+            h = h + ops.rms_norm(ops.linear(g, w.ple_proj), w.ple_norm, eps)
+        return h * w.layer_scalar
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Final norm, tied lm_head and soft-capping: h [T, H] -> [T, V] in the compute dtype."""
+        x = ops.rms_norm(h, self.final_norm, self.cfg.rms_norm_eps)
+        out = ops.lm_head(x, self.lm_head)
+        cap = self.cfg.final_logit_softcapping
+        if cap:
+            out = torch.tanh(out / cap) * cap
+        return out
+
+    # ---- the two entry points --------------------------------------------------------------
+    @torch.inference_mode()
+    def prefill_chunk(
+        self, ids: torch.Tensor, start: int, cache: KVCache, last: bool
+    ) -> torch.Tensor | None:
+        """Read prompt tokens ids [T] at positions start..start+T-1 into the cache.
+
+        Returns the logits [V] of the chunk's last token when `last` (the prompt's final chunk),
+        else None: the KV-shared layers then do not run at all.
+        """
+        positions = torch.arange(start, start + ids.shape[0], device=self.device)
+        h, ple = self._embed(ids)
+        rope = self._rope(positions)
+        first_shared = self.cfg.first_shared_layer
+        for i in range(first_shared):
+            h = self._layer(i, h, ple, positions, rope, cache, prefill_start=start)
+        if not last:
+            return None
+        h, positions = h[-1:], positions[-1:]
+        ple = ple[-1:] if ple is not None else None
+        rope = {k: (c[-1:], s[-1:]) for k, (c, s) in rope.items()}
+        for i in range(first_shared, self.cfg.num_hidden_layers):
+            h = self._layer(i, h, ple, positions, rope, cache, prefill_start=None)
+        return self.logits(h)[0]
+
+    @torch.inference_mode()
+    def decode_step(
+        self, token: torch.Tensor, position: torch.Tensor, cache: KVCache
+    ) -> torch.Tensor:
+        """One token: token [1] and position [1] device tensors -> logits [1, V]."""
+        h, ple = self._embed(token)
+        rope = self._rope(position)
+        for i in range(self.cfg.num_hidden_layers):
+            h = self._layer(i, h, ple, position, rope, cache, prefill_start=None)
+        return self.logits(h)
+
+    # ---- sizes -----------------------------------------------------------------------------
+    def nbytes_by_part(self) -> dict[str, int]:
+        """Bytes on the device per part: embed (also the lm_head when tied), lm_head when separate,
+        the decoder layers, the per-layer table and the small rest."""
+        parts = {
+            "embed": self.embed.nbytes(),
+            "lm_head": 0 if self.lm_head is self.embed else self.lm_head.nbytes(),
+            "layers": sum(layer.nbytes() for layer in self.layers),
+            "per_layer_table": self.ple_table.nbytes() if self.ple_table is not None else 0,
+        }
+        rest = self.final_norm.numel() * self.final_norm.element_size()
+        if self.ple_projection is not None:
+            rest += self.ple_projection.nbytes()
+        if self.ple_projection_norm is not None:
+            rest += self.ple_projection_norm.numel() * self.ple_projection_norm.element_size()
+        parts["other"] = rest
+        return parts
+
+
+def _table(reader: CheckpointReader, name: str, device: torch.device) -> Linear:
+    """An embedding table: 4-bit (emb4 layout) when `<name>.weight_packed` is stored, else plain."""
+    return reader.linear(name, device, group_size=0)
+
+
+def _check_shape(name: str, w: Linear, expected: tuple[int, int]) -> None:
+    got = (w.out_features, w.in_features)
+    if got != expected:
+        raise CheckpointError(
+            f"{name} has shape {got}, config.json implies {expected}",
+            "the weights do not match config.json; rebuild or re-download the checkpoint",
+        )

@@ -1,0 +1,277 @@
+"""The engine's kernel dispatch points, with their PyTorch reference bodies.
+
+Every 4-bit matrix product, embedding lookup and attention of the model goes through one of the
+functions here, so a faster implementation (Triton / CUDA, in engine/kernels/) can be slotted in
+by adding a branch at the top of a function, keeping its signature. The reference bodies stay
+forever: they are the CPU path and the ground truth the kernel tests compare against.
+
+Conventions shared by every function:
+- Activations are 16- or 32-bit floats (`x.dtype` is the compute dtype); results come back in
+  that dtype. No function needs a Python int that changes from token to token: positions,
+  lengths and cache-slot positions are device tensors, so a decode step can be captured in a
+  CUDA graph.
+- 4-bit weights arrive as a `PackedLinear` (compressed-tensors "pack-quantized" layout):
+  `packed` int32 [N, K // 8]: element k of row n sits in word k // 8 at bits 4 * (k % 8)..+3
+  (element 0 lowest), stored unsigned as q + 8 with q in [-8, 7]; `scales` bf16/fp16
+  [N, K // group_size]; the weight is `w[n, k] = q[n, k] * scales[n, k // group_size]`.
+  Row-wise packing means fusing projections that read the same input (q/k/v, gate/up) is a
+  concatenation of `packed` and `scales` along N: see `PackedLinear.concat`.
+- Plain (16-bit) weights arrive as a `PlainLinear` (`weight` [N, K], like nn.Linear).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+# ---------------------------------------------------------------------------------------------
+# weights
+
+
+@dataclass
+class PackedLinear:
+    """A W4A16 weight kept packed on the device: 8 codes per int32 word, one scale per group."""
+
+    packed: torch.Tensor  # int32 [N, K // 8]
+    scales: torch.Tensor  # bf16 / fp16 [N, K // group_size]
+    out_features: int  # N
+    in_features: int  # K
+    group_size: int = 32
+
+    def nbytes(self) -> int:
+        return _nbytes(self.packed) + _nbytes(self.scales)
+
+    @staticmethod
+    def concat(parts: list[PackedLinear]) -> PackedLinear:
+        """Stack linears that read the same input into one (output rows concatenated)."""
+        first = parts[0]
+        if any(
+            p.in_features != first.in_features or p.group_size != first.group_size for p in parts
+        ):
+            raise ValueError("only linears with the same input width and group size fuse")
+        return PackedLinear(
+            packed=torch.cat([p.packed for p in parts]),
+            scales=torch.cat([p.scales for p in parts]),
+            out_features=sum(p.out_features for p in parts),
+            in_features=first.in_features,
+            group_size=first.group_size,
+        )
+
+
+@dataclass
+class PlainLinear:
+    """A weight stored plain in the checkpoint (listed in `ignore`, or a width not divisible by
+    the group size): used as is."""
+
+    weight: torch.Tensor  # [N, K]
+
+    @property
+    def out_features(self) -> int:
+        return int(self.weight.shape[0])
+
+    @property
+    def in_features(self) -> int:
+        return int(self.weight.shape[1])
+
+    def nbytes(self) -> int:
+        return _nbytes(self.weight)
+
+
+Linear = PackedLinear | PlainLinear
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def unpack_codes(packed: torch.Tensor, in_features: int) -> torch.Tensor:
+    """int32 [N, K // 8] -> signed 4-bit codes as int8 [N, K] (q in [-8, 7])."""
+    shifts = torch.arange(0, 32, 4, device=packed.device, dtype=torch.int32)
+    nibbles = (packed.unsqueeze(-1) >> shifts) & 0xF  # [N, K//8, 8]
+    return (nibbles.reshape(packed.shape[0], -1)[:, :in_features] - 8).to(torch.int8)
+
+
+def dequantize(w: PackedLinear, dtype: torch.dtype) -> torch.Tensor:
+    """The 16/32-bit matrix [N, K] a PackedLinear stands for (exact in fp32; in 16-bit the
+    product q * scale is rounded once, as a 16-bit multiply would)."""
+    codes = unpack_codes(w.packed, w.in_features).to(torch.float32)
+    scales = w.scales.to(torch.float32).repeat_interleave(w.group_size, dim=1)
+    return (codes * scales[:, : w.in_features]).to(dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# matrix products
+
+
+def linear4(x: torch.Tensor, w: PackedLinear) -> torch.Tensor:
+    """x [..., K] @ W^T -> [..., N] with W a PackedLinear.
+
+    Reference: dequantize the whole matrix for this call (one layer's weight at a time; the
+    model never holds a 16-bit copy), then a dense matmul in x's dtype.
+    """
+    return F.linear(x, dequantize(w, x.dtype))
+
+
+def linear_plain(x: torch.Tensor, w: PlainLinear) -> torch.Tensor:
+    """x [..., K] @ W^T -> [..., N] for a weight stored plain."""
+    return F.linear(x, w.weight.to(x.dtype))
+
+
+def linear(x: torch.Tensor, w: Linear) -> torch.Tensor:
+    """Dispatch on how the weight is stored."""
+    if isinstance(w, PackedLinear):
+        return linear4(x, w)
+    return linear_plain(x, w)
+
+
+# ---------------------------------------------------------------------------------------------
+# embedding tables (embed_tokens = lm_head, and the per-layer table)
+
+
+def embed4_rows(ids: torch.Tensor, table: PackedLinear, dtype: torch.dtype) -> torch.Tensor:
+    """Rows `ids` [T] of a 4-bit table -> [T, width] in `dtype` (codes * scales, unscaled).
+
+    The table uses the PackedLinear layout with one row per token (see engine/FORMAT.md).
+    Only the looked-up rows are unpacked.
+    """
+    rows = PackedLinear(
+        packed=table.packed.index_select(0, ids),
+        scales=table.scales.index_select(0, ids),
+        out_features=int(ids.numel()),
+        in_features=table.in_features,
+        group_size=table.group_size,
+    )
+    return dequantize(rows, dtype)
+
+
+def embed_rows(ids: torch.Tensor, table: Linear, dtype: torch.dtype) -> torch.Tensor:
+    """Rows `ids` of an embedding table stored plain or 4-bit -> [T, width] in `dtype`."""
+    if isinstance(table, PackedLinear):
+        return embed4_rows(ids, table, dtype)
+    return table.weight.index_select(0, ids).to(dtype)
+
+
+def lm_head4(x: torch.Tensor, table: PackedLinear) -> torch.Tensor:
+    """x [T, H] @ E^T -> logits [T, V] with E the 4-bit embed_tokens table (tied lm_head)."""
+    return linear4(x, table)
+
+
+def lm_head(x: torch.Tensor, table: Linear) -> torch.Tensor:
+    """Logits from a plain or 4-bit output table (before soft-capping)."""
+    if isinstance(table, PackedLinear):
+        return lm_head4(x, table)
+    return linear_plain(x, table)
+
+
+# ---------------------------------------------------------------------------------------------
+# attention
+#
+# Shapes: q [T, Hq, D] (already normed and rotated); keys / values [S, Hkv, D] with Hq a
+# multiple of Hkv (query head h reads KV head h // (Hq // Hkv)); `key_pos` int64 [S] is the
+# sequence position held by each key slot (-1 = empty); `q_pos` int64 [T] the positions of the
+# queries. A query at p sees a key at k when 0 <= k <= p and, for sliding layers, k > p - window.
+# Scale is 1.0 (Gemma 4 normalises q and k instead). Scores are computed in the activation
+# dtype, softmax in fp32, as transformers' eager path does. Plain matmul + softmax on purpose:
+# torch SDPA's memory-efficient kernel returned a wrong last row at chunk sizes 33, 65, 97 with an
+# explicit mask and broadcast K/V (see the seed notes).
+
+
+def _attend(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    key_pos: torch.Tensor,
+    q_pos: torch.Tensor,
+    window: torch.Tensor | int | None,
+) -> torch.Tensor:
+    t, hq, d = q.shape
+    hkv = keys.shape[1]
+    group = hq // hkv
+    qg = q.reshape(t, hkv, group, d).permute(1, 2, 0, 3)  # [Hkv, G, T, D]
+    k = keys.permute(1, 2, 0)  # [Hkv, D, S]
+    v = values.permute(1, 0, 2)  # [Hkv, S, D]
+    scores = torch.matmul(qg, k.unsqueeze(1))  # [Hkv, G, T, S]
+    kp = key_pos.unsqueeze(0)  # [1, S]
+    qp = q_pos.unsqueeze(1)  # [T, 1]
+    visible = (kp >= 0) & (kp <= qp)
+    if window is not None:
+        visible = visible & (kp > qp - window)
+    scores = scores.masked_fill(~visible, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    out = torch.matmul(probs, v.unsqueeze(1))  # [Hkv, G, T, D]
+    return out.permute(2, 0, 1, 3).reshape(t, hq, d)
+
+
+def attention_prefill(
+    q: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    cache_k: torch.Tensor,
+    cache_v: torch.Tensor,
+    cache_pos: torch.Tensor,
+    q_pos: torch.Tensor,
+    window: int | None,
+) -> torch.Tensor:
+    """Attention of a prompt chunk: T queries over the cached keys plus the chunk's own keys.
+
+    q [T, Hq, D]; k_new / v_new [T, Hkv, D] the chunk's keys and values (positions `q_pos`);
+    cache_k / cache_v [S, Hkv, D] what the layer's cache held BEFORE this chunk is written, with
+    `cache_pos` [S] their positions (-1 = empty). For a sliding layer that is the whole ring; for
+    a full layer the filled prefix. The caller writes the chunk into the cache afterwards (a ring
+    cannot take the chunk first: it would overwrite keys earlier queries of the chunk still see).
+    Returns [T, Hq, D].
+    """
+    keys = torch.cat([cache_k, k_new.to(cache_k.dtype)]).to(q.dtype)
+    values = torch.cat([cache_v, v_new.to(cache_v.dtype)]).to(q.dtype)
+    key_pos = torch.cat([cache_pos, q_pos])
+    return _attend(q, keys, values, key_pos, q_pos, window)
+
+
+def attention_decode(
+    q: torch.Tensor,
+    cache_k: torch.Tensor,
+    cache_v: torch.Tensor,
+    cache_pos: torch.Tensor,
+    q_pos: torch.Tensor,
+    window: int | None,
+) -> torch.Tensor:
+    """Attention of one new token (T = 1, or the last prompt token of a KV-shared layer) over a
+    cache that already holds its own key: q [T, Hq, D]; cache_k / cache_v [S, Hkv, D] the whole
+    cache buffer (S = max context for full layers, the window for sliding rings); cache_pos [S]
+    each slot's position (-1 = empty); q_pos [T]. Returns [T, Hq, D]."""
+    return _attend(q, cache_k.to(q.dtype), cache_v.to(q.dtype), cache_pos, q_pos, window)
+
+
+# ---------------------------------------------------------------------------------------------
+# small elementwise pieces (kept here so a fused kernel can replace them too)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """Gemma 4 RMSNorm: in fp32, x * (mean(x^2) + eps)^-0.5 * w (w as is, not 1 + w)."""
+    xf = x.float()
+    out = xf * torch.pow(xf.pow(2).mean(-1, keepdim=True) + eps, -0.5)
+    if weight is not None:
+        out = out * weight.float()
+    return out.to(x.dtype)
+
+
+def rope_cos_sin(
+    positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos / sin [T, D] for NeoX half-split RoPE from fp32 inverse frequencies [D / 2]."""
+    freqs = positions.to(torch.float32).unsqueeze(-1) * inv_freq.unsqueeze(0)
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D] rotated: x * cos + rotate_half(x) * sin (cos / sin [T, D])."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos.unsqueeze(1) + rotated * sin.unsqueeze(1)
+
+
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")

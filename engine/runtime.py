@@ -1,0 +1,201 @@
+"""The `Engine`: a loaded checkpoint, its tokenizer and KV cache, and the generate/stream calls.
+
+One generation at a time (not thread-safe); the OpenAI server serialises requests. See the
+package docstring (engine/__init__.py) for the public surface.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer
+
+from engine.cache import KVCache
+from engine.checkpoint import CheckpointReader
+from engine.config import TextConfig, load_config
+from engine.errors import CheckpointError, EngineError
+from engine.generate import (
+    DEFAULT_PREFILL_CHUNK,
+    GenerationState,
+    SamplingParams,
+    check_prompt,
+    generate_stream,
+)
+from engine.memory import MemoryReport, apply_memory_cap, build_report
+from engine.model import Gemma4Model
+
+
+class Engine:
+    """A Gemma 4 model in packed 4-bit on one device, ready to generate."""
+
+    def __init__(
+        self,
+        model_dir: Path,
+        cfg: TextConfig,
+        model: Gemma4Model,
+        cache: KVCache,
+        tokenizer: Tokenizer,
+        chat_template: str | None,
+        prefill_chunk: int,
+        memory_cap_mib: int | None,
+    ) -> None:
+        self.model_dir = model_dir
+        self.model_name = model_dir.name
+        self.config = cfg
+        self.model = model
+        self.cache = cache
+        self.tokenizer = tokenizer
+        self.chat_template = chat_template
+        self.prefill_chunk = prefill_chunk
+        self.memory_cap_mib = memory_cap_mib
+        self.device = model.device
+        self.dtype = model.dtype
+        self.max_context = cache.max_context
+        self.bos_id: int | None = cfg.bos_token_id
+        self.eos_ids: list[int] = list(cfg.eos_token_ids)
+        self.last_finish_reason: str | None = None
+        self._state = GenerationState()
+
+    def stream(
+        self,
+        token_ids: list[int],
+        max_new_tokens: int,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        seed: int | None = None,
+        stop_ids: list[int] | None = None,
+    ) -> Iterator[int]:
+        """Yield new token ids as they are made. stop_ids None means the checkpoint's eos ids
+        (generation_config.json); pass [] to stop only at max_new_tokens. The stop id that ends
+        the generation is not yielded. Bad arguments raise before the first token."""
+        stops = set(self.eos_ids if stop_ids is None else stop_ids)
+        sampling = SamplingParams(
+            temperature=temperature or 0.0, top_k=top_k, top_p=top_p, seed=seed
+        )
+        sampling.validate()
+        check_prompt(list(token_ids), self.config.vocab_size, self.max_context)
+        self.last_finish_reason = None
+        return self._run(list(token_ids), max_new_tokens, sampling, stops)
+
+    def _run(
+        self, prompt: list[int], max_new: int, sampling: SamplingParams, stops: set[int]
+    ) -> Iterator[int]:
+        try:
+            yield from generate_stream(
+                self.model,
+                self.cache,
+                prompt,
+                max_new,
+                sampling,
+                stops,
+                self.prefill_chunk,
+                self._state,
+            )
+        finally:
+            self.last_finish_reason = self._state.finish_reason
+
+    def generate(
+        self,
+        token_ids: list[int],
+        max_new_tokens: int,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        seed: int | None = None,
+        stop_ids: list[int] | None = None,
+    ) -> list[int]:
+        """The new token ids (the ending stop id excluded); see `last_finish_reason`."""
+        return list(
+            self.stream(token_ids, max_new_tokens, temperature, top_k, top_p, seed, stop_ids)
+        )
+
+    def memory_report(self) -> MemoryReport:
+        return build_report(
+            self.model.nbytes_by_part(),
+            self.cache.nbytes(),
+            self.max_context,
+            self.device,
+            self.dtype,
+            self.memory_cap_mib,
+        )
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def load(
+    path: str | Path,
+    device: str | torch.device | None = None,
+    max_context: int | None = None,
+    memory_cap_mib: int | None = None,
+    prefill_chunk: int | None = None,
+    dtype: torch.dtype | None = None,
+) -> Engine:
+    """Load a Gemma 4 W4A16 checkpoint directory onto `device` (default: cuda if present).
+
+    max_context: positions the KV cache holds (default the model's max_position_embeddings).
+    prefill_chunk: prompt tokens read per forward pass (default 256). dtype: compute dtype
+    (default bfloat16 on CUDA, float32 on the CPU). memory_cap_mib: cap this process's CUDA memory.
+    """
+    model_dir = Path(path).expanduser()
+    if not model_dir.is_dir():
+        raise CheckpointError(f"{model_dir} is not a directory", "pass a checkpoint directory")
+    dev = torch.device(device) if device is not None else default_device()
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise EngineError("CUDA was asked for but no CUDA device is available", "use device='cpu'")
+    compute_dtype = dtype or (torch.bfloat16 if dev.type == "cuda" else torch.float32)
+    cfg = load_config(model_dir)
+    limit = cfg.max_position_embeddings
+    ctx = limit if max_context is None else int(max_context)
+    if not 1 <= ctx <= limit:
+        raise EngineError(
+            f"max_context {ctx} is outside [1, {limit}] (the model's max_position_embeddings)",
+            f"pass a max_context between 1 and {limit}",
+        )
+    chunk = DEFAULT_PREFILL_CHUNK if prefill_chunk is None else int(prefill_chunk)
+    if chunk < 1:
+        raise EngineError(f"prefill_chunk {chunk} must be at least 1", "use e.g. 256")
+    tokenizer = _load_tokenizer(model_dir)
+    apply_memory_cap(dev, memory_cap_mib)
+    reader = CheckpointReader(model_dir)
+    try:
+        model = Gemma4Model.load(reader, cfg, dev, compute_dtype)
+    finally:
+        reader.close()
+    cache = KVCache(cfg, ctx, dev, compute_dtype)
+    return Engine(
+        model_dir, cfg, model, cache, tokenizer, _chat_template(model_dir), chunk, memory_cap_mib
+    )
+
+
+def _load_tokenizer(model_dir: Path) -> Tokenizer:
+    path = model_dir / "tokenizer.json"
+    if not path.is_file():
+        raise CheckpointError(
+            f"{model_dir} has no tokenizer.json",
+            "copy the model's tokenizer.json into the checkpoint directory",
+        )
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as exc:  # tokenizers raises plain Exception subclasses
+        raise CheckpointError(f"{path} is not a readable tokenizer: {exc}", "restore it") from exc
+
+
+def _chat_template(model_dir: Path) -> str | None:
+    jinja = model_dir / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text()
+    cfg_path = model_dir / "tokenizer_config.json"
+    if cfg_path.is_file():
+        try:
+            template = json.loads(cfg_path.read_text()).get("chat_template")
+        except json.JSONDecodeError:
+            return None
+        if isinstance(template, str):
+            return template
+    return None
