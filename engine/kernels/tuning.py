@@ -1,0 +1,161 @@
+"""Per-GPU tile configurations: tuned on the device at first use, then read from a cache file.
+
+A kernel's best tiling depends on the weight shape and on the card, so each (kernel, shape, dtype)
+gets its own configuration. The first time a shape is seen on a GPU, the kernel times a short
+list of candidates (outside any CUDA-graph capture) and keeps the fastest; the choice is written
+to one JSON file per GPU name under the cache directory, so later runs start tuned.
+
+| variable               | meaning                                         | default                   |
+|------------------------|-------------------------------------------------|---------------------------|
+| GPURIG_KERNEL_CACHE    | directory of the per-GPU tile-config JSON files | ~/.cache/gpurig/kernels   |
+| GPURIG_KERNEL_AUTOTUNE | "0" turns first-use tuning off (defaults only)  | on                        |
+
+Configurations shipped with the package (``engine/kernels/configs/<gpu>.json``, measured on the
+lent H200) are used when the cache has no entry, so a known card needs no tuning at all.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import tempfile
+import threading
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+CACHE_ENV = "GPURIG_KERNEL_CACHE"
+AUTOTUNE_ENV = "GPURIG_KERNEL_AUTOTUNE"
+_BUNDLED_DIR = Path(__file__).with_name("configs")
+_LOCK = threading.Lock()
+_MEMORY: dict[str, dict[str, dict[str, Any]]] = {}
+
+
+def cache_dir() -> Path:
+    """Where tuned configurations live (GPURIG_KERNEL_CACHE, else ~/.cache/gpurig/kernels)."""
+    env = os.environ.get(CACHE_ENV)
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "gpurig" / "kernels"
+
+
+def autotune_enabled() -> bool:
+    """First-use tuning is on unless GPURIG_KERNEL_AUTOTUNE=0."""
+    return os.environ.get(AUTOTUNE_ENV, "1") != "0"
+
+
+def gpu_key(device: torch.device | int | None = None) -> str:
+    """A file-name-safe name for the card, e.g. 'NVIDIA_H200' (configs are per GPU model)."""
+    name = torch.cuda.get_device_name(device)
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", name).strip("_") or "unknown_gpu"
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    """temp + fsync + rename: a crash never leaves a half-written config file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _read_json(path: Path) -> dict[str, dict[str, Any]]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _table(gpu: str) -> dict[str, dict[str, Any]]:
+    """The merged configs for one GPU: bundled defaults overlaid by the user's cache file."""
+    if gpu not in _MEMORY:
+        merged = _read_json(_BUNDLED_DIR / f"{gpu}.json")
+        for kernel, entries in _read_json(cache_dir() / f"{gpu}.json").items():
+            merged.setdefault(kernel, {}).update(entries)
+        _MEMORY[gpu] = merged
+    return _MEMORY[gpu]
+
+
+def lookup(kernel: str, key: str, gpu: str) -> dict[str, Any] | None:
+    """The stored configuration for (kernel, shape key) on this GPU, or None."""
+    with _LOCK:
+        return _table(gpu).get(kernel, {}).get(key)
+
+
+def store(kernel: str, key: str, gpu: str, config: dict[str, Any]) -> None:
+    """Remember a tuned configuration in memory and in the cache file (atomically)."""
+    with _LOCK:
+        _table(gpu).setdefault(kernel, {})[key] = config
+        path = cache_dir() / f"{gpu}.json"
+        on_disk = _read_json(path)
+        on_disk.setdefault(kernel, {})[key] = config
+        # a read-only home still runs, tuned for this process only
+        with contextlib.suppress(OSError):
+            _write_atomic(path, json.dumps(on_disk, indent=1, sort_keys=True))
+
+
+def forget_memory() -> None:
+    """Drop the in-process table (tests point GPURIG_KERNEL_CACHE elsewhere and reload)."""
+    with _LOCK:
+        _MEMORY.clear()
+
+
+def time_graph_us(calls: list[Callable[[], Any]], repeats: int = 5) -> float:
+    """Median microseconds per call, replaying one CUDA graph of all `calls` `repeats` times.
+
+    Each call should read a different copy of the data (rotate more bytes than the L2 holds), so
+    the figure is the cost of a read from device memory, as in a decode step, not from cache.
+    Graph replay removes the Python launch cost that would swamp a kernel of a few microseconds.
+    """
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for fn in calls[:2]:
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for fn in calls:
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000.0 / len(calls))
+    del graph
+    times.sort()
+    return times[len(times) // 2]
+
+
+def pick_fastest(
+    candidates: Iterable[dict[str, Any]], make_calls: Callable[[dict[str, Any]], list[Callable]]
+) -> tuple[dict[str, Any], float, list[tuple[dict[str, Any], float]]]:
+    """Time every candidate with `time_graph_us`; a candidate that fails to compile is skipped."""
+    results: list[tuple[dict[str, Any], float]] = []
+    for cfg in candidates:
+        try:
+            us = time_graph_us(make_calls(cfg))
+        except Exception:  # noqa: BLE001 - an invalid tiling (too much shared memory) just loses
+            torch.cuda.synchronize()
+            continue
+        results.append((cfg, us))
+    if not results:
+        raise RuntimeError("no kernel configuration ran")
+    best, best_us = min(results, key=lambda r: r[1])
+    return best, best_us, results

@@ -1,0 +1,109 @@
+"""Unpack 4-bit rows to a dense matrix: embedding row gathers and prompt-reading weights.
+
+Two jobs, one kernel, both over the same packed layout as `w4gemv` (int32 [R, K/8] codes,
+[R, K/32] scales):
+
+* the 4-bit embedding table: `w4_gather_rows(ids, ...)` unpacks only the rows the tokens name,
+  so the lookup and the lm_head GEMV read one shared 4-bit copy of the table;
+* prompt reading: `w4_dequantize(...)` writes the whole matrix in 16-bit (tensor cores) or
+  32-bit (cards without them) so cuBLAS can multiply a chunk of prompt tokens at once.
+
+The product (code - 8) * scale is formed in fp32 and rounded once to the output dtype, which
+equals the reference's `q.to(bf16) * scale` (one rounding of the exact product) bit for bit.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _w4_rows_kernel(
+    ids_ptr, w_ptr, s_ptr, out_ptr, K, stride_out,
+    HAS_IDS: tl.constexpr, BLOCK_KW: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    KW = K // 8
+    G = K // 32
+    if HAS_IDS:  # noqa: SIM108 - a constexpr branch, resolved at compile time
+        src = tl.load(ids_ptr + row).to(tl.int64)
+    else:
+        src = row.to(tl.int64)
+    rk = pid_k * BLOCK_KW + tl.arange(0, BLOCK_KW)
+    k_mask = rk < KW
+    w = tl.load(w_ptr + src * KW + rk, mask=k_mask, other=0)
+    s = tl.load(s_ptr + src * G + rk // 4, mask=k_mask, other=0.0).to(tl.float32)
+    j = tl.arange(0, 8)
+    codes = (w[:, None] >> (j[None, :] * 4)) & 0xF
+    vals = ((codes | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0) * s[:, None]
+    offs = row.to(tl.int64) * stride_out + rk[:, None] * 8 + j[None, :]
+    tl.store(out_ptr + offs, vals.to(out_ptr.dtype.element_ty), mask=k_mask[:, None])
+
+
+def _launch(ids, packed, scales, out) -> None:
+    rows, k = out.shape
+    kw = k // 8
+    block_kw = min(256, triton.next_power_of_2(max(kw, 16)))
+    grid = (rows, triton.cdiv(kw, block_kw))
+    _w4_rows_kernel[grid](
+        ids if ids is not None else packed, packed, scales, out, k, out.stride(0),
+        HAS_IDS=ids is not None, BLOCK_KW=block_kw, num_warps=4,
+    )  # fmt: skip
+
+
+def _check(packed: torch.Tensor, scales: torch.Tensor) -> int:
+    n, kw = packed.shape
+    k = kw * 8
+    if scales.shape != (n, k // 32) or packed.dtype != torch.int32:
+        raise ValueError(
+            f"packed {tuple(packed.shape)} {packed.dtype} and scales {tuple(scales.shape)} do "
+            "not form a 4-bit table (want int32 [R, K/8] and scales [R, K/32])"
+        )
+    return k
+
+
+def w4_gather_rows(
+    ids: torch.Tensor,
+    packed: torch.Tensor,
+    scales: torch.Tensor,
+    dtype: torch.dtype | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Rows `ids` (any shape) of the 4-bit table, dequantized: [*ids.shape, K]."""
+    k = _check(packed, scales)
+    flat = ids.reshape(-1)
+    if out is None:
+        out = torch.empty(flat.numel(), k, device=packed.device, dtype=dtype or scales.dtype)
+    out2 = out.view(flat.numel(), k)
+    if flat.numel():
+        _launch(flat.contiguous(), packed.contiguous(), scales.contiguous(), out2)
+    return out2.view(*ids.shape, k)
+
+
+def w4_dequantize(
+    packed: torch.Tensor,
+    scales: torch.Tensor,
+    dtype: torch.dtype | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The whole matrix [N, K] in `dtype` (default: the scales' dtype); `out` may be reused."""
+    k = _check(packed, scales)
+    n = packed.shape[0]
+    if out is None:
+        out = torch.empty(n, k, device=packed.device, dtype=dtype or scales.dtype)
+    _launch(None, packed.contiguous(), scales.contiguous(), out.view(n, k))
+    return out.view(n, k)
+
+
+def w4_gather_rows_reference(
+    ids: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """PyTorch ground truth for `w4_gather_rows`."""
+    from engine.kernels.w4gemv import dequantize_reference
+
+    flat = ids.reshape(-1).long()
+    rows = dequantize_reference(packed[flat], scales[flat]).to(dtype or scales.dtype)
+    return rows.view(*ids.shape, packed.shape[1] * 8)

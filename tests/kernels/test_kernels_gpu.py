@@ -1,0 +1,79 @@
+"""The kernels at every real Gemma 4 E2B shape, on the GPU (skipped where there is none)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.kernels.attention_decode import DecodeAttention, decode_attention_reference
+from engine.kernels.w4dequant import w4_dequantize, w4_gather_rows, w4_gather_rows_reference
+from engine.kernels.w4gemv import dequantize_reference, w4_gemv
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU"),
+]
+
+# (out, in) of every matrix a decode step multiplies, unfused and fused (q|k|v, gate|up)
+E2B_SHAPES = [
+    (2048, 1536), (256, 1536), (4096, 1536), (512, 1536),  # q, k/v sliding; q, k/v full
+    (1536, 2048), (1536, 4096),  # o sliding, o full
+    (6144, 1536), (12288, 1536), (1536, 6144), (1536, 12288),  # gate/up, down (normal, wide)
+    (2560, 1536), (5120, 1536), (24576, 1536),  # fused qkv sliding/full, gate|up, wide gate|up
+    (256, 1536), (1536, 256), (8960, 1536),  # per-layer gate, projection, model projection
+    (262144, 1536),  # lm_head (the tied 4-bit embedding)
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("n", "k"), E2B_SHAPES)
+def test_w4_gemv_at_e2b_shape(n, k, dtype) -> None:
+    packed = torch.randint(-(2**31), 2**31 - 1, (n, k // 8), dtype=torch.int32, device="cuda")
+    scales = (torch.rand(n, k // 32, device="cuda") * 0.02 + 0.002).to(dtype)
+    x = torch.randn(1, k, device="cuda").to(dtype)
+    out = torch.full((1, n), float("nan"), device="cuda", dtype=dtype)
+    y = w4_gemv(x, packed, scales, out=out)
+    ref = x.double() @ dequantize_reference(packed, scales).double().T
+    err = ((y.double() - ref).norm() / ref.norm()).item()
+    assert not torch.isnan(y).any()
+    assert err < (8e-3 if dtype == torch.bfloat16 else 1e-3), err
+
+
+@pytest.mark.parametrize(("rows", "k"), [(262144, 1536), (262144, 8960)])
+def test_gather_rows_of_the_vocabulary_tables(rows, k) -> None:
+    packed = torch.randint(-(2**31), 2**31 - 1, (rows, k // 8), dtype=torch.int32, device="cuda")
+    scales = (torch.rand(rows, k // 32, device="cuda") + 0.01).to(torch.bfloat16)
+    ids = torch.randint(0, rows, (17,), device="cuda")
+    ids[0] = rows - 1
+    got = w4_gather_rows(ids, packed, scales)
+    assert torch.equal(got, w4_gather_rows_reference(ids, packed, scales))
+
+
+def test_dequantize_widest_matrix_bit_exact() -> None:
+    packed = torch.randint(-(2**31), 2**31 - 1, (24576, 192), dtype=torch.int32, device="cuda")
+    scales = (torch.rand(24576, 48, device="cuda") * 0.02).to(torch.bfloat16)
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        got = w4_dequantize(packed, scales, dtype=dtype)
+        assert torch.equal(got, dequantize_reference(packed, scales).to(dtype))
+
+
+@pytest.mark.parametrize("use_dot", [True, False])
+@pytest.mark.parametrize(
+    ("ring", "slots", "dim", "positions"),
+    [
+        (True, 512, 256, [0, 7, 511, 512, 4095, 131071]),
+        (False, 131072, 512, [0, 1, 4095, 32767, 100000, 131071]),
+    ],
+)
+def test_decode_attention_at_e2b_shape(ring, slots, dim, positions, use_dot) -> None:
+    att = DecodeAttention(8, dim, slots, torch.device("cuda"), ring=ring,
+                          window=512 if ring else 0, use_dot=use_dot)  # fmt: skip
+    k = torch.randn(slots, dim, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(slots, dim, device="cuda", dtype=torch.bfloat16)
+    for pos in positions:
+        q = torch.randn(8, dim, device="cuda", dtype=torch.bfloat16)
+        got = att(q, k, v, torch.tensor([pos], device="cuda", dtype=torch.int32))
+        want = decode_attention_reference(q.double(), k.double(), v.double(), pos, ring=ring,
+                                          window=512 if ring else 0)  # fmt: skip
+        err = ((got.double() - want).norm() / want.norm()).item()
+        assert err < 1.5e-2, (pos, err)

@@ -1,0 +1,102 @@
+"""The int4 GEMV against the PyTorch reference, on fresh random packed weights each run."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from engine.kernels import tuning
+from engine.kernels.w4gemv import dequantize_reference, w4_gemv
+
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+
+
+def _random_layer(n: int, k: int, dtype: torch.dtype, device: torch.device):
+    packed = torch.randint(-(2**31), 2**31 - 1, (n, k // 8), dtype=torch.int32, device=device)
+    scale_dtype = torch.float16 if dtype == torch.float32 else dtype
+    scales = (torch.rand(n, k // 32, device=device) * 0.05 + 0.005).to(scale_dtype)
+    return packed, scales
+
+
+def _rel_err(y: torch.Tensor, x: torch.Tensor, packed, scales) -> float:
+    ref = x.double() @ dequantize_reference(packed, scales).double().T
+    return ((y.double() - ref).norm() / ref.norm()).item()
+
+
+def test_dequantize_reference_matches_the_documented_layout() -> None:
+    # element k of a row sits in word k//8 at bits 4*(k%8), stored as q+8
+    codes = torch.tensor([[0, 1, 2, 3, 15, 8, 9, 7] * 4])
+    word = sum(int(codes[0, j]) << (4 * j) for j in range(8))
+    word = word - (1 << 32) if word >= 1 << 31 else word
+    packed = torch.full((1, 4), word, dtype=torch.int32)
+    scales = torch.tensor([[0.5]], dtype=torch.float16)
+    w = dequantize_reference(packed, scales)
+    assert torch.equal(w, (codes.float() - 8) * 0.5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 37, 96), (1, 64, 1024), (3, 5, 256)])
+def test_w4_gemv_matches_reference(device, dtype, m, n, k) -> None:
+    packed, scales = _random_layer(n, k, dtype, device)
+    x = torch.randn(m, k, device=device).to(dtype)
+    out = torch.full((m, n), float("nan"), device=device, dtype=dtype)  # poison: all written?
+    y = w4_gemv(x, packed, scales, out=out)
+    assert not torch.isnan(y).any()
+    assert _rel_err(y, x, packed, scales) < TOL[dtype]
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        {"BLOCK_N": 1, "BLOCK_KW": 32, "num_warps": 1, "num_stages": 1},  # K not a multiple
+        {"BLOCK_N": 16, "BLOCK_KW": 64, "num_warps": 4, "num_stages": 2},  # rows masked
+        {"BLOCK_N": 4, "BLOCK_KW": 16, "num_warps": 2, "num_stages": 3},  # even K loop
+    ],
+)
+def test_every_tiling_computes_the_same_function(device, cfg) -> None:
+    n, k = 45, 352  # K/8 = 44 words: no power-of-two tile divides it
+    packed, scales = _random_layer(n, k, torch.float32, device)
+    x = torch.randn(2, k, device=device)
+    y = w4_gemv(x, packed, scales, config=cfg)
+    assert _rel_err(y, x, packed, scales) < 1e-5
+
+
+def test_extreme_codes_are_exact(device) -> None:
+    # every nibble 0 (q=-8) or 15 (q=+7) in every position: the magic-number path is exact
+    n, k = 8, 64
+    packed = torch.tensor([0, -1, 0x0F0F0F0F, -0x0F0F0F10], dtype=torch.int32, device=device)
+    packed = packed.repeat(n, k // 32)
+    scales = torch.ones(n, k // 32, dtype=torch.float16, device=device)
+    x = torch.ones(1, k, device=device)
+    y = w4_gemv(x, packed, scales)
+    ref = x.double() @ dequantize_reference(packed, scales).double().T
+    assert torch.equal(y.double(), ref)
+
+
+def test_bad_shapes_are_refused(device) -> None:
+    packed, scales = _random_layer(8, 64, torch.float32, device)
+    with pytest.raises(ValueError, match="expected packed"):
+        w4_gemv(torch.randn(1, 96, device=device), packed, scales)
+
+
+def test_config_cache_round_trips_through_its_file(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv(tuning.CACHE_ENV, str(tmp_path))
+    tuning.forget_memory()
+    cfg = {"BLOCK_N": 4, "BLOCK_KW": 128, "num_warps": 4, "num_stages": 2, "us": 3.1}
+    tuning.store("w4gemv", "N2560_K1536_bfloat16_M1", "Some_GPU", cfg)
+    on_disk = json.loads((tmp_path / "Some_GPU.json").read_text())
+    assert on_disk["w4gemv"]["N2560_K1536_bfloat16_M1"] == cfg
+    tuning.forget_memory()
+    assert tuning.lookup("w4gemv", "N2560_K1536_bfloat16_M1", "Some_GPU") == cfg
+    assert tuning.lookup("w4gemv", "N1_K32_bfloat16_M1", "Some_GPU") is None
+    assert not list(tmp_path.glob("*.tmp"))
+    tuning.forget_memory()
+
+
+def test_autotune_switch_reads_the_environment(monkeypatch) -> None:
+    monkeypatch.setenv(tuning.AUTOTUNE_ENV, "0")
+    assert not tuning.autotune_enabled()
+    monkeypatch.delenv(tuning.AUTOTUNE_ENV)
+    assert tuning.autotune_enabled()
