@@ -202,3 +202,13 @@ def test_streaming_parser_matches_one_shot_for_any_chunking(text):
         # streamed content may keep inner whitespace the one-shot parser strips around calls
         assert (got[0] or "").strip() == (expected[0] or "").strip(), cuts
         assert got[1:] == expected[1:], cuts
+
+
+def test_calls_left_as_text_when_no_tools_were_offered():
+    text = "<|channel>thought\nx<channel|>" + call("call:f{a:1}")
+    reply = parse_reply(text, parse_calls=False)
+    assert reply.tool_calls == [] and reply.content == call("call:f{a:1}")
+    parser = StreamingReplyParser(parse_calls=False)
+    events = parser.feed(text) + parser.finish()
+    assert "".join(e.text for e in events if e.kind == "content") == call("call:f{a:1}")
+    assert not [e for e in events if e.kind == "tool_call"]

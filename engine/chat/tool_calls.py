@@ -241,14 +241,15 @@ def _strip_channel_name(body: str) -> str:
     return body
 
 
-def parse_reply(text: str) -> ParsedReply:
-    """Split a finished reply into content, reasoning and tool calls."""
+def parse_reply(text: str, parse_calls: bool = True) -> ParsedReply:
+    """Split a finished reply into content, reasoning and tool calls. With `parse_calls`
+    False (no tools were offered), call markers stay in the content as written."""
     visible, reasoning = _split_thinking(text)
     calls: list[ToolCall] = []
     kept: list[str] = []
     pos = 0
     while True:
-        start = visible.find(CALL_OPEN, pos)
+        start = visible.find(CALL_OPEN, pos) if parse_calls else -1
         if start < 0:
             kept.append(visible[pos:])
             break
@@ -293,7 +294,8 @@ class StreamingReplyParser:
     calls. A call is emitted once its closing marker arrives (OpenAI allows a call's fields in
     one delta); a malformed one is emitted as content."""
 
-    def __init__(self) -> None:
+    def __init__(self, parse_calls: bool = True) -> None:
+        self.markers = (CHANNEL_OPEN, CALL_OPEN) if parse_calls else (CHANNEL_OPEN,)
         self.buf = ""
         self.state = "text"  # "text" | "channel_name" | "thinking" | "call"
         self.saw_call = False
@@ -325,7 +327,7 @@ class StreamingReplyParser:
         if not self.buf and not (final and self.state == "call"):
             return False
         if self.state == "text":
-            hits = [(i, m) for m in (CHANNEL_OPEN, CALL_OPEN) if (i := self.buf.find(m)) >= 0]
+            hits = [(i, m) for m in self.markers if (i := self.buf.find(m)) >= 0]
             if hits:
                 i, marker = min(hits)
                 self._emit_content(out, self.buf[:i])
@@ -334,7 +336,7 @@ class StreamingReplyParser:
                 if marker == CHANNEL_OPEN:
                     self.saw_thinking = True
                 return True
-            hold = 0 if final else _partial_suffix(self.buf, (CHANNEL_OPEN, CALL_OPEN))
+            hold = 0 if final else _partial_suffix(self.buf, self.markers)
             self._emit_content(out, self.buf[: len(self.buf) - hold])
             self.buf = self.buf[len(self.buf) - hold :]
             return False

@@ -1,0 +1,145 @@
+"""Counters for GET /metrics: requests, tokens, speeds, queue and cancellations.
+
+Prometheus' text format (what scrapers and `curl` readers expect) by default; the same numbers
+as JSON with `?format=json` for scripts and tests. Updated from the event loop and the
+generation thread, so every change holds a lock.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from engine.server.queue import GenerationResult
+
+PREFIX = "gpurig_engine_"
+
+
+class Metrics:
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self.started = time.time()
+        self._lock = threading.Lock()
+        self.requests: Counter[tuple[str, int]] = Counter()  # (endpoint, status) -> count
+        self.generations = 0
+        self.cancelled = 0
+        self.prompt_tokens = 0
+        self.completion_tokens = 0
+        self.prompt_seconds = 0.0
+        self.decode_seconds = 0.0
+        self.decode_tokens = 0.0
+        self.queue_seconds = 0.0
+        self.queue_waiting = 0
+        self.busy = False
+        self.last_decode_tok_per_s = 0.0
+        self.last_prompt_tok_per_s = 0.0
+
+    def record_request(self, endpoint: str, status: int) -> None:
+        with self._lock:
+            self.requests[(endpoint, status)] += 1
+
+    def record_cancelled(self) -> None:
+        with self._lock:
+            self.cancelled += 1
+
+    def set_queue(self, waiting: int, busy: bool) -> None:
+        with self._lock:
+            self.queue_waiting = waiting
+            self.busy = busy
+
+    def record_generation(self, r: GenerationResult) -> None:
+        with self._lock:
+            self.generations += 1
+            self.prompt_tokens += r.prompt_tokens
+            self.completion_tokens += r.completion_tokens
+            self.prompt_seconds += r.prompt_ms / 1000
+            self.decode_seconds += r.decode_ms / 1000
+            self.decode_tokens += r.decode_tok_per_s * r.decode_ms / 1000
+            self.queue_seconds += r.queue_ms / 1000
+            self.last_decode_tok_per_s = r.decode_tok_per_s
+            if r.prompt_ms > 0:
+                self.last_prompt_tok_per_s = r.prompt_tokens / (r.prompt_ms / 1000)
+
+    def snapshot(self) -> dict[str, Any]:
+        with self._lock:
+            return {
+                "model": self.model_name,
+                "uptime_s": round(time.time() - self.started, 3),
+                "requests": [
+                    {"endpoint": e, "status": s, "count": c}
+                    for (e, s), c in sorted(self.requests.items())
+                ],
+                "requests_total": sum(self.requests.values()),
+                "generations_total": self.generations,
+                "cancelled_total": self.cancelled,
+                "prompt_tokens_total": self.prompt_tokens,
+                "completion_tokens_total": self.completion_tokens,
+                "prompt_seconds_total": round(self.prompt_seconds, 6),
+                "decode_seconds_total": round(self.decode_seconds, 6),
+                "queue_seconds_total": round(self.queue_seconds, 6),
+                "queue_waiting": self.queue_waiting,
+                "busy": self.busy,
+                "prompt_tok_per_s_avg": _rate(self.prompt_tokens, self.prompt_seconds),
+                "decode_tok_per_s_avg": _rate(self.decode_tokens, self.decode_seconds),
+                "prompt_tok_per_s_last": round(self.last_prompt_tok_per_s, 2),
+                "decode_tok_per_s_last": round(self.last_decode_tok_per_s, 2),
+            }
+
+    def prometheus(self) -> str:
+        s = self.snapshot()
+        label = f'model="{_escape(self.model_name)}"'
+        lines: list[str] = []
+
+        def metric(name: str, kind: str, help_: str, value: Any, extra: str = "") -> None:
+            lines.append(f"# HELP {PREFIX}{name} {help_}")
+            lines.append(f"# TYPE {PREFIX}{name} {kind}")
+            lines.append(f"{PREFIX}{name}{{{label}{extra}}} {_num(value)}")
+
+        lines.append(f"# HELP {PREFIX}requests_total HTTP requests by endpoint and status.")
+        lines.append(f"# TYPE {PREFIX}requests_total counter")
+        for row in s["requests"]:
+            lines.append(
+                f'{PREFIX}requests_total{{{label},endpoint="{_escape(row["endpoint"])}",'
+                f'status="{row["status"]}"}} {row["count"]}'
+            )
+        metric("generations_total", "counter", "Generations run.", s["generations_total"])
+        metric("cancelled_total", "counter", "Generations cancelled.", s["cancelled_total"])
+        metric("prompt_tokens_total", "counter", "Prompt tokens read.", s["prompt_tokens_total"])
+        metric(
+            "completion_tokens_total", "counter", "Tokens generated.", s["completion_tokens_total"]
+        )
+        metric(
+            "prompt_seconds_total", "counter", "Time reading prompts.", s["prompt_seconds_total"]
+        )
+        metric("decode_seconds_total", "counter", "Time decoding.", s["decode_seconds_total"])
+        metric("queue_seconds_total", "counter", "Time waiting in queue.", s["queue_seconds_total"])
+        metric("queue_waiting", "gauge", "Requests waiting for the engine.", s["queue_waiting"])
+        metric("busy", "gauge", "1 while a generation runs.", int(s["busy"]))
+        metric(
+            "prompt_tok_per_s_avg", "gauge", "Prompt tokens per second.", s["prompt_tok_per_s_avg"]
+        )
+        metric(
+            "decode_tok_per_s_avg", "gauge", "Decode tokens per second.", s["decode_tok_per_s_avg"]
+        )
+        metric(
+            "decode_tok_per_s_last",
+            "gauge",
+            "Last request's decode speed.",
+            s["decode_tok_per_s_last"],
+        )
+        return "\n".join(lines) + "\n"
+
+
+def _rate(tokens: float, seconds: float) -> float:
+    return round(tokens / seconds, 2) if seconds > 0 else 0.0
+
+
+def _num(value: Any) -> str:
+    return str(int(value)) if isinstance(value, bool) else str(value)
+
+
+def _escape(text: str) -> str:
+    return text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")

@@ -1,0 +1,213 @@
+"""The OpenAI wire shapes the server accepts and returns, as pydantic models.
+
+Requests validate strictly on types (a wrong type is a 422 naming the field) but ignore OpenAI
+fields this server has no use for (`user`, `logprobs: false`, ...), so stock clients work
+unchanged. Responses follow OpenAI's shapes plus two fields of our own: `timings` (where the
+time went) and, on chat messages, `reasoning_content` (the model's thinking, never in
+`content`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Request(BaseModel):
+    # Unknown OpenAI fields are accepted and ignored; NaN/inf are refused.
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+
+
+# ---- errors ------------------------------------------------------------------------------------
+
+
+class ErrorBody(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorBody
+
+
+# ---- chat requests -----------------------------------------------------------------------------
+
+
+class ContentPart(_Request):
+    type: str
+    text: str | None = None
+
+
+class FunctionCall(_Request):
+    name: str
+    arguments: str | dict[str, Any] = "{}"
+
+
+class ToolCallIn(_Request):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(_Request):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+
+
+class FunctionDef(_Request):
+    name: str = Field(min_length=1, max_length=128)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDef(_Request):
+    type: Literal["function"] = "function"
+    function: FunctionDef
+
+
+class NamedFunction(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+
+
+class ChatTemplateKwargs(_Request):
+    enable_thinking: bool | None = None
+
+
+class _SamplingFields(_Request):
+    model: str | None = None
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=1)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int | None = Field(None, ge=1, le=1, description="one choice per request")
+    ignore_eos: bool = False
+
+    def stop_strings(self) -> list[str]:
+        if self.stop is None:
+            return []
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop)
+        return [s for s in stops if s]
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    enable_thinking: bool | None = None
+    chat_template_kwargs: ChatTemplateKwargs | None = None
+
+    def thinking(self) -> bool:
+        if self.enable_thinking is not None:
+            return self.enable_thinking
+        if self.chat_template_kwargs and self.chat_template_kwargs.enable_thinking is not None:
+            return self.chat_template_kwargs.enable_thinking
+        return False
+
+
+class CompletionRequest(_SamplingFields):
+    # text, token ids, or a batch of exactly one of either
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=1)
+    echo: bool = False
+
+
+# ---- responses ---------------------------------------------------------------------------------
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class Timings(BaseModel):
+    """Where a request's time went. prompt_ms: reading the prompt up to the first new token;
+    decode_ms: from the first new token to the last; decode_tok_per_s: tokens made in decode_ms
+    per second; queue_ms: waiting behind other requests."""
+
+    prompt_ms: float
+    decode_ms: float
+    decode_tok_per_s: float
+    queue_ms: float
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: dict[str, str]
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCallOut] | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    finish_reason: str
+    logprobs: None = None
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    timings: Timings
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    finish_reason: str
+    logprobs: None = None
+
+
+class Completion(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+    timings: Timings
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "gpurig"
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
