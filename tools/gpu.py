@@ -436,9 +436,13 @@ class GpuArchReport(BaseModel):
 
 
 def torch_index_url(cuda_driver_version: str | None) -> str:
-    """The PyTorch wheel index whose CUDA this driver can run (newest first)."""
+    """The PyTorch wheel index whose CUDA this driver can run (newest first).
+
+    CUDA's minor-version compatibility lets any 12.x driver run the cu126 wheels; cu128 and
+    cu130 need drivers that report 12.8 and 13.0. Unknown driver: the newest index.
+    """
     driver = _version_tuple(cuda_driver_version) if cuda_driver_version else (13, 0)
-    for cuda, tag in (((13, 0), "cu130"), ((12, 8), "cu128"), ((12, 6), "cu126")):
+    for cuda, tag in (((13, 0), "cu130"), ((12, 8), "cu128"), ((12, 0), "cu126")):
         if driver >= cuda:
             return f"https://download.pytorch.org/whl/{tag}"
     return "https://download.pytorch.org/whl/cu118"

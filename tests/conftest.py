@@ -1,0 +1,71 @@
+"""Shared fixtures: the installed `gpurig` console script, and bare Python interpreters.
+
+Keep this file small and generic; area-specific helpers belong in their own test modules.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def gpurig_bin() -> str:
+    """The `gpurig` console script that `pip install -e .` put on PATH."""
+    found = shutil.which("gpurig") or str(Path(sys.executable).with_name("gpurig"))
+    if not os.access(found, os.X_OK):
+        pytest.fail("the gpurig console script is not installed: run `pip install -e .`")
+    return found
+
+
+@pytest.fixture
+def run_gpurig(gpurig_bin: str) -> Callable[..., subprocess.CompletedProcess[str]]:
+    """Run `gpurig ARGS...` as a subprocess; returns the CompletedProcess (text, captured)."""
+
+    def run(
+        *args: str, env: dict[str, str] | None = None, timeout: float = 120
+    ) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [gpurig_bin, *args],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env={**os.environ, **(env or {})},
+            stdin=subprocess.DEVNULL,
+        )
+
+    return run
+
+
+def make_venv(where: Path) -> Path:
+    """A real, empty virtual environment (no pip: fast); returns its python."""
+    subprocess.run(
+        [sys.executable, "-m", "venv", "--without-pip", str(where)], check=True, timeout=60
+    )
+    python = where / "bin" / "python"
+    assert python.exists()
+    return python
+
+
+def venv_site_packages(python: Path) -> Path:
+    """The site-packages folder of a venv made by make_venv."""
+    out = subprocess.run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=30,
+    )
+    return Path(out.stdout.strip())
+
+
+@pytest.fixture
+def bare_venv(tmp_path: Path) -> Path:
+    """The python of a fresh venv with nothing installed (no torch, no vllm, no gpurig)."""
+    return make_venv(tmp_path / "venv")

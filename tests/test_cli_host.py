@@ -1,0 +1,99 @@
+"""`gpurig host`, `gpurig gpu`, `gpurig doctor` run as subprocesses: tables, --json, exit codes."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from tools.doctor import DoctorReport
+from tools.gpu import GpuArchReport
+from tools.host import HostCapacity
+
+NO_GPU = not Path("/proc/driver/nvidia").exists()
+
+
+def test_help_lists_the_commands(run_gpurig) -> None:
+    started = time.monotonic()
+    out = run_gpurig("--help")
+    assert out.returncode == 0
+    for command in ("host", "gpu", "doctor", "mcp"):
+        assert command in out.stdout
+    assert time.monotonic() - started < 10
+
+
+def test_host_table(run_gpurig, tmp_path: Path) -> None:
+    future = tmp_path / "later"
+    out = run_gpurig("host", "--path", str(tmp_path), "--path", str(future))
+    assert out.returncode == 0, out.stderr
+    assert "free GiB" in out.stdout and "advice:" in out.stdout
+    assert "does not exist yet" in out.stdout
+    assert "verdict: ok" in out.stdout
+    assert out.stdout.count(str(tmp_path)) >= 2
+
+
+def test_host_json(run_gpurig, tmp_path: Path) -> None:
+    out = run_gpurig("host", "--json", "--path", str(tmp_path))
+    assert out.returncode == 0, out.stderr
+    report = HostCapacity.model_validate_json(out.stdout)
+    assert report.paths[0].path == str(tmp_path)
+    assert report.seconds < 1.0
+
+
+def test_host_failing_verdict_exits_1(run_gpurig, tmp_path: Path) -> None:
+    out = run_gpurig("host", "--path", str(tmp_path), "--need-gib", "90000")
+    assert out.returncode == 1
+    assert "[FAIL] disk_space" in out.stdout
+    assert "$ sudo fallocate -l" in out.stdout  # 90000 GiB cannot be staged in RAM either
+
+
+def test_host_bad_input_exits_2(run_gpurig) -> None:
+    out = run_gpurig("host", "--need-gib", "-5")
+    assert out.returncode == 2
+    assert "gpurig: error: need_gib must be a positive number" in out.stderr
+    assert "what to do" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_gpu_json_and_table(run_gpurig) -> None:
+    out = run_gpurig("gpu", "--json")
+    report = GpuArchReport.model_validate_json(out.stdout)
+    assert out.returncode == (1 if report.verdict == "fail" else 0)
+    if NO_GPU:
+        assert report.verdict == "fail"
+        assert "no NVIDIA GPU visible" in report.summary
+
+
+def test_gpu_missing_interpreter_exits_2(run_gpurig, tmp_path: Path) -> None:
+    out = run_gpurig("gpu", "--python", str(tmp_path / "python3.13"))
+    assert out.returncode == 2
+    assert "does not exist" in out.stderr and "GPURIG_PYTHON" in out.stderr
+    out = run_gpurig("gpu", env={"GPURIG_PYTHON": str(tmp_path / "python9")})
+    assert out.returncode == 2 and "python9" in out.stderr
+
+
+def test_gpu_table_under_a_venv_without_torch(run_gpurig, bare_venv: Path) -> None:
+    out = run_gpurig("gpu", "--python", str(bare_venv))
+    assert out.returncode == 1
+    assert "torch_missing" in out.stdout
+    assert f"{bare_venv} -m pip install torch" in out.stdout.replace("\n       ", " ")
+
+
+@pytest.mark.skipif(not NO_GPU, reason="asserts this machine's no-GPU report")
+def test_doctor_table_and_json(run_gpurig) -> None:
+    started = time.monotonic()
+    out = run_gpurig("doctor")
+    elapsed = time.monotonic() - started
+    assert out.returncode == 1, out.stderr
+    assert elapsed < 15
+    for line in ("filesystems", "host memory", "disk space", "driver", "torch", "readiness: fail"):
+        assert line in out.stdout
+    assert "no NVIDIA GPU visible" in out.stdout
+    assert "what to do:" in out.stdout
+    out = run_gpurig("doctor", "--json")
+    assert out.returncode == 1
+    report = DoctorReport.model_validate(json.loads(out.stdout))
+    assert report.status == "fail"
+    assert {c.status for c in report.checks} <= {"ok", "warn", "fail", "skip"}

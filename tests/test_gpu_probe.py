@@ -1,0 +1,432 @@
+"""verify_gpu_arch: the probe under real interpreters, and the diagnoses on recorded reports.
+
+CI has no GPU. The probe runs for real under this interpreter (a CUDA torch, no GPU: it must
+say so), under a fresh venv without torch, and under venvs holding small stand-in packages that
+replay the recorded import failures (libcudart, libcudnn). The GPU cases (a T4 and its Turing
+limits) are replayed as probe JSON through the pure `diagnose` function.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+from conftest import venv_site_packages
+
+from tools import gpu
+from tools.errors import InvalidInputError, NotFoundError
+from tools.gpu import (
+    NvmlGpu,
+    NvmlReport,
+    ProbeReport,
+    ProbeRun,
+    build_report,
+    diagnose,
+    throttle_names,
+    verify_gpu_arch,
+)
+
+
+def codes(diagnoses) -> dict[str, str]:
+    return {d.code: d.severity for d in diagnoses}
+
+
+# --- the probe, for real ---------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def raw_probe_json() -> dict:
+    out = subprocess.run(
+        [sys.executable, str(gpu.PROBE_SCRIPT)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        stdin=subprocess.DEVNULL,
+    )
+    assert out.returncode == 0, out.stderr
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith(gpu.RESULT_MARKER)]
+    assert len(lines) == 1, out.stdout
+    return json.loads(lines[0][len(gpu.RESULT_MARKER) :])
+
+
+def test_probe_json_matches_the_models(raw_probe_json: dict) -> None:
+    """Every key the stdlib-only probe writes is a field of the pydantic models, and back."""
+    report = ProbeReport.model_validate(raw_probe_json)
+    assert set(raw_probe_json) == set(ProbeReport.model_fields)
+    assert set(raw_probe_json["torch"]) == set(type(report.torch).model_fields)
+    assert set(raw_probe_json["vllm"]) == set(type(report.vllm).model_fields)
+    assert set(raw_probe_json["python"]) == set(type(report.python).model_fields)
+    assert report.python.executable  # the interpreter that really ran it
+    assert report.python.version == ".".join(map(str, sys.version_info[:3]))
+
+
+def test_current_interpreter_says_no_gpu() -> None:
+    """Here: a CUDA build of torch, no driver, no GPU. A verdict, never a crash."""
+    started = time.monotonic()
+    report = verify_gpu_arch()
+    assert time.monotonic() - started < 30
+    torch = report.probe.torch
+    assert torch.imported
+    assert torch.version.startswith(importlib.metadata.version("torch").split("+")[0])
+    assert torch.cuda_available is False
+    assert torch.devices == []
+    assert report.probe.triton_version == importlib.metadata.version("triton")
+    assert report.nvml.available is False
+    assert report.verdict == "fail"
+    assert "no NVIDIA GPU visible" in report.summary
+    found = codes(report.diagnoses)
+    assert found["no_gpu"] == "fail"
+    if torch.cuda:  # this machine's torch is a CUDA build: it must not be called a CPU build
+        assert "torch_cpu_build" not in found
+        assert "cuda_unavailable" in found
+
+
+def test_venv_without_torch_says_torch_is_missing(bare_venv: Path) -> None:
+    report = verify_gpu_arch(python_bin=str(bare_venv))
+    assert Path(report.probe.python.executable).parent == bare_venv.parent
+    assert report.probe.torch.dist_version is None
+    assert report.probe.torch.imported is False
+    assert report.probe.triton_version is None
+    assert report.verdict == "fail"
+    missing = next(d for d in report.diagnoses if d.code == "torch_missing")
+    assert missing.severity == "fail"
+    assert f"{bare_venv} -m pip install torch" in missing.remedy
+
+
+def _fake_dist(site: Path, name: str, version: str, init: str) -> None:
+    """A minimal installed distribution: a package plus its dist-info METADATA."""
+    (site / name).mkdir()
+    (site / name / "__init__.py").write_text(textwrap.dedent(init))
+    info = site / f"{name}-{version}.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+
+
+def test_cpu_torch_under_cuda_vllm_replayed(bare_venv: Path) -> None:
+    """The seed's install as found: torch 2.11.0+cpu under vLLM 0.26.0; import vllm fails on
+    libcudart.so.13. Stand-in packages replay those recorded values through the real probe
+    (including its `import vllm` subprocess)."""
+    site = venv_site_packages(bare_venv)
+    _fake_dist(
+        site,
+        "torch",
+        "2.11.0+cpu",
+        """
+        __version__ = "2.11.0+cpu"
+        class version:
+            cuda = None
+        class cuda:
+            @staticmethod
+            def get_arch_list():
+                return []
+            @staticmethod
+            def is_available():
+                return False
+        """,
+    )
+    _fake_dist(
+        site,
+        "vllm",
+        "0.26.0",
+        """
+        raise ImportError(
+            "libcudart.so.13: cannot open shared object file: No such file or directory")
+        """,
+    )
+    report = verify_gpu_arch(python_bin=str(bare_venv))
+    v = report.probe.vllm
+    assert v.dist_version == "0.26.0"
+    assert v.import_attempted and v.import_ok is False
+    assert "libcudart.so.13" in v.import_error
+    found = codes(report.diagnoses)
+    assert found["torch_cpu_build"] == "fail"
+    assert found["vllm_libcudart"] == "fail"
+    libcudart = next(d for d in report.diagnoses if d.code == "vllm_libcudart")
+    assert "CPU build" in libcudart.message
+    assert "vllm==0.26.0" in libcudart.remedy
+
+
+def test_torch_without_cudnn_replayed(bare_venv: Path) -> None:
+    """A CUDA torch installed with --no-deps: import torch fails on libcudnn.so.9."""
+    site = venv_site_packages(bare_venv)
+    _fake_dist(
+        site,
+        "torch",
+        "2.11.0+cu130",
+        """
+        raise ImportError(
+            "libcudnn.so.9: cannot open shared object file: No such file or directory")
+        """,
+    )
+    report = verify_gpu_arch(python_bin=str(bare_venv))
+    assert report.probe.torch.imported is False
+    assert "libcudnn.so.9" in report.probe.torch.import_error
+    cudnn = next(d for d in report.diagnoses if d.code == "cudnn_missing")
+    assert cudnn.severity == "fail"
+    assert "--no-deps" in cudnn.message
+    assert "torch==2.11.0+cu130" in cudnn.remedy
+    assert "--no-deps" not in cudnn.remedy.split("(")[0]  # the fix installs WITH dependencies
+
+
+def test_hanging_vllm_import_is_bounded(bare_venv: Path) -> None:
+    site = venv_site_packages(bare_venv)
+    _fake_dist(site, "vllm", "0.33.0", "import time\ntime.sleep(60)\n")
+    run = gpu.run_probe(str(bare_venv), timeout_s=30, vllm_import_timeout_s=0.5)
+    assert run.seconds < 15
+    assert run.report.vllm.import_timed_out is True
+    found = codes(build_report(str(bare_venv), run, NvmlReport(available=False)).diagnoses)
+    assert found["vllm_import_timeout"] == "warn"
+
+
+# --- bad interpreters --------------------------------------------------------------------------
+
+
+def test_nonexistent_interpreter(tmp_path: Path) -> None:
+    with pytest.raises(NotFoundError) as err:
+        verify_gpu_arch(python_bin=str(tmp_path / "no" / "python3"))
+    assert "does not exist" in err.value.message
+    assert err.value.remedy
+    with pytest.raises(NotFoundError):
+        verify_gpu_arch(python_bin="no-such-python-anywhere")
+
+
+def test_directory_and_non_executable(tmp_path: Path) -> None:
+    with pytest.raises(InvalidInputError, match="directory"):
+        verify_gpu_arch(python_bin=str(tmp_path))
+    plain = tmp_path / "python3"
+    plain.write_text("#!/bin/sh\n")
+    with pytest.raises(InvalidInputError, match="not executable"):
+        verify_gpu_arch(python_bin=str(plain))
+
+
+def test_not_a_python(tmp_path: Path) -> None:
+    fake = tmp_path / "python3"
+    fake.write_text("#!/bin/sh\necho 'I am a shell script'\n")
+    fake.chmod(0o755)
+    with pytest.raises(InvalidInputError, match="not a Python") as err:
+        verify_gpu_arch(python_bin=str(fake))
+    assert "I am a shell script" in err.value.message
+    binary = tmp_path / "garbage"
+    binary.write_bytes(b"\x7fELF\x00garbage")
+    binary.chmod(0o755)
+    with pytest.raises(InvalidInputError):
+        verify_gpu_arch(python_bin=str(binary))
+
+
+def test_probe_timeout_is_a_verdict(tmp_path: Path) -> None:
+    hang = tmp_path / "python3"
+    hang.write_text("#!/bin/sh\nsleep 60\n")
+    hang.chmod(0o755)
+    started = time.monotonic()
+    report = verify_gpu_arch(python_bin=str(hang), timeout_s=1)
+    assert time.monotonic() - started < 10
+    assert report.verdict == "fail"
+    assert codes(report.diagnoses)["probe_timeout"] == "fail"
+
+
+def test_probe_that_dies_is_a_verdict(tmp_path: Path) -> None:
+    """A Python that starts the probe and then segfaults (a broken torch does this)."""
+    dies = tmp_path / "python3"
+    dies.write_text("#!/bin/sh\necho 'GPURIG_PROBE_START {}'\nkill -SEGV $$\n")
+    dies.chmod(0o755)
+    report = verify_gpu_arch(python_bin=str(dies))
+    crash = next(d for d in report.diagnoses if d.code == "probe_crashed")
+    assert "SIGSEGV" in crash.message
+
+
+def test_timeout_must_be_positive() -> None:
+    with pytest.raises(InvalidInputError):
+        verify_gpu_arch(timeout_s=0)
+
+
+# --- diagnoses on recorded reports (pure) ----------------------------------------------------
+
+SEED_T4_NVML = NvmlReport(
+    available=True,
+    driver_version="615.71.09",
+    cuda_driver_version="13.0",
+    gpus=[
+        NvmlGpu(
+            index=0,
+            name="Tesla T4",
+            capability=(7, 5),
+            memory_total_bytes=15360 * 2**20,
+            power_limit_w=70.0,
+            power_default_limit_w=70.0,
+            sm_clock_mhz=1290,
+            sm_clock_max_mhz=1590,
+            throttle_reasons=["sw_power_cap"],
+        )
+    ],
+)
+NO_DRIVER = NvmlReport(available=False, error="no NVIDIA driver: libnvidia-ml.so (NVML) not found")
+T4 = {
+    "index": 0,
+    "name": "Tesla T4",
+    "capability": [7, 5],
+    "total_memory_bytes": 15_655_829_504,
+    "shared_memory_per_block_optin": 65536,
+    "multi_processor_count": 40,
+    "bf16_supported": False,
+}
+CU130_ARCHS = ["sm_75", "sm_80", "sm_86", "sm_90", "sm_100", "sm_120"]
+
+
+def probe(torch: dict | None = None, vllm: dict | None = None) -> ProbeReport:
+    """A probe report as the seed's T4 host (vLLM 0.29.0, torch 2.13.0+cu130) produced it."""
+    t = {
+        "dist_version": "2.13.0+cu130",
+        "imported": True,
+        "version": "2.13.0+cu130",
+        "cuda": "13.0",
+        "cuda_available": True,
+        "device_count": 1,
+        "arch_list": CU130_ARCHS,
+        "devices": [T4],
+        "fp16_matmul": {"ok": True, "max_abs_err": 0.0078, "error": None},
+    }
+    v = {
+        "dist_version": "0.29.0",
+        "import_attempted": True,
+        "import_ok": True,
+        "import_seconds": 9.1,
+    }
+    return ProbeReport.model_validate(
+        {
+            "probe_version": 1,
+            "python": {"version": "3.13.5", "executable": "/usr/bin/python3.13"},
+            "torch": {**t, **(torch or {})},
+            "triton_version": "3.7.1",
+            "vllm": {**v, **(vllm or {})},
+        }
+    )
+
+
+def test_seed_t4_needs_fp16_and_the_turing_patch() -> None:
+    report = build_report(
+        "/usr/bin/python3.13", ProbeRun(report=probe(), seconds=12.0), SEED_T4_NVML
+    )
+    found = codes(report.diagnoses)
+    assert found["no_native_bf16"] == "warn"
+    assert found["turing_shared_memory"] == "warn"
+    assert found["gpu_ok"] == "ok" and found["vllm_ok"] == "ok"
+    assert not [c for c, s in found.items() if s == "fail"]
+    assert report.verdict == "warn"
+    assert report.serve_flags[:2] == ["--dtype", "float16"]
+    smem = next(d for d in report.diagnoses if d.code == "turing_shared_memory")
+    assert "65,536" in smem.message
+    assert "apply_turing_patch" in smem.remedy
+    bf16 = next(d for d in report.diagnoses if d.code == "no_native_bf16")
+    assert "--dtype float16" in bf16.remedy
+    assert report.summary.startswith("Tesla T4 sm_75 ready")
+
+
+def test_ampere_needs_nothing() -> None:
+    a10 = {
+        **T4,
+        "name": "NVIDIA A10G",
+        "capability": [8, 6],
+        "bf16_supported": True,
+        "shared_memory_per_block_optin": 101376,
+    }
+    report = build_report("py", ProbeRun(report=probe({"devices": [a10]}), seconds=1), SEED_T4_NVML)
+    assert report.verdict == "ok"
+    assert report.serve_flags == []
+
+
+def test_cpu_torch_under_cuda_vllm() -> None:
+    p = probe(
+        {
+            "dist_version": "2.11.0+cpu",
+            "version": "2.11.0+cpu",
+            "cuda": None,
+            "cuda_available": False,
+            "device_count": 0,
+            "arch_list": [],
+            "devices": [],
+            "fp16_matmul": None,
+        },
+        {
+            "dist_version": "0.26.0",
+            "import_ok": False,
+            "import_error": "ImportError: libcudart.so.13: cannot open shared object file: "
+            "No such file or directory",
+        },
+    )
+    found = diagnose(p, SEED_T4_NVML, "/usr/bin/python3.13")
+    cpu = next(d for d in found if d.code == "torch_cpu_build")
+    assert cpu.severity == "fail"
+    assert "vLLM 0.26.0" in cpu.message
+    assert "vllm==0.26.0" in cpu.remedy and "download.pytorch.org/whl/cu130" in cpu.remedy
+    assert codes(found)["vllm_libcudart"] == "fail"
+
+
+def test_libcudart_with_a_cuda_torch_points_at_the_cuda_mismatch() -> None:
+    p = probe(
+        {"version": "2.13.0+cu126", "cuda": "12.6"},
+        {"import_ok": False, "import_error": "OSError: libcudart.so.13: cannot open shared object"},
+    )
+    found = diagnose(p, SEED_T4_NVML)
+    d = next(d for d in found if d.code == "vllm_libcudart")
+    assert "does not match" in d.message and "torch_cpu_build" not in codes(found)
+
+
+def test_capability_missing_from_arch_list() -> None:
+    p = probe({"arch_list": ["sm_80", "sm_86", "sm_90", "sm_100", "sm_120"]})
+    d = next(d for d in diagnose(p, SEED_T4_NVML) if d.code == "arch_missing")
+    assert d.severity == "fail"
+    assert "sm_75" in d.message and "sm_75" in d.remedy
+    ptx = probe({"arch_list": ["sm_80", "compute_70"]})
+    assert codes(diagnose(ptx, SEED_T4_NVML))["arch_missing"] == "warn"
+
+
+def test_cudnn_missing() -> None:
+    p = probe(
+        {
+            "imported": False,
+            "version": None,
+            "cuda": None,
+            "cuda_available": False,
+            "devices": [],
+            "arch_list": [],
+            "fp16_matmul": None,
+            "dist_version": "2.11.0+cu130",
+            "import_error": "ImportError: libcudnn.so.9: cannot open shared object file: "
+            "No such file or directory",
+        },
+    )
+    found = codes(diagnose(p, SEED_T4_NVML))
+    assert found["cudnn_missing"] == "fail"
+    assert "torch_import_failed" not in found
+
+
+def test_driver_too_old_for_torch() -> None:
+    old = SEED_T4_NVML.model_copy(update={"cuda_driver_version": "12.4"})
+    p = probe({"cuda_available": False, "device_count": 0, "devices": [], "fp16_matmul": None})
+    d = next(d for d in diagnose(p, old) if d.code == "cuda_unavailable")
+    assert d.severity == "fail"
+    assert "CUDA 12.4" in d.message
+    assert "whl/cu126" in d.remedy
+
+
+def test_wrong_fp16_matmul_fails() -> None:
+    p = probe({"fp16_matmul": {"ok": False, "max_abs_err": 7.5, "error": None}})
+    assert codes(diagnose(p, SEED_T4_NVML))["fp16_matmul_wrong"] == "fail"
+
+
+def test_no_driver_no_probe_is_a_verdict() -> None:
+    report = build_report("py", None, NO_DRIVER)
+    assert report.verdict == "fail"
+    assert report.summary.startswith("no NVIDIA GPU visible")
+
+
+def test_throttle_reasons_are_named() -> None:
+    assert throttle_names(0x4) == ["sw_power_cap"]
+    assert throttle_names(0x1 | 0x40) == ["gpu_idle", "hw_thermal_slowdown"]
+    assert throttle_names(0) == []
