@@ -316,6 +316,16 @@ class Gemma4Model:
         return self.logits(h)
 
     # ---- sizes -----------------------------------------------------------------------------
+    def decode_weight_bytes(self) -> int:
+        """Weight bytes one decode step reads: every linear, the lm_head and the PLE projection
+        (table lookups read one row, so they do not count). Bytes / step time = the bandwidth
+        achieved, the number to hold against the device's memory bandwidth."""
+        total = sum(w.nbytes() for layer in self.layers for w in layer.linears())
+        total += self.lm_head.nbytes()
+        if self.ple_projection is not None:
+            total += self.ple_projection.nbytes()
+        return total
+
     def nbytes_by_part(self) -> dict[str, int]:
         """Bytes on the device per part: embed (also the lm_head when tied), lm_head when separate,
         the decoder layers, the per-layer table and the small rest."""

@@ -187,12 +187,10 @@ def _attend(
     window: torch.Tensor | int | None,
 ) -> torch.Tensor:
     t, hq, d = q.shape
-    hkv = keys.shape[1]
+    s, hkv = keys.shape[0], keys.shape[1]
     group = hq // hkv
-    qg = q.reshape(t, hkv, group, d).permute(1, 2, 0, 3)  # [Hkv, G, T, D]
-    k = keys.permute(1, 2, 0)  # [Hkv, D, S]
-    v = values.permute(1, 0, 2)  # [Hkv, S, D]
-    scores = torch.matmul(qg, k.unsqueeze(1))  # [Hkv, G, T, S]
+    qg = q.reshape(t, hkv, group, d).permute(1, 2, 0, 3).reshape(hkv, group * t, d)
+    scores = torch.bmm(qg, keys.transpose(0, 1).transpose(1, 2)).view(hkv, group, t, s)
     kp = key_pos.unsqueeze(0)  # [1, S]
     qp = q_pos.unsqueeze(1)  # [T, 1]
     visible = (kp >= 0) & (kp <= qp)
@@ -200,8 +198,8 @@ def _attend(
         visible = visible & (kp > qp - window)
     scores = scores.masked_fill(~visible, float("-inf"))
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-    out = torch.matmul(probs, v.unsqueeze(1))  # [Hkv, G, T, D]
-    return out.permute(2, 0, 1, 3).reshape(t, hq, d)
+    out = torch.bmm(probs.view(hkv, group * t, s), values.transpose(0, 1))  # [Hkv, G*T, D]
+    return out.view(hkv, group, t, d).permute(2, 0, 1, 3).reshape(t, hq, d)
 
 
 def attention_prefill(

@@ -1,0 +1,104 @@
+"""Text in, text out, with timings: the function behind `gpurig engine generate`.
+
+Takes a loaded `Engine`, either raw prompt text (bos prepended, no template) or one user chat
+message (rendered with the checkpoint's chat template), and returns the reply with the prompt
+read time and the decode speed, plus the bytes-per-token bound figure gpt-fast reports.
+"""
+
+from __future__ import annotations
+
+import time
+
+from pydantic import BaseModel
+
+from engine.errors import GenerationError
+from engine.runtime import Engine
+
+
+class GenerationResult(BaseModel):
+    """One generation: the text, its token counts and how fast each phase ran."""
+
+    model: str
+    device: str
+    prompt_tokens: int
+    new_tokens: int
+    finish_reason: str | None
+    text: str
+    prefill_seconds: float
+    prefill_tokens_per_s: float
+    decode_seconds: float
+    decode_tokens_per_s: float | None
+    weight_bytes_per_token: int
+    effective_gb_per_s: float | None
+
+
+def prompt_ids(engine: Engine, prompt: str | None = None, chat: str | None = None) -> list[int]:
+    """Token ids for raw text (bos + text) or one user message through the chat template."""
+    if (prompt is None) == (chat is None):
+        raise GenerationError(
+            "give exactly one of prompt text or a chat message", "use --prompt or --chat"
+        )
+    if prompt is not None:
+        ids = engine.tokenizer.encode(prompt, add_special_tokens=False).ids
+        return ([engine.bos_id] if engine.bos_id is not None else []) + list(ids)
+    text = _render_chat(engine, chat or "")
+    return list(engine.tokenizer.encode(text, add_special_tokens=False).ids)
+
+
+def _render_chat(engine: Engine, message: str) -> str:
+    """The generation prompt for one user message, with the checkpoint's template when it has one."""
+    messages = [{"role": "user", "content": message}]
+    try:
+        from engine.chat.render import bundled_template, render_chat
+    except ImportError:  # the chat package is optional for the core: plain Gemma 4 turns
+        return f"<bos><|turn>user\n{message}<turn|>\n<|turn>model\n"
+    return render_chat(engine.chat_template or bundled_template(), messages)
+
+
+def generate_text(
+    engine: Engine,
+    prompt: str | None = None,
+    chat: str | None = None,
+    max_new_tokens: int = 128,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    seed: int | None = None,
+) -> GenerationResult:
+    """Generate a reply and time it: prefill = until the first token, decode = the rest."""
+    ids = prompt_ids(engine, prompt, chat)
+    start = time.perf_counter()
+    first_at = None
+    out: list[int] = []
+    for tok in engine.stream(ids, max_new_tokens, temperature, top_k, top_p, seed):
+        if first_at is None:
+            _sync(engine)
+            first_at = time.perf_counter()
+        out.append(tok)
+    _sync(engine)
+    end = time.perf_counter()
+    first_at = first_at or end
+    decode_s = end - first_at
+    decode_rate = (len(out) - 1) / decode_s if len(out) > 1 and decode_s > 0 else None
+    bytes_per_token = engine.model.decode_weight_bytes()
+    return GenerationResult(
+        model=engine.model_name,
+        device=str(engine.device),
+        prompt_tokens=len(ids),
+        new_tokens=len(out),
+        finish_reason=engine.last_finish_reason,
+        text=engine.tokenizer.decode(out, skip_special_tokens=False),
+        prefill_seconds=round(first_at - start, 4),
+        prefill_tokens_per_s=round(len(ids) / max(first_at - start, 1e-9), 2),
+        decode_seconds=round(decode_s, 4),
+        decode_tokens_per_s=round(decode_rate, 2) if decode_rate else None,
+        weight_bytes_per_token=bytes_per_token,
+        effective_gb_per_s=round(bytes_per_token * decode_rate / 1e9, 3) if decode_rate else None,
+    )
+
+
+def _sync(engine: Engine) -> None:
+    if engine.device.type == "cuda":
+        import torch
+
+        torch.cuda.synchronize(engine.device)
