@@ -1,0 +1,112 @@
+"""The server's pure parts: incremental detokenizing, stop strings, request schemas, metrics."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from engine.server.metrics import Metrics
+from engine.server.queue import GenerationRequest, GenerationResult
+from engine.server.schemas import ChatCompletionRequest, CompletionRequest
+from engine.server.textstream import IncrementalDecoder, StopMatcher
+from engine.tokenizer_synth import build_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_tokenizer(512)
+
+
+def test_incremental_decoder_never_splits_a_character(tokenizer):
+    text = 'Grüße aus 東京 🙂 <|"|> {"a": [1, 2]}\n<|tool_call>done'
+    ids = tokenizer.encode(text, add_special_tokens=False).ids
+    assert len(tokenizer.encode("東", add_special_tokens=False).ids) == 3  # one token per byte
+    decoder = IncrementalDecoder(tokenizer)
+    pieces = [decoder.push(i) for i in ids]
+    pieces.append(decoder.flush())
+    assert "".join(pieces) == text
+    assert not any("\ufffd" in p for p in pieces)
+
+
+def test_incremental_decoder_can_skip_special_tokens(tokenizer):
+    ids = tokenizer.encode("a<turn|>b", add_special_tokens=False).ids
+    decoder = IncrementalDecoder(tokenizer, skip_special_tokens=True)
+    assert "".join([decoder.push(i) for i in ids] + [decoder.flush()]) == "ab"
+
+
+def test_stop_matcher_holds_back_a_split_stop_string():
+    m = StopMatcher(["END", "xyz"])
+    assert m.push("hello E") == "hello "  # "E" might start "END"
+    assert m.push("N") == ""
+    assert m.push("Dafter") == ""
+    assert m.hit == "END"
+    assert m.flush() == ""
+
+
+def test_stop_matcher_releases_false_alarms_and_picks_the_earliest():
+    m = StopMatcher(["END"])
+    assert m.push("EN") == ""
+    assert m.push("x") == "ENx"
+    m2 = StopMatcher(["b", "a"])
+    assert m2.push("xxab") == "xx" and m2.hit == "a"
+    m3 = StopMatcher([])
+    assert m3.push("abc") == "abc" and m3.flush() == ""
+    m4 = StopMatcher(["zz"])
+    assert m4.push("az") == "a" and m4.flush() == "z"
+
+
+def test_requests_ignore_unknown_fields_but_refuse_bad_values():
+    req = ChatCompletionRequest.model_validate(
+        {
+            "model": "m",
+            "messages": [{"role": "user", "content": "x"}],
+            "user": "me",
+            "logprobs": False,
+        }
+    )
+    assert req.thinking() is False and req.stop_strings() == []
+    req = ChatCompletionRequest.model_validate(
+        {
+            "messages": [{"role": "user", "content": "x"}],
+            "chat_template_kwargs": {"enable_thinking": True},
+            "stop": "a",
+        }
+    )
+    assert req.thinking() is True and req.stop_strings() == ["a"]
+    for bad in (
+        {"messages": []},
+        {"messages": [{"role": "wizard", "content": "x"}]},
+        {"messages": [{"role": "user", "content": "x"}], "temperature": float("nan")},
+        {"messages": [{"role": "user", "content": "x"}], "max_tokens": 0},
+        {"messages": [{"role": "user", "content": "x"}], "top_p": 1.5},
+        {"messages": [{"role": "user", "content": "x"}], "n": 2},
+    ):
+        with pytest.raises(ValidationError):
+            ChatCompletionRequest.model_validate(bad)
+    assert CompletionRequest.model_validate({"prompt": [1, 2, 3]}).max_tokens == 16
+    with pytest.raises(ValidationError):
+        CompletionRequest.model_validate({"prompt": {"a": 1}})
+
+
+def test_metrics_prometheus_text_and_json():
+    m = Metrics('od"d')
+    m.record_request("/v1/completions", 200)
+    m.record_request("/v1/completions", 200)
+    m.record_request("/v1/completions", 422)
+    req = GenerationRequest(prompt_ids=[1] * 10, max_new_tokens=5)
+    m.record_generation(
+        GenerationResult("t", len(req.prompt_ids), 5, "length", 100.0, 400.0, 10.0, 3.0)
+    )
+    snap = m.snapshot()
+    assert snap["requests_total"] == 3 and snap["completion_tokens_total"] == 5
+    assert snap["decode_tok_per_s_avg"] == pytest.approx(10.0)
+    assert snap["prompt_tok_per_s_avg"] == pytest.approx(100.0)
+    text = m.prometheus()
+    assert (
+        'gpurig_engine_requests_total{model="od\\"d",endpoint="/v1/completions",status="200"} 2'
+        in text
+    )
+    assert 'gpurig_engine_completion_tokens_total{model="od\\"d"} 5' in text
+    for line in text.splitlines():  # every sample line is "name{labels} number"
+        if not line.startswith("#"):
+            float(line.rsplit(" ", 1)[1])
