@@ -99,13 +99,15 @@ def test_venv_without_torch_says_torch_is_missing(bare_venv: Path) -> None:
     assert f"{bare_venv} -m pip install torch" in missing.remedy
 
 
-def _fake_dist(site: Path, name: str, version: str, init: str) -> None:
+def _fake_dist(site: Path, name: str, version: str, init: str, requires: tuple = ()) -> None:
     """A minimal installed distribution: a package plus its dist-info METADATA."""
     (site / name).mkdir()
     (site / name / "__init__.py").write_text(textwrap.dedent(init))
     info = site / f"{name}-{version}.dist-info"
     info.mkdir()
-    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+    lines = ["Metadata-Version: 2.1", f"Name: {name}", f"Version: {version}"]
+    lines += [f"Requires-Dist: {r}" for r in requires]
+    (info / "METADATA").write_text("\n".join(lines) + "\n")
 
 
 def test_cpu_torch_under_cuda_vllm_replayed(bare_venv: Path) -> None:
@@ -138,9 +140,11 @@ def test_cpu_torch_under_cuda_vllm_replayed(bare_venv: Path) -> None:
         raise ImportError(
             "libcudart.so.13: cannot open shared object file: No such file or directory")
         """,
+        requires=("torchvision==0.26.0", "torch==2.11.0", "pytest; extra == 'test'"),
     )
     report = verify_gpu_arch(python_bin=str(bare_venv))
     v = report.probe.vllm
+    assert v.torch_requirement == "==2.11.0"
     assert v.dist_version == "0.26.0"
     assert v.import_attempted and v.import_ok is False
     assert "libcudart.so.13" in v.import_error
@@ -149,7 +153,7 @@ def test_cpu_torch_under_cuda_vllm_replayed(bare_venv: Path) -> None:
     assert found["vllm_libcudart"] == "fail"
     libcudart = next(d for d in report.diagnoses if d.code == "vllm_libcudart")
     assert "CPU build" in libcudart.message
-    assert "vllm==0.26.0" in libcudart.remedy
+    assert "-m pip install --force-reinstall torch==2.11.0 --index-url" in libcudart.remedy
 
 
 def test_torch_without_cudnn_replayed(bare_venv: Path) -> None:
@@ -354,6 +358,7 @@ def test_cpu_torch_under_cuda_vllm() -> None:
         },
         {
             "dist_version": "0.26.0",
+            "torch_requirement": "==2.11.0",
             "import_ok": False,
             "import_error": "ImportError: libcudart.so.13: cannot open shared object file: "
             "No such file or directory",
@@ -363,8 +368,10 @@ def test_cpu_torch_under_cuda_vllm() -> None:
     cpu = next(d for d in found if d.code == "torch_cpu_build")
     assert cpu.severity == "fail"
     assert "vLLM 0.26.0" in cpu.message
-    assert "vllm==0.26.0" in cpu.remedy and "download.pytorch.org/whl/cu130" in cpu.remedy
+    assert "torch==2.11.0 --index-url https://download.pytorch.org/whl/cu130" in cpu.remedy
     assert codes(found)["vllm_libcudart"] == "fail"
+    report = build_report("/usr/bin/python3.13", ProbeRun(report=p, seconds=3), SEED_T4_NVML)
+    assert report.summary == "a CPU build of torch; import vllm fails on libcudart"
 
 
 def test_libcudart_with_a_cuda_torch_points_at_the_cuda_mismatch() -> None:
@@ -430,3 +437,17 @@ def test_throttle_reasons_are_named() -> None:
     assert throttle_names(0x4) == ["sw_power_cap"]
     assert throttle_names(0x1 | 0x40) == ["gpu_idle", "hw_thermal_slowdown"]
     assert throttle_names(0) == []
+
+
+def test_t4_report_renders_for_people() -> None:
+    from mcp_server.cli_host import render_gpu
+
+    report = build_report("/usr/bin/python3.13", ProbeRun(report=probe(), seconds=12), SEED_T4_NVML)
+    text = render_gpu(report)
+    assert "Tesla T4, capability 7.5" in text
+    assert "throttle: sw_power_cap" in text
+    assert "vLLM flags          --dtype float16" in text
+    assert "[WARN] turing_shared_memory" in text
+    assert text.rstrip().endswith(
+        "verdict: warn: Tesla T4 sm_75 ready (needs: no_native_bf16, turing_shared_memory)"
+    )

@@ -104,6 +104,7 @@ class ProbeTorch(_Probe):
 class ProbeVllm(_Probe):
     dist_version: str | None = Field(None, description="from package metadata, without import")
     location: str | None = None
+    torch_requirement: str | None = Field(None, description="the torch vLLM pins, e.g. ==2.13.0")
     import_attempted: bool = False
     import_ok: bool | None = None
     import_seconds: float | None = None
@@ -542,6 +543,11 @@ def diagnose(
     t = probe.torch
     v = probe.vllm
     cpu_build = t.imported and (t.cuda is None or (t.version or "").endswith("+cpu"))
+    # The fix for a wrong torch under vLLM: the CUDA build of the exact version vLLM pins.
+    pin = (
+        v.torch_requirement if v.torch_requirement and v.torch_requirement.startswith("==") else ""
+    )
+    cuda_torch = f"{py} -m pip install --force-reinstall torch{pin} --index-url {index_url}"
 
     # torch itself.
     if t.dist_version is None and not t.imported:
@@ -589,13 +595,8 @@ def diagnose(
                 message=f"torch {t.version} is a CPU build (torch.version.cuda is None, arch list "
                 f"{t.arch_list or 'empty'})"
                 + (f" under a CUDA build of vLLM {v.dist_version}" if under_vllm else ""),
-                remedy=(
-                    f"{py} -m pip install --force-reinstall vllm=={v.dist_version} "
-                    "(it pulls the exact CUDA torch it pins), or "
-                    if under_vllm
-                    else ""
-                )
-                + f"{py} -m pip install --force-reinstall torch --index-url {index_url}",
+                remedy=f"{cuda_torch} (the CUDA build from the PyTorch index, with its "
+                "dependencies: no --no-deps)",
             )
         )
     elif t.cuda_error:
@@ -750,8 +751,9 @@ def diagnose(
                     component="vllm",
                     severity="fail",
                     message=f"import vllm fails: {err}: {cause}",
-                    remedy=f"{py} -m pip install --force-reinstall vllm=={v.dist_version} "
-                    "(with dependencies, so it installs the CUDA torch it pins)",
+                    remedy=f"{cuda_torch} (the CUDA torch vLLM {v.dist_version} pins"
+                    + (f": {v.torch_requirement}" if v.torch_requirement else "")
+                    + ", with its dependencies)",
                 )
             )
         else:
@@ -789,10 +791,28 @@ def serve_flags_for(probe: ProbeReport | None) -> list[str]:
     return []
 
 
+# Short names for the one-line summary of a failing report.
+SUMMARY_TITLES: dict[str, str] = {
+    "probe_timeout": "the probe timed out",
+    "probe_crashed": "the probe crashed",
+    "no_gpu": "no NVIDIA GPU visible",
+    "torch_missing": "torch is not installed",
+    "cudnn_missing": "import torch fails on libcudnn.so.9",
+    "torch_import_failed": "import torch fails",
+    "torch_cpu_build": "a CPU build of torch",
+    "cuda_init_failed": "CUDA initialisation fails",
+    "cuda_unavailable": "torch cannot use the GPU",
+    "arch_missing": "the GPU's capability is missing from torch's arch list",
+    "fp16_matmul_wrong": "an fp16 matmul gives wrong results",
+    "vllm_libcudart": "import vllm fails on libcudart",
+    "vllm_import_failed": "import vllm fails",
+}
+
+
 def summarize(probe: ProbeReport | None, diagnoses: list[Diagnosis]) -> str:
     fails = [d for d in diagnoses if d.severity == "fail"]
     if fails:
-        return "; ".join(d.message.split(" (")[0] for d in fails[:2])
+        return "; ".join(dict.fromkeys(SUMMARY_TITLES.get(d.code, d.code) for d in fails))
     if probe and probe.torch.devices:
         d0 = probe.torch.devices[0]
         warns = [d.code for d in diagnoses if d.severity == "warn"]

@@ -55,6 +55,26 @@ def _dist_location(name: str):
         return None
 
 
+def _torch_requirement(name: str):
+    """The torch version `name` pins (e.g. "==2.13.0"), from its metadata's Requires-Dist."""
+    try:
+        from importlib import metadata
+
+        requires = metadata.requires(name) or []
+    except Exception:
+        return None
+    for req in requires:
+        spec, _, marker = req.partition(";")
+        if "extra" in marker:
+            continue
+        spec = spec.strip()
+        head = spec.split("(")[0].split("=")[0].split("<")[0].split(">")[0].split("~")[0]
+        head = head.split("!")[0].split("[")[0].strip()
+        if head.lower() == "torch":
+            return spec[len(head) :].strip().strip("()").strip() or None
+    return None
+
+
 def _tail(text: str) -> str:
     text = (text or "").strip()
     return text[-ERROR_TAIL_CHARS:]
@@ -162,6 +182,7 @@ def probe_vllm(import_timeout_s: float) -> dict:
     report = {
         "dist_version": _dist_version("vllm"),
         "location": _dist_location("vllm"),
+        "torch_requirement": _torch_requirement("vllm"),
         "import_attempted": False,
         "import_ok": None,
         "import_seconds": None,

@@ -137,13 +137,22 @@ def _mounts() -> dict[str, tuple[str, str]]:
     return table
 
 
-def _mount_point(path: Path) -> Path:
+def _mount_point(path: Path, mounts: dict[str, tuple[str, str]]) -> Path:
+    """The mount that holds `path` (already real): the longest mount point above it, which
+    also names bind mounts right; else walk up until the device number changes."""
+    best: str | None = None
+    text = str(path)
+    for point in mounts:
+        inside = text == point or text.startswith(point.rstrip("/") + "/")
+        if inside and (best is None or len(point) > len(best)):
+            best = point
+    if best is not None:
+        return Path(best)
     dev = path.stat().st_dev
     while path != path.parent:
-        parent = path.parent
-        if parent.stat().st_dev != dev:
+        if path.parent.stat().st_dev != dev:
             return path
-        path = parent
+        path = path.parent
     return path
 
 
@@ -166,7 +175,7 @@ def measure_path(given: str, mounts: dict[str, tuple[str, str]] | None = None) -
     elif not real.is_dir():
         note = "a file; measured on the filesystem that holds it"
     st = os.statvfs(measured)
-    mount = _mount_point(measured)
+    mount = _mount_point(measured, mounts)
     device, fstype = mounts.get(str(mount), ("?", "?"))
     return PathReport(
         path=given,
@@ -397,7 +406,8 @@ def check_host_capacity(
     reports = [measure_path(p, mounts) for p in given]
     filesystems = group_filesystems(reports)
     memory = measure_memory()
-    tmp = next((r for r in reports if r.path == "/tmp"), None)
+    real_tmp = os.path.realpath("/tmp")
+    tmp = next((r for r in reports if r.real_path == real_tmp), None)
     facts = Facts(
         paths=reports,
         filesystems=filesystems,
