@@ -266,14 +266,9 @@ def test_cli_diff_of_a_file(capsys) -> None:
     assert "+            launch_num_stages = 1" in capsys.readouterr().out
 
 
-def test_console_script_runs(vllm_033) -> None:
+def test_console_script_runs(vllm_033, run_gpurig) -> None:
     python, _ = vllm_033
-    proc = subprocess.run(
-        [sys.executable, "-m", "mcp_server.cli", "patch", "verify", "--python", python],
-        capture_output=True,
-        text=True,
-        cwd=Path(__file__).parent.parent,
-    )
+    proc = run_gpurig("patch", "verify", "--python", python)
     assert proc.returncode == 1 and "CLAMP ABSENT" in proc.stdout
 
 
