@@ -264,3 +264,13 @@ def test_doctor_on_this_host() -> None:
         assert report.status == "fail"
         driver = next(c for c in report.checks if c.name == "driver")
         assert "no NVIDIA GPU visible" in driver.detail and driver.remedy
+
+
+def test_path_under_a_file_is_measured_not_fatal(tmp_path: Path) -> None:
+    afile = tmp_path / "weights.safetensors"
+    afile.write_bytes(b"x")
+    report = check_host_capacity(paths=[str(afile / "sub"), str(afile)])
+    below, itself = report.paths
+    assert below.exists is False and "Not a directory" in below.note
+    assert below.measured_at == str(afile)
+    assert itself.exists and "a file" in itself.note

@@ -156,6 +156,17 @@ def _mount_point(path: Path, mounts: dict[str, tuple[str, str]]) -> Path:
     return path
 
 
+def _probe_exists(path: Path) -> tuple[bool, str | None]:
+    """(exists, why not readable): a path we may not stat is measured at a parent, not fatal."""
+    try:
+        os.stat(path)
+        return True, None
+    except FileNotFoundError:
+        return False, None
+    except OSError as exc:  # EACCES, ELOOP, ENOTDIR ...
+        return False, exc.strerror or type(exc).__name__
+
+
 def measure_path(given: str, mounts: dict[str, tuple[str, str]] | None = None) -> PathReport:
     """Measure one path on the filesystem that really holds it."""
     if not given or not given.strip():
@@ -165,12 +176,14 @@ def measure_path(given: str, mounts: dict[str, tuple[str, str]] | None = None) -
     mounts = _mounts() if mounts is None else mounts
     expanded = Path(os.path.expanduser(given)).absolute()
     real = Path(os.path.realpath(expanded))
-    exists = real.exists()
+    exists, why = _probe_exists(real)
     measured = real
-    while not measured.exists():
+    while measured != measured.parent and not _probe_exists(measured)[0]:
         measured = measured.parent
     note = None
-    if not exists:
+    if why:
+        note = f"cannot be read ({why}); measured at its nearest readable parent {measured}"
+    elif not exists:
         note = f"does not exist yet; measured at its nearest existing parent {measured}"
     elif not real.is_dir():
         note = "a file; measured on the filesystem that holds it"
