@@ -93,7 +93,7 @@ def check_host(ctx: DoctorContext) -> list[Check]:
 
 def check_gpu(ctx: DoctorContext) -> list[Check]:
     """verify_gpu_arch, one Check per component (driver, gpu, torch, vllm)."""
-    from tools.gpu import verify_gpu_arch
+    from tools.gpu import SEVERITY_ORDER, verify_gpu_arch
 
     report = verify_gpu_arch(python_bin=ctx.python_bin)
     checks: list[Check] = []
@@ -104,7 +104,7 @@ def check_gpu(ctx: DoctorContext) -> list[Check]:
             if ok is not None:
                 checks.append(ok)
             continue
-        worst = max(found, key=lambda d: _RANK_DIAG[d.severity])
+        worst = max(found, key=lambda d: SEVERITY_ORDER[d.severity])
         status: Status = {"ok": "ok", "info": "ok", "warn": "warn", "fail": "fail"}[worst.severity]
         if worst.code == "vllm_missing" and status == "ok":
             status = "skip"  # nothing to import: the vLLM check could not run
@@ -118,9 +118,6 @@ def check_gpu(ctx: DoctorContext) -> list[Check]:
             )
         )
     return checks
-
-
-_RANK_DIAG = {"ok": 0, "info": 1, "warn": 2, "fail": 3}
 
 
 def _component_ok(component: str, report) -> Check | None:

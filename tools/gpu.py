@@ -1,6 +1,6 @@
 """verify_gpu_arch: can the serving interpreter actually run on this GPU?
 
-Three parts, kept apart so the middle one can be tested without a GPU:
+Three parts, kept apart so the last one can be tested without a GPU:
 
 1. `run_probe(python_bin)`: tools/gpu_probe.py runs as a subprocess of the serving interpreter
    (by file path, since that Python may lack gpurig) and returns a `ProbeReport`.
