@@ -341,6 +341,33 @@ def test_disconnect_mid_stream_cancels_generation(server):
     assert r.json()["timings"]["queue_ms"] < 100
 
 
+def test_a_client_leaving_while_queued_never_reaches_the_engine(server):
+    before = server.metrics()
+    blocker = threading.Thread(
+        target=httpx.post,
+        args=(server.base + "/v1/completions",),
+        kwargs={"json": {"prompt": [2], "max_tokens": 150, "ignore_eos": True}, "timeout": 60},
+    )
+    blocker.start()
+    time.sleep(0.3)
+    with pytest.raises(httpx.ReadTimeout):  # gives up while waiting in line
+        httpx.post(
+            server.base + "/v1/completions",
+            json={"prompt": [2], "max_tokens": 150, "ignore_eos": True},
+            timeout=0.3,
+        )
+    blocker.join(60)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        after = server.metrics()
+        if not after["busy"] and after["queue_waiting"] == 0:
+            break
+        time.sleep(0.05)
+    assert after["cancelled_total"] == before["cancelled_total"] + 1
+    # only the blocker's 150 tokens were generated: the cancelled one was skipped
+    assert after["completion_tokens_total"] - before["completion_tokens_total"] == 150
+
+
 def test_metrics_count_requests_tokens_and_speed(server):
     text = httpx.get(server.base + "/metrics").text
     snap = server.metrics()

@@ -110,3 +110,26 @@ def test_metrics_prometheus_text_and_json():
     for line in text.splitlines():  # every sample line is "name{labels} number"
         if not line.startswith("#"):
             float(line.rsplit(" ", 1)[1])
+
+
+def test_cli_module_is_light_and_refuses_bad_input(run_gpurig, tmp_path):
+    import socket
+    import subprocess
+    import sys
+
+    probe = "import sys, mcp_server.cli_engine_serve; print('torch' in sys.modules)"
+    assert (
+        subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True).stdout.strip()
+        == "False"
+    )
+
+    missing = run_gpurig("engine", "serve", "--model", str(tmp_path / "nope"))
+    assert missing.returncode == 2 and "is not a directory" in missing.stderr
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        taken = run_gpurig("engine", "serve", "--model", str(tmp_path), "--port", str(port))
+    assert taken.returncode == 2 and "cannot listen" in taken.stderr and "--port" in taken.stderr
+    bad_ctx = run_gpurig("engine", "serve", "--model", str(tmp_path), "--max-ctx", "0")
+    assert bad_ctx.returncode == 2 and "--max-ctx" in bad_ctx.stderr

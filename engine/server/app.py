@@ -33,6 +33,7 @@ from starlette.routing import Route
 
 from engine.chat.render import ChatTemplateError, bundled_template, encode_prompt, render_chat
 from engine.chat.tool_calls import StreamingReplyParser, parse_reply
+from engine.errors import ContextLengthError, GenerationError
 from engine.server.metrics import Metrics
 from engine.server.queue import GenerationQueue, GenerationRequest, GenerationResult, Job
 from engine.server.schemas import (
@@ -215,20 +216,18 @@ async def _watch_disconnect(receive: Callable[[], Awaitable[dict]], job: Job) ->
             return
 
 
-def _engine_error_to_api(exc: BaseException) -> ApiError:
-    limit = getattr(exc, "limit", None)
-    if limit is not None:  # ContextLengthError
+def _engine_error_to_api(exc: BaseException | None) -> ApiError:
+    if isinstance(exc, ContextLengthError):
         return ApiError(
             400,
-            f"This model's maximum context length is {limit} tokens; the prompt has "
-            f"{getattr(exc, 'requested', '?')}.",
+            f"This model's maximum context length is {exc.limit} tokens; the prompt has "
+            f"{exc.requested}.",
             param="messages",
             code="context_length_exceeded",
         )
-    name = type(exc).__name__
-    if name in ("GenerationError", "ValueError"):
+    if isinstance(exc, GenerationError):
         return ApiError(400, str(exc))
-    return ApiError(500, f"Generation failed: {name}: {exc}", type_="server_error")
+    return ApiError(500, f"Generation failed: {type(exc).__name__}: {exc}", type_="server_error")
 
 
 async def _run_to_end(request: Request, state: ServerState, job: Job) -> GenerationResult:
