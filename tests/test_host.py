@@ -274,3 +274,26 @@ def test_path_under_a_file_is_measured_not_fatal(tmp_path: Path) -> None:
     assert below.exists is False and "Not a directory" in below.note
     assert below.measured_at == str(afile)
     assert itself.exists and "a file" in itself.note
+
+
+def test_doctor_context_computes_each_report_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A later area's check reuses the host/GPU reports instead of probing again."""
+    calls: list[str] = []
+    real = host.check_host_capacity
+
+    def counting(**kwargs):
+        calls.append("host")
+        return real(**kwargs)
+
+    monkeypatch.setattr(host, "check_host_capacity", counting)
+
+    def also_wants_host(ctx: DoctorContext) -> Check:
+        return Check(name="reuse", status="ok", detail=ctx.host().verdict)
+
+    monkeypatch.setattr(host, "doctor_reuse", also_wants_host, raising=False)
+    monkeypatch.setattr(
+        doctor_mod, "CHECKS", ["tools.doctor:check_host", "tools.host:doctor_reuse"]
+    )
+    report = doctor_mod.doctor()
+    assert calls == ["host"]
+    assert report.checks[-1].name == "reuse"

@@ -13,15 +13,20 @@ from __future__ import annotations
 
 import importlib
 import logging
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, Field
 
 from tools.errors import GpurigError, InvalidInputError
+
+if TYPE_CHECKING:
+    from tools.gpu import GpuArchReport
+    from tools.host import HostCapacity
 
 log = logging.getLogger(__name__)
 
@@ -48,11 +53,34 @@ class DoctorReport(BaseModel):
 
 @dataclass
 class DoctorContext:
-    """What every check may use; checks must treat it as read-only."""
+    """What every check may use. The host and GPU reports are computed once and shared, so a
+    later check that needs the GPU's capability (the Turing patch, say) does not probe again."""
 
     python_bin: str | None = None
     need_gib: float | None = None
-    extra: dict[str, object] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _locks: dict[str, threading.Lock] = field(default_factory=dict, repr=False)
+    _cache: dict[str, BaseModel] = field(default_factory=dict, repr=False)
+
+    def host(self) -> HostCapacity:
+        from tools.host import check_host_capacity
+
+        return self._once("host", lambda: check_host_capacity(need_gib=self.need_gib))
+
+    def gpu(self) -> GpuArchReport:
+        from tools.gpu import verify_gpu_arch
+
+        return self._once("gpu", lambda: verify_gpu_arch(python_bin=self.python_bin))
+
+    def _once(self, key: str, compute: Callable[[], BaseModel]):
+        # Checks run in threads: the first caller of a key computes it, later ones wait for that
+        # key only (a lock per key, so the host check never waits on the GPU probe).
+        with self._lock:
+            key_lock = self._locks.setdefault(key, threading.Lock())
+        with key_lock:
+            if key not in self._cache:
+                self._cache[key] = compute()
+            return self._cache[key]
 
 
 CheckFn = Callable[[DoctorContext], "Check | list[Check]"]
@@ -70,9 +98,7 @@ CHECKS: list[str] = [
 
 def check_host(ctx: DoctorContext) -> list[Check]:
     """check_host_capacity, one Check per rule (memory for staging, disk space, /tmp)."""
-    from tools.host import check_host_capacity
-
-    host = check_host_capacity(need_gib=ctx.need_gib)
+    host = ctx.host()
     names = {"memory_staging": "host memory", "disk_space": "disk space", "tmp_small": "/tmp"}
     checks = [
         Check(
@@ -93,9 +119,9 @@ def check_host(ctx: DoctorContext) -> list[Check]:
 
 def check_gpu(ctx: DoctorContext) -> list[Check]:
     """verify_gpu_arch, one Check per component (driver, gpu, torch, vllm)."""
-    from tools.gpu import SEVERITY_ORDER, verify_gpu_arch
+    from tools.gpu import SEVERITY_ORDER
 
-    report = verify_gpu_arch(python_bin=ctx.python_bin)
+    report = ctx.gpu()
     checks: list[Check] = []
     for component in ("probe", "driver", "gpu", "torch", "vllm"):
         found = [d for d in report.diagnoses if d.component == component]
