@@ -53,18 +53,6 @@ def make_venv(where: Path) -> Path:
     return python
 
 
-def venv_site_packages(python: Path) -> Path:
-    """The site-packages folder of a venv made by make_venv."""
-    out = subprocess.run(
-        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=30,
-    )
-    return Path(out.stdout.strip())
-
-
 @pytest.fixture
 def bare_venv(tmp_path: Path) -> Path:
     """The python of a fresh venv with nothing installed (no torch, no vllm, no gpurig)."""

@@ -17,7 +17,6 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import venv_site_packages
 
 from tools import gpu
 from tools.errors import InvalidInputError, NotFoundError
@@ -97,6 +96,18 @@ def test_venv_without_torch_says_torch_is_missing(bare_venv: Path) -> None:
     missing = next(d for d in report.diagnoses if d.code == "torch_missing")
     assert missing.severity == "fail"
     assert f"{bare_venv} -m pip install torch" in missing.remedy
+
+
+def venv_site_packages(python: Path) -> Path:
+    """The site-packages folder of a venv."""
+    out = subprocess.run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=30,
+    )
+    return Path(out.stdout.strip())
 
 
 def _fake_dist(site: Path, name: str, version: str, init: str, requires: tuple = ()) -> None:
