@@ -247,6 +247,16 @@ def test_error_shapes(client, server):
             model=MODEL, messages=ok["messages"], max_tokens=9999, stream=True
         )
 
+    r = httpx.post(url, content=b'{"messages": ' + b"[" * 50000 + b"]" * 50000 + b"}")
+    assert r.status_code == 400 and "nested too deeply" in _error(r)["message"]
+    deep = '{"a": ' * 900 + "{}" + "}" * 900  # parses, but too deep to validate or render
+    body = '{"messages": [{"role": "user", "content": "x"}], "max_tokens": 1, "tools": '
+    body += '[{"type": "function", "function": {"name": "f", "parameters": ' + deep + "}}]}"
+    r = httpx.post(url, content=body.encode())
+    assert r.status_code in (400, 422) and _error(r)
+    r = httpx.post(url, json={**ok, "seed": 2**70})
+    assert r.status_code == 422 and _error(r)["param"] == "seed"
+
     r = httpx.get(server.base + "/v1/nothing")
     assert r.status_code == 404 and _error(r)["code"] == "not_found"
     r = httpx.get(url)

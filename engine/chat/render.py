@@ -139,6 +139,8 @@ def render_chat(
         return _compile(template).render(**context)
     except ChatTemplateError:
         raise
+    except RecursionError:
+        raise ChatTemplateError("the messages or tools are nested too deeply to render") from None
     except jinja2.TemplateError as exc:
         raise ChatTemplateError(f"the chat template failed on these messages: {exc}") from exc
 

@@ -204,7 +204,10 @@ def parse_call(body: str) -> ToolCall:
     rest = text[m.end() :]
     if not rest.lstrip().startswith("{"):
         raise ToolCallSyntaxError("arguments must be an object {...}")
-    args = parse_value(rest)
+    try:
+        args = parse_value(rest)
+    except RecursionError:
+        raise ToolCallSyntaxError("arguments nested too deeply") from None
     return ToolCall(name=m.group(0), arguments=json.dumps(args, ensure_ascii=False))
 
 

@@ -159,12 +159,16 @@ async def _parse_body(request: Request, model: type[M]) -> M:
             raise ApiError(413, f"The request body is over {MAX_BODY_BYTES} bytes.")
     try:
         data = json.loads(bytes(body), parse_constant=_reject_constant)
+    except RecursionError:
+        raise ApiError(400, "The request body is nested too deeply.") from None
     except (ValueError, UnicodeDecodeError) as exc:
         raise ApiError(400, f"The request body is not valid JSON: {exc}") from None
     if not isinstance(data, dict):
         raise ApiError(400, "The request body must be a JSON object.")
     try:
         return model.model_validate(data)
+    except RecursionError:
+        raise ApiError(400, "The request body is nested too deeply.") from None
     except ValidationError as exc:
         first = exc.errors()[0]
         param = ".".join(str(p) for p in first["loc"]) or None

@@ -9,7 +9,7 @@ time went) and, on chat messages, `reasoning_content` (the model's thinking, nev
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -95,8 +95,8 @@ class _SamplingFields(_Request):
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=1)
-    seed: int | None = None
-    stop: str | list[str] | None = None
+    seed: int | None = Field(None, ge=-(2**63), lt=2**64)
+    stop: str | Annotated[list[str], Field(max_length=16)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int | None = Field(None, ge=1, le=1, description="one choice per request")
