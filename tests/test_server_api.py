@@ -216,6 +216,8 @@ def test_error_shapes(client, server):
     with pytest.raises(openai.UnprocessableEntityError) as exc:
         client.chat.completions.create(model=MODEL, messages=ok["messages"], max_tokens="ten")
     assert exc.value.body["param"] == "max_tokens"
+    r = httpx.post(server.base + "/v1/completions", json={"prompt": 5})
+    assert r.status_code == 422 and _error(r)["param"] == "prompt"
     r = httpx.post(url, json={"messages": "hello"})
     assert r.status_code == 422 and _error(r)["param"].startswith("messages")
     r = httpx.post(

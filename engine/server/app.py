@@ -171,7 +171,9 @@ async def _parse_body(request: Request, model: type[M]) -> M:
         raise ApiError(400, "The request body is nested too deeply.") from None
     except ValidationError as exc:
         first = exc.errors()[0]
-        param = ".".join(str(p) for p in first["loc"]) or None
+        # drop pydantic's union-member tags ("str", "list[int]", ...) from the field path
+        path = [str(p) for p in first["loc"] if str(p) not in _TYPE_TAGS and "[" not in str(p)]
+        param = ".".join(path) or None
         count = exc.error_count()
         more = f" (and {count - 1} more problem{'s' if count > 2 else ''})" if count > 1 else ""
         raise ApiError(
@@ -180,6 +182,9 @@ async def _parse_body(request: Request, model: type[M]) -> M:
             param=param,
             code="invalid_type",
         ) from None
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "NamedToolChoice", "literal"}
 
 
 def _max_new_tokens(state: ServerState, prompt_len: int, asked: int | None, param: str) -> int:
