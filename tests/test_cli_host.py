@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
 import pytest
 
-from tools.doctor import DoctorReport
 from tools.gpu import GpuArchReport
 from tools.host import HostCapacity
 
@@ -57,7 +55,7 @@ def test_host_bad_input_exits_2(run_gpurig) -> None:
     assert "Traceback" not in out.stderr
 
 
-def test_gpu_json_and_table(run_gpurig) -> None:
+def test_gpu_json(run_gpurig) -> None:
     out = run_gpurig("gpu", "--json")
     report = GpuArchReport.model_validate_json(out.stdout)
     assert out.returncode == (1 if report.verdict == "fail" else 0)
@@ -82,7 +80,7 @@ def test_gpu_table_under_a_venv_without_torch(run_gpurig, bare_venv: Path) -> No
 
 
 @pytest.mark.skipif(not NO_GPU, reason="asserts this machine's no-GPU report")
-def test_doctor_table_and_json(run_gpurig) -> None:
+def test_doctor_table(run_gpurig) -> None:
     started = time.monotonic()
     out = run_gpurig("doctor")
     elapsed = time.monotonic() - started
@@ -92,8 +90,3 @@ def test_doctor_table_and_json(run_gpurig) -> None:
         assert line in out.stdout
     assert "no NVIDIA GPU visible" in out.stdout
     assert "what to do:" in out.stdout
-    out = run_gpurig("doctor", "--json")
-    assert out.returncode == 1
-    report = DoctorReport.model_validate(json.loads(out.stdout))
-    assert report.status == "fail"
-    assert {c.status for c in report.checks} <= {"ok", "warn", "fail", "skip"}
