@@ -41,6 +41,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--model-name", default=None, help="name clients use in 'model' (default: directory name)"
     )
     p.add_argument(
+        "--no-warmup", action="store_true", help="skip the 2-token warm-up run before serving"
+    )
+    p.add_argument(
         "--log-level",
         default="info",
         choices=["critical", "error", "warning", "info", "debug"],
@@ -94,6 +97,12 @@ def _serve(args: argparse.Namespace) -> int:
         eng = engine.load(model_dir, device=args.device, max_context=max_ctx)
     except EngineError as exc:
         raise _engine_error(exc) from None
+    if not args.no_warmup:  # first-use costs (kernel builds, allocations) stay out of timings
+        import time
+
+        t0 = time.perf_counter()
+        eng.generate([eng.bos_id if eng.bos_id is not None else 2], 2, stop_ids=[])
+        sys.stderr.write(f"gpurig engine: warmed up in {time.perf_counter() - t0:.2f} s\n")
     name = args.model_name or eng.model_name
     aliases = (str(args.model), str(model_dir), str(model_dir.resolve()))
     app = create_app(eng, model_name=name, aliases=aliases)

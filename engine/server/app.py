@@ -31,7 +31,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
-from engine.chat.render import ChatTemplateError, bundled_template, encode_prompt, render_chat
+from engine.chat.render import (
+    ChatTemplateError,
+    bundled_template,
+    encode_prompt,
+    read_template,
+    render_chat,
+)
 from engine.chat.tool_calls import StreamingReplyParser, parse_reply
 from engine.errors import ContextLengthError, GenerationError
 from engine.server.metrics import Metrics
@@ -92,7 +98,12 @@ class ServerState:
         self.aliases = {self.model_name, *aliases}
         self.max_context = int(engine.max_context)
         self.tokenizer = engine.tokenizer
-        self.template = getattr(engine, "chat_template", None) or bundled_template()
+        model_dir = getattr(engine, "model_dir", None)
+        self.template = (
+            getattr(engine, "chat_template", None)
+            or (read_template(model_dir) if model_dir is not None else None)
+            or bundled_template()  # a checkpoint without a template: gpurig's Gemma 4 one
+        )
         config = getattr(engine, "config", None)
         self.vocab_size = int(
             getattr(config, "vocab_size", None) or self.tokenizer.get_vocab_size()
