@@ -17,6 +17,7 @@ No NVML, no driver or no GPU is a verdict ("no NVIDIA GPU visible"), never an ex
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -350,7 +351,7 @@ def run_probe(
     try:
         out, err = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        with _suppress_lookup():
+        with contextlib.suppress(ProcessLookupError):  # it may have exited just now
             os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
         return ProbeRun(
@@ -375,16 +376,6 @@ def run_probe(
         crashed=f"exit status {proc.returncode}" + _signal_name(proc.returncode),
         stderr_tail=(err or "")[-2000:] or None,
     )
-
-
-class _suppress_lookup:
-    """Ignore ProcessLookupError: the probe may exit between the timeout and the kill."""
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, exc_type: Any, *_: Any) -> bool:
-        return exc_type is not None and issubclass(exc_type, ProcessLookupError)
 
 
 def _signal_name(returncode: int) -> str:
