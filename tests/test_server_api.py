@@ -83,7 +83,9 @@ def test_chat_matches_the_engine_and_reports_usage_and_timings(client, reference
     )
     ids = chat_ids(reference, messages)
     expected_ids = reference.generate(ids, 12, stop_ids=CHAT_STOPS)
-    expected = parse_reply(reference.tokenizer.decode(expected_ids, skip_special_tokens=False))
+    expected = parse_reply(
+        reference.tokenizer.decode(expected_ids, skip_special_tokens=False), parse_calls=False
+    )
     choice = resp.choices[0]
     assert choice.message.role == "assistant"
     assert choice.message.content == expected.content
@@ -272,7 +274,7 @@ def test_error_shapes(client, server):
 
 def test_concurrent_clients_each_get_their_own_answer(server, reference):
     prompts = [[2, 105, 10 + i, 20 + i, 30 + i] for i in range(6)]
-    expected = [reference.generate(p, 8, stop_ids=[]) for p in prompts]
+    expected = [reference.generate(p, 16, stop_ids=[]) for p in prompts]
     results: dict[int, object] = {}
     barrier = threading.Barrier(len(prompts))
 
@@ -280,7 +282,7 @@ def test_concurrent_clients_each_get_their_own_answer(server, reference):
         client = openai.OpenAI(base_url=server.base + "/v1", api_key="x", max_retries=0, timeout=60)
         barrier.wait()
         results[i] = client.completions.create(
-            model=MODEL, prompt=prompts[i], max_tokens=8, extra_body={"ignore_eos": True}
+            model=MODEL, prompt=prompts[i], max_tokens=16, extra_body={"ignore_eos": True}
         )
 
     threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(prompts))]
@@ -290,7 +292,7 @@ def test_concurrent_clients_each_get_their_own_answer(server, reference):
         t.join(120)
     assert len(results) == len(prompts)
     for i, resp in results.items():
-        assert resp.usage.completion_tokens == 8
+        assert resp.usage.completion_tokens == 16
         assert resp.choices[0].text == reference.tokenizer.decode(
             expected[i], skip_special_tokens=True
         )
@@ -300,7 +302,7 @@ def test_concurrent_clients_each_get_their_own_answer(server, reference):
         r.model_extra["timings"]["prompt_ms"] + r.model_extra["timings"]["decode_ms"]
         for r in results.values()
     )
-    assert queue_ms[-1] >= 3 * busy_ms
+    assert queue_ms[-1] >= 2 * busy_ms
 
 
 def test_fifo_order_and_queue_time(server):
