@@ -333,3 +333,18 @@ def test_server_registers_the_patch_tools() -> None:
         return {t.name for t in await mcp.list_tools()}
 
     assert {"apply_turing_patch", "verify_turing_patch", "revert_turing_patch"} <= anyio.run(names)
+
+
+@pytest.mark.skipif(not site.ENABLE_USER_SITE, reason="user site disabled for this interpreter")
+def test_second_install_is_reported_as_shadowed(tmp_path, monkeypatch) -> None:
+    """Two vLLMs on sys.path: the one `import vllm` loads is patched, the other is named."""
+    path, digest, size = STOCK_0_33_0
+    first = tmp_path / "on-pythonpath"
+    target = install_fake_wheel(first, "0.33.0", path, digest, size)
+    userbase = tmp_path / "pyuser"
+    install_fake_wheel(user_site(userbase), "0.33.0", path, digest, size)
+    monkeypatch.setenv("PYTHONPATH", str(first))
+    monkeypatch.setenv("PYTHONUSERBASE", str(userbase))
+    report = verify_turing_patch(sys.executable)
+    assert Path(report.path) == target
+    assert len(report.shadowed) == 1 and str(user_site(userbase)) in report.shadowed[0]
