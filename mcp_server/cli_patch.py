@@ -61,7 +61,11 @@ def _render(report) -> str:
         ("file", report.path),
         ("vllm", report.vllm_version),
         ("python", report.python),
-        ("state", f"{report.state_before} -> {report.state_after}"),
+        (
+            "state",
+            f"{report.state_before} -> {report.state_after}"
+            + (" (dry run)" if report.dry_run else ""),
+        ),
         ("changed", ("would change" if report.dry_run else "yes") if report.changed else "no"),
         ("detail", report.detail),
         ("backup", report.backup),

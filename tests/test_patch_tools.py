@@ -145,6 +145,7 @@ def test_apply_verify_revert_cycle(vllm_033, gpurig_home) -> None:
 
     dry = apply_turing_patch(python, dry_run=True)
     assert (dry.changed, dry.dry_run, dry.state_after) == (True, True, "patched")
+    assert (dry.clamp_present, dry.verdict) == (False, "CLAMP ABSENT")  # the file on disk
     assert target.read_bytes() == stock
 
     a = apply_turing_patch(python)
@@ -246,6 +247,7 @@ def test_cli_cycle(vllm_033, capsys) -> None:
     assert main(["patch", "verify", "--python", python, "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["state_after"] == "patched" and report["occurrences"] == 1
+    assert report["verdict"] == "CLAMP PRESENT"
     assert main(["patch", "diff", "--python", python, "--upstream"]) == 0
     diff = capsys.readouterr().out
     assert diff.startswith(f"--- a/{SPEC.target}\n+++ b/{SPEC.target}\n") and "gpurig" not in diff

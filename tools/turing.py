@@ -21,7 +21,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, computed_field
 
 from patches.engine import (
     Classification,
@@ -53,19 +53,25 @@ class TuringPatchReport(BaseModel):
     vllm_version: str
     python: str = Field(description="the serving interpreter asked")
     state_before: State
-    state_after: State
+    state_after: State = Field(
+        description="after the action; with dry_run, the state it would have"
+    )
     changed: bool = Field(description="whether the file was (or, with dry_run, would be) rewritten")
     dry_run: bool = False
-    clamp_present: bool = Field(description="the clamp is in the file, exactly once, unaltered")
-    occurrences: int = Field(description="gpurig markers of this patch in the file")
+    clamp_present: bool = Field(
+        description="the clamp is in the file on disk now, exactly once, unaltered"
+    )
+    occurrences: int = Field(description="gpurig markers of this patch in the file on disk now")
     detail: str = Field(description="why the file is in state_after")
     backup: str | None = Field(default=None, description="where the stock bytes are kept")
     record_sha256: str = Field(description="the file's hash in the wheel's RECORD")
     file_sha256: str = Field(description="the file's hash now (RECORD format)")
     shadowed: list[str] = Field(default_factory=list, description="other vLLM installs, unused")
 
+    @computed_field  # type: ignore[prop-decorator]
     @property
     def verdict(self) -> str:
+        """The seed tool's one-line answer: CLAMP PRESENT or CLAMP ABSENT (the file on disk)."""
         return "CLAMP PRESENT" if self.clamp_present else "CLAMP ABSENT"
 
 
@@ -158,6 +164,7 @@ def _report(
     dry_run: bool = False,
 ) -> TuringPatchReport:
     backup = backup_path(found)
+    on_disk = before if dry_run else after
     return TuringPatchReport(
         action=action,
         patch=_patch_name(),
@@ -168,8 +175,8 @@ def _report(
         state_after=after.state,
         changed=changed,
         dry_run=dry_run,
-        clamp_present=after.state == "patched",
-        occurrences=after.occurrences,
+        clamp_present=on_disk.state == "patched",
+        occurrences=on_disk.occurrences,
         detail=after.detail,
         backup=str(backup) if backup.is_file() else None,
         record_sha256=found.record_sha256,
