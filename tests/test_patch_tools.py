@@ -350,3 +350,41 @@ def test_second_install_is_reported_as_shadowed(tmp_path, monkeypatch) -> None:
     report = verify_turing_patch(sys.executable)
     assert Path(report.path) == target
     assert len(report.shadowed) == 1 and str(user_site(userbase)) in report.shadowed[0]
+
+
+def _doctor_turing_line(python: str, gpu_report=None):
+    from tools.doctor import DoctorContext, check_turing_patch
+
+    ctx = DoctorContext(python_bin=python)
+    if gpu_report is not None:  # the GPU part replayed from a real host (no GPU here)
+        ctx._cache["gpu"] = gpu_report
+    return check_turing_patch(ctx)
+
+
+def _seed_t4_report(python: str):
+    from test_gpu_probe import SEED_T4_NVML, probe
+
+    from tools.gpu import ProbeRun, build_report
+
+    return build_report(python, ProbeRun(report=probe(), seconds=1.0), SEED_T4_NVML)
+
+
+def test_doctor_turing_line_follows_the_gpu_and_the_file(vllm_033) -> None:
+    python, _ = vllm_033
+    # No GPU here: the clamp cannot be judged needed, the stock file is fine.
+    line = _doctor_turing_line(python)
+    assert line.status == "ok" and "stock" in line.detail and "no GPU" in line.detail
+    # The seed's T4 (capability 7.5) with a stock file: a failure that says what to run.
+    t4 = _seed_t4_report(python)
+    line = _doctor_turing_line(python, t4)
+    assert line.status == "fail" and "7.5" in line.detail
+    assert line.remedy == "gpurig patch apply"
+    apply_turing_patch(python)
+    line = _doctor_turing_line(python, t4)
+    assert line.status == "ok" and "patched" in line.detail
+
+
+def test_doctor_turing_line_skips_without_vllm(tmp_path) -> None:
+    python, _ = _venv(tmp_path / "bare")
+    line = _doctor_turing_line(python)
+    assert line.status == "skip"

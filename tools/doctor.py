@@ -89,6 +89,7 @@ CheckFn = Callable[[DoctorContext], "Check | list[Check]"]
 CHECKS: list[str] = [
     "tools.doctor:check_host",
     "tools.doctor:check_gpu",
+    "tools.doctor:check_turing_patch",
 ]
 
 
@@ -144,6 +145,34 @@ def check_gpu(ctx: DoctorContext) -> list[Check]:
             )
         )
     return checks
+
+
+def check_turing_patch(ctx: DoctorContext) -> Check:
+    """The vLLM Turing clamp: needed (and must be `patched`) below capability 8, else moot."""
+    from tools.errors import NotFoundError
+    from tools.turing import MIN_UNPATCHED_MAJOR, verify_turing_patch
+
+    gpu = ctx.gpu()
+    caps = [d.capability for d in gpu.nvml.gpus if d.capability]
+    if not caps and gpu.probe:
+        caps = [d.capability for d in gpu.probe.torch.devices]
+    needed = bool(caps) and min(caps) < (MIN_UNPATCHED_MAJOR, 0)
+    try:
+        report = verify_turing_patch(ctx.python_bin)
+    except NotFoundError as err:
+        return Check(name="turing patch", status="skip", detail=err.message)
+    detail = f"vLLM {report.vllm_version}: {report.state_after} ({report.path})"
+    if report.state_after == "patched":
+        return Check(name="turing patch", status="ok", detail=detail)
+    if not needed:
+        why = "not needed on this GPU" if caps else "no GPU to judge by"
+        return Check(name="turing patch", status="ok", detail=f"{detail}; {why}")
+    return Check(
+        name="turing patch",
+        status="fail",
+        detail=f"{detail}; capability {min(caps)[0]}.{min(caps)[1]} needs the clamp for Gemma 4",
+        remedy="gpurig patch apply",
+    )
 
 
 def _component_ok(component: str, report) -> Check | None:
