@@ -42,10 +42,10 @@ def _span(pos, S, window, RING: tl.constexpr):
 
 @triton.jit
 def _attn_split_kernel(
-    q_ptr, k_ptr, v_ptr, pos_ptr, po_ptr, pm_ptr, pl_ptr,
+    q_ptr, k_ptr, v_ptr, pos_ptr, kpos_ptr, po_ptr, pm_ptr, pl_ptr,
     S, window, scale, stride_qh, stride_ks, stride_vs,
     H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr,
-    RING: tl.constexpr, USE_DOT: tl.constexpr,
+    RING: tl.constexpr, USE_DOT: tl.constexpr, HAS_KPOS: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     P = tl.num_programs(0)
@@ -65,7 +65,11 @@ def _attn_split_kernel(
     for s0 in range(start, end, BLOCK_S):
         rs = s0 + tl.arange(0, BLOCK_S)
         valid = rs < end
-        if RING:
+        if HAS_KPOS:  # the cache records each slot's position (-1 = empty): trust it
+            slot_pos = tl.load(kpos_ptr + rs, mask=valid, other=-1).to(tl.int32)
+            valid = valid & (slot_pos >= 0) & (slot_pos <= pos)
+            valid = valid & ((window <= 0) | (pos - slot_pos < window))
+        elif RING:
             slot_pos = pos - ((pos - rs + S) % S)
             valid = valid & (slot_pos >= 0) & ((window <= 0) | (pos - slot_pos < window))
         k = tl.load(k_ptr + rs[:, None].to(tl.int64) * stride_ks + rd[None, :],
@@ -186,8 +190,13 @@ class DecodeAttention:
         v_cache: torch.Tensor,
         pos: torch.Tensor,
         out: torch.Tensor | None = None,
+        slot_pos: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """q [H, D] (or [1, H, D]); caches [slots, D] (row stride free); pos: int tensor [1]."""
+        """q [H, D] (or [1, H, D]); caches [slots, D] (row stride free); pos: int tensor [1].
+
+        `slot_pos` (optional, int [slots], -1 = empty) is the position each slot holds; without
+        it the slot of a position is the position itself (full) or position % slots (ring).
+        """
         h, d = self.num_heads, self.head_dim
         q2 = q.reshape(h, d)
         if q2.stride(-1) != 1:
@@ -199,11 +208,13 @@ class DecodeAttention:
         o2 = out.view(h, d)
         num_warps = 4 if self.use_dot else 8
         _attn_split_kernel[(self.splits,)](
-            q2, k_cache, v_cache, pos, self.partial_o, self.partial_m, self.partial_l,
+            q2, k_cache, v_cache, pos, slot_pos if slot_pos is not None else pos,
+            self.partial_o, self.partial_m, self.partial_l,
             self.slots, self.window, self.scale, q2.stride(0), k_cache.stride(0),
             v_cache.stride(0),
             H=h, HP=self.heads_padded, D=d, BLOCK_S=self.block_s, RING=self.ring,
-            USE_DOT=self.use_dot, num_warps=num_warps, num_stages=2,
+            USE_DOT=self.use_dot, HAS_KPOS=slot_pos is not None, num_warps=num_warps,
+            num_stages=2,
         )  # fmt: skip
         block_d = min(d, 64)
         _attn_combine_kernel[(h, d // block_d)](

@@ -43,6 +43,21 @@ def _w4_rows_kernel(
     tl.store(out_ptr + offs, vals.to(out_ptr.dtype.element_ty), mask=k_mask[:, None])
 
 
+@triton.jit
+def _w4_flat_kernel(w_ptr, s_ptr, out_ptr, total_words, BLOCK: tl.constexpr):
+    """Whole-matrix unpack: word i of the flattened [N, K/8] codes becomes out[8i .. 8i+7] and
+    uses scale i // 4 (a row's K/8 words and K/32 scales line up), so one flat index does."""
+    idx = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = idx < total_words
+    w = tl.load(w_ptr + idx, mask=mask, other=0)
+    s = tl.load(s_ptr + idx // 4, mask=mask, other=0.0).to(tl.float32)
+    j = tl.arange(0, 8)
+    codes = (w[:, None] >> (j[None, :] * 4)) & 0xF
+    vals = ((codes | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0) * s[:, None]
+    tl.store(out_ptr + idx[:, None] * 8 + j[None, :], vals.to(out_ptr.dtype.element_ty),
+             mask=mask[:, None])  # fmt: skip
+
+
 def _launch(ids, packed, scales, out) -> None:
     rows, k = out.shape
     kw = k // 8
@@ -94,7 +109,13 @@ def w4_dequantize(
     n = packed.shape[0]
     if out is None:
         out = torch.empty(n, k, device=packed.device, dtype=dtype or scales.dtype)
-    _launch(None, packed.contiguous(), scales.contiguous(), out.view(n, k))
+    if not out.is_contiguous():
+        raise ValueError("w4_dequantize writes a contiguous [N, K] matrix")
+    total = packed.numel()
+    block = 1024 if packed.is_cuda else 4096
+    _w4_flat_kernel[(triton.cdiv(total, block),)](
+        packed.contiguous(), scales.contiguous(), out, total, BLOCK=block, num_warps=4
+    )
     return out.view(n, k)
 
 

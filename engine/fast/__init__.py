@@ -1,0 +1,61 @@
+"""The engine's fast path on NVIDIA GPUs: Triton kernels behind engine/ops.py, and the decode
+step replayed as a CUDA graph.
+
+The engine picks it by itself: CUDA tensors take the Triton branches in engine/ops.py (the CPU
+runs the PyTorch reference), and generation decodes through `decoder_for`, which returns a
+CUDA-graph replayer on CUDA and the model's plain decode_step elsewhere.
+
+| variable              | meaning                                                   | default |
+|-----------------------|-----------------------------------------------------------|---------|
+| GPURIG_FAST           | "0" turns the fast path off (reference ops, no graph)     | on      |
+| GPURIG_CUDA_GRAPH     | "0" keeps the Triton kernels but decodes without a graph  | on      |
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from collections.abc import Callable
+
+import torch
+
+_DECODERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def fast_enabled(device: torch.device) -> bool:
+    """True on CUDA unless GPURIG_FAST=0."""
+    return device.type == "cuda" and os.environ.get("GPURIG_FAST", "1") != "0"
+
+
+def graphs_enabled(device: torch.device) -> bool:
+    return fast_enabled(device) and os.environ.get("GPURIG_CUDA_GRAPH", "1") != "0"
+
+
+def decoder_for(model, cache) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """`step(token, position) -> logits [1, V]` for this model and cache: a CUDA graph captured
+    on first use where the device allows, else the model's eager decode_step."""
+    if not graphs_enabled(model.device):
+        return lambda token, position: model.decode_step(token, position, cache)
+    per_model = _DECODERS.setdefault(cache, {})
+    dec = per_model.get(id(model))
+    if dec is None:
+        from engine.fast.graph import GraphDecoder
+
+        dec = GraphDecoder(model, cache)
+        per_model[id(model)] = dec
+    return dec
+
+
+def prefill_chunk_for(device: torch.device, memory_cap_mib: int | None = None) -> int:
+    """Prompt tokens per forward pass on this device: a big chunk keeps a big GPU's matmuls on
+    their tensor-core peak; a small or capped card keeps the attention scores and dequantised
+    weights of one chunk small."""
+    if device.type != "cuda":
+        return 256
+    free, total = torch.cuda.mem_get_info(device)
+    budget = min(free, total) if memory_cap_mib is None else memory_cap_mib << 20
+    if budget >= 40 << 30:
+        return 2048
+    if budget >= 12 << 30:
+        return 1024
+    return 256
