@@ -171,8 +171,9 @@ def _random_weights(cfg: dict[str, Any], seed: int) -> Iterator[tuple[str, torch
     """The text model's 16-bit (bf16) weights, one tensor at a time, in a fixed order.
 
     Linears ~ N(0, 1/in), embeddings ~ N(0, 1/hidden) (so embed * sqrt(hidden) is unit scale),
-    norm weights 1 + N(0, 0.1), layer_scalar U(0.5, 1): random but well-conditioned, so greedy
-    tokens are not decided by rounding noise.
+    norm weights 1 + N(0, 0.1), q/k norm weights scaled by head_dim**-0.25 (attention scale is
+    1.0, so this keeps scores O(1) as a trained model's norms do), layer_scalar U(0.5, 1): random
+    but well-conditioned, so greedy tokens are not decided by rounding noise.
     """
     tc = parse_config(cfg)
     gen = torch.Generator().manual_seed(seed)
@@ -189,8 +190,8 @@ def _random_weights(cfg: dict[str, Any], seed: int) -> Iterator[tuple[str, torch
     def linear(n_out: int, n_in: int) -> torch.Tensor:
         return normal((n_out, n_in), n_in**-0.5)
 
-    def norm(width: int) -> torch.Tensor:
-        return (1.0 + 0.1 * torch.randn(width, generator=gen)).to(torch.bfloat16)
+    def norm(width: int, scale: float = 1.0) -> torch.Tensor:
+        return (scale * (1.0 + 0.1 * torch.randn(width, generator=gen))).to(torch.bfloat16)
 
     yield "embed_tokens.weight", normal((tc.vocab_size, h), h**-0.5)
     if p:
@@ -205,11 +206,11 @@ def _random_weights(cfg: dict[str, Any], seed: int) -> Iterator[tuple[str, torch
         pre = f"layers.{i}."
         yield pre + "input_layernorm.weight", norm(h)
         yield pre + "self_attn.q_proj.weight", linear(hq * hd, h)
-        yield pre + "self_attn.q_norm.weight", norm(hd)
+        yield pre + "self_attn.q_norm.weight", norm(hd, hd**-0.25)
         if i < tc.first_shared_layer:
             yield pre + "self_attn.k_proj.weight", linear(kvh * hd, h)
             yield pre + "self_attn.v_proj.weight", linear(kvh * hd, h)
-            yield pre + "self_attn.k_norm.weight", norm(hd)
+            yield pre + "self_attn.k_norm.weight", norm(hd, hd**-0.25)
         yield pre + "self_attn.o_proj.weight", linear(h, hq * hd)
         yield pre + "post_attention_layernorm.weight", norm(h)
         yield pre + "pre_feedforward_layernorm.weight", norm(h)

@@ -37,21 +37,16 @@ class RopeSpec:
     partial_rotary_factor: float = 1.0
     factor: float = 1.0
 
-    def inv_freq(self) -> list[float]:
-        """Inverse frequencies (head_dim // 2 of them) in float64; callers cast to fp32.
+    def rotated_pairs(self) -> int:
+        """How many of the head_dim / 2 dim pairs rotate (the rest have frequency zero).
 
-        'proportional' (full layers of Gemma 4): the first int(p * head_dim / 2) frequencies use
-        exponent 2j / head_dim (the FULL head width in the denominator), the rest are zero, so
-        those dim pairs do not rotate.
+        'default' rotates all; 'proportional' (full layers of Gemma 4) the first
+        int(p * head_dim / 2), with exponent 2j / head_dim (the FULL width as denominator).
         """
-        half = self.head_dim // 2
         if self.rope_type == "default":
-            return [1.0 / (self.theta ** (2 * j / self.head_dim)) for j in range(half)]
+            return self.head_dim // 2
         if self.rope_type == "proportional":
-            rotated = int(self.partial_rotary_factor * self.head_dim // 2)
-            freqs = [1.0 / (self.theta ** (2 * j / self.head_dim)) for j in range(rotated)]
-            freqs += [0.0] * (half - rotated)
-            return [f / self.factor for f in freqs]
+            return int(self.partial_rotary_factor * self.head_dim // 2)
         raise CheckpointError(
             f"RoPE type {self.rope_type!r} is not supported by the engine",
             "use a Gemma 4 checkpoint (RoPE 'default' on sliding layers, 'proportional' on full)",
@@ -258,7 +253,7 @@ def _text_config(
             partial_rotary_factor=float(params.get("partial_rotary_factor", 1.0)),
             factor=float(params.get("factor", 1.0)),
         )
-        rope[kind].inv_freq()  # refuse an unknown type now, not at the first token
+        rope[kind].rotated_pairs()  # refuse an unknown type now, not at the first token
 
     shared = int(text.get("num_kv_shared_layers", 0) or 0)
     if not 0 <= shared < n_layers:

@@ -26,7 +26,7 @@ import torch
 from engine import ops
 from engine.cache import KVCache
 from engine.checkpoint import CheckpointReader
-from engine.config import TextConfig
+from engine.config import RopeSpec, TextConfig
 from engine.errors import CheckpointError
 from engine.ops import Linear
 
@@ -112,13 +112,11 @@ class Gemma4Model:
         self.final_norm = final_norm
         self.device = device
         self.dtype = dtype
-        self.inv_freq = {
-            kind: torch.tensor(spec.inv_freq(), dtype=torch.float32, device=device)
-            for kind, spec in cfg.rope.items()
-        }
+        self.inv_freq = {kind: rope_inv_freq(spec).to(device) for kind, spec in cfg.rope.items()}
         # rounded to the compute dtype, as transformers rounds them to the weight dtype
-        self.embed_scale = torch.tensor(cfg.embed_scale, dtype=dtype, device=device)
-        self.ple_scale = torch.tensor(cfg.per_layer_embed_scale, dtype=dtype, device=device)
+        # (transformers keeps them as fp32 buffers and casts those: the same double rounding)
+        self.embed_scale = _scale(cfg.embed_scale, dtype, device)
+        self.ple_scale = _scale(cfg.per_layer_embed_scale, dtype, device)
 
     # ---- loading ---------------------------------------------------------------------------
     @classmethod
@@ -342,6 +340,20 @@ class Gemma4Model:
             rest += self.ple_projection_norm.numel() * self.ple_projection_norm.element_size()
         parts["other"] = rest
         return parts
+
+
+def rope_inv_freq(spec: RopeSpec) -> torch.Tensor:
+    """fp32 inverse frequencies [head_dim / 2], computed in fp32 as transformers does (a float64
+    computation rounded afterwards differs in the last bit, which shows in the logits)."""
+    pairs = spec.rotated_pairs()
+    exponents = torch.arange(0, 2 * pairs, 2, dtype=torch.int64).to(torch.float32) / spec.head_dim
+    inv = 1.0 / (spec.theta**exponents)
+    zeros = torch.zeros(spec.head_dim // 2 - pairs, dtype=torch.float32)
+    return torch.cat([inv, zeros]) / spec.factor
+
+
+def _scale(value: float, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.tensor(value, dtype=torch.float32, device=device).to(dtype)
 
 
 def _table(reader: CheckpointReader, name: str, device: torch.device) -> Linear:
