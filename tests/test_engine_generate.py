@@ -1,0 +1,150 @@
+"""Generation: sampling, stop ids, streaming and cancellation, the context limit, the cache and
+the attention reference (checked against a per-query loop at the chunk sizes that broke SDPA)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import engine
+from engine import ops
+from engine.checkpoint_maker import make_checkpoint
+from engine.errors import ContextLengthError, EngineError, GenerationError
+from engine.generate import prefill
+
+PROMPT = [2] + list(range(40, 80))
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("gen") / "tiny"
+    make_checkpoint(path, "tiny", seed=9)
+    return path
+
+
+@pytest.fixture(scope="module")
+def eng(ckpt):
+    return engine.load(ckpt, device="cpu", max_context=256, prefill_chunk=33)
+
+
+def test_surface(eng, ckpt):
+    assert eng.eos_ids == [1, 106, 50] and eng.bos_id == 2
+    assert eng.model_dir == ckpt and eng.model_name == "tiny" and eng.max_context == 256
+    assert eng.device.type == "cpu" and eng.chat_template and "<|turn>" in eng.chat_template
+    ids = eng.tokenizer.encode("<|turn>user\nhi<turn|>", add_special_tokens=False).ids
+    assert ids[0] == 105 and ids[-1] == 106
+
+
+def test_sampling_is_seeded_and_bounded(eng):
+    greedy = eng.generate(PROMPT, 16, stop_ids=[])
+    a = eng.generate(PROMPT, 16, temperature=1.0, seed=5, stop_ids=[])
+    b = eng.generate(PROMPT, 16, temperature=1.0, seed=5, stop_ids=[])
+    c = eng.generate(PROMPT, 16, temperature=1.0, seed=6, stop_ids=[])
+    assert a == b and a != c and a != greedy
+    assert eng.generate(PROMPT, 16, temperature=1.0, top_k=1, seed=1, stop_ids=[]) == greedy
+    assert eng.generate(PROMPT, 16, temperature=0.7, top_p=1e-6, seed=1, stop_ids=[]) == greedy
+    # top-k 3: every sampled token is among the 3 most likely at its step
+    out = eng.generate(PROMPT, 8, temperature=2.0, top_k=3, seed=2, stop_ids=[])
+    logits = [prefill(eng.model, eng.cache, PROMPT, 33)]
+    for i, tok in enumerate(out[:-1]):
+        pos = torch.tensor([len(PROMPT) + i])
+        logits.append(eng.model.decode_step(torch.tensor([tok]), pos, eng.cache)[0])
+    for tok, row in zip(out, logits, strict=True):
+        assert tok in row.topk(3).indices.tolist()
+
+
+def test_stop_ids_end_without_the_stop_token(eng):
+    greedy = eng.generate(PROMPT, 24, stop_ids=[])
+    j = 6
+    stop = greedy[j]
+    first = greedy.index(stop)
+    out = eng.generate(PROMPT, 24, stop_ids=[stop])
+    assert out == greedy[:first] and eng.last_finish_reason == "stop"
+    assert eng.generate(PROMPT, 5, stop_ids=[]) == greedy[:5] and eng.last_finish_reason == "length"
+    assert eng.generate(PROMPT, 0) == [] and eng.last_finish_reason == "length"
+
+
+def test_stream_yields_and_cancels(eng):
+    greedy = eng.generate(PROMPT, 12, stop_ids=[])
+    it = eng.stream(PROMPT, 12, stop_ids=[])
+    got = [next(it) for _ in range(4)]
+    it.close()
+    assert got == greedy[:4]
+    with pytest.raises(StopIteration):
+        next(it)
+    assert eng.generate(PROMPT, 12, stop_ids=[]) == greedy  # the cache is fine afterwards
+
+
+def test_context_limit(ckpt):
+    small = engine.load(ckpt, device="cpu", max_context=48, prefill_chunk=16)
+    with pytest.raises(ContextLengthError) as info:
+        small.stream(list(range(3, 52)), 4)  # raised at the call, before any token
+    assert (info.value.requested, info.value.limit) == (49, 48)
+    out = small.generate(PROMPT, 100, stop_ids=[])  # 41 prompt tokens: room for 8 positions
+    assert len(out) == 48 - len(PROMPT) + 1 and small.last_finish_reason == "length"
+    assert len(small.generate(list(range(3, 51)), 5, stop_ids=[])) == 1  # prompt fills it exactly
+    with pytest.raises(EngineError, match="max_context"):
+        engine.load(ckpt, device="cpu", max_context=10**7)
+
+
+def test_bad_requests(eng):
+    for kwargs in ({"temperature": -1.0}, {"top_k": 0}, {"top_p": 1.5}):
+        with pytest.raises(GenerationError):
+            eng.generate(PROMPT, 4, **kwargs)
+    with pytest.raises(GenerationError, match="empty"):
+        eng.generate([], 4)
+    with pytest.raises(GenerationError, match="vocabulary"):
+        eng.generate([2, 10_000], 4)
+
+
+def test_cache_ring_and_memory(ckpt):
+    eng = engine.load(ckpt, device="cpu", max_context=100, prefill_chunk=7)
+    cfg = eng.config
+    prefill(eng.model, eng.cache, list(range(3, 43)), 7)  # 40 tokens, window 16
+    for i, lc in eng.cache.layers.items():
+        if cfg.is_sliding(i):
+            assert lc.slots == cfg.sliding_window
+            assert sorted(lc.pos.tolist()) == list(range(24, 40))
+            assert all(p % lc.slots == s for s, p in enumerate(lc.pos.tolist()))
+        else:
+            assert lc.pos[:40].tolist() == list(range(40)) and (lc.pos[40:] == -1).all()
+    assert set(eng.cache.layers) == set(range(cfg.first_shared_layer))  # shared layers own none
+    expected = sum(
+        (cfg.sliding_window if cfg.is_sliding(i) else 100)
+        * (2 * cfg.layer_kv_heads[i] * cfg.layer_head_dims[i] * 4 + 8)
+        for i in range(cfg.first_shared_layer)
+    )
+    report = eng.memory_report()
+    assert report.cache_bytes == expected
+    assert report.total_bytes == (
+        report.embed_lm_head_bytes
+        + report.layers_bytes
+        + report.per_layer_table_bytes
+        + report.cache_bytes
+        + report.other_bytes
+    )
+    assert report.layers_bytes > 0 and report.per_layer_table_bytes == 512 * 6 * 32 * 2
+
+
+@pytest.mark.parametrize("chunk", [33, 65, 97])
+def test_attention_prefill_matches_a_per_query_loop(chunk):
+    """Plain matmul + softmax over cache + chunk equals attending query by query (the seed saw
+    torch SDPA's memory-efficient kernel return a wrong last row at these sizes)."""
+    gen = torch.Generator().manual_seed(chunk)
+    hq, hkv, d, window, start = 8, 1, 32, 40, 70
+    q = torch.randn(chunk, hq, d, generator=gen)
+    k_new, v_new = torch.randn(2, chunk, hkv, d, generator=gen)
+    ring_k, ring_v = torch.randn(2, window, hkv, d, generator=gen)
+    first = start - window  # the ring holds positions first..start-1, slot = position % window
+    ring_pos = torch.tensor([first + (s - first) % window for s in range(window)])
+    q_pos = torch.arange(start, start + chunk)
+    got = ops.attention_prefill(q, k_new, v_new, ring_k, ring_v, ring_pos, q_pos, window)
+    keys, values = torch.cat([ring_k, k_new])[:, 0], torch.cat([ring_v, v_new])[:, 0]
+    pos = torch.cat([ring_pos, q_pos])
+    for t in range(chunk):
+        p = int(q_pos[t])
+        sel = (pos <= p) & (pos > p - window)
+        w = torch.softmax(q[t] @ keys[sel].T, dim=-1)
+        assert torch.allclose(got[t], w @ values[sel], atol=1e-5), f"row {t} of {chunk}"
