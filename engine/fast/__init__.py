@@ -9,6 +9,10 @@ CUDA-graph replayer on CUDA and the model's plain decode_step elsewhere.
 |-----------------------|-----------------------------------------------------------|---------|
 | GPURIG_FAST           | "0" turns the fast path off (reference ops, no graph)     | on      |
 | GPURIG_CUDA_GRAPH     | "0" keeps the Triton kernels but decodes without a graph  | on      |
+| GPURIG_DECODE         | "fused" (fused kernels) or "reference" (the model's step) | fused   |
+
+GPURIG_FAST=force runs the fast path on any device Triton runs on (the CPU interpreter, for
+tests).
 """
 
 from __future__ import annotations
@@ -23,26 +27,44 @@ _DECODERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def fast_enabled(device: torch.device) -> bool:
-    """True on CUDA unless GPURIG_FAST=0."""
-    return device.type == "cuda" and os.environ.get("GPURIG_FAST", "1") != "0"
+    """True on CUDA unless GPURIG_FAST=0; anywhere with GPURIG_FAST=force."""
+    flag = os.environ.get("GPURIG_FAST", "1")
+    return flag == "force" or (device.type == "cuda" and flag != "0")
 
 
 def graphs_enabled(device: torch.device) -> bool:
-    return fast_enabled(device) and os.environ.get("GPURIG_CUDA_GRAPH", "1") != "0"
+    return (
+        device.type == "cuda"
+        and fast_enabled(device)
+        and os.environ.get("GPURIG_CUDA_GRAPH", "1") != "0"
+    )
+
+
+def _step_fn(model, cache) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    if fast_enabled(model.device) and os.environ.get("GPURIG_DECODE", "fused") == "fused":
+        from engine.fast import decode
+
+        if decode.supported(model):
+            return decode.FusedDecoder(model, cache).step
+    return lambda token, position: model.decode_step(token, position, cache)
 
 
 def decoder_for(model, cache) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """`step(token, position) -> logits [1, V]` for this model and cache: a CUDA graph captured
-    on first use where the device allows, else the model's eager decode_step."""
-    if not graphs_enabled(model.device):
-        return lambda token, position: model.decode_step(token, position, cache)
+    """`step(token, position) -> logits [1, V]` for this model and cache: on CUDA the fused
+    decode step captured as a CUDA graph on first use; elsewhere the model's eager step."""
     per_model = _DECODERS.setdefault(cache, {})
-    dec = per_model.get(id(model))
+    key = (id(model), os.environ.get("GPURIG_DECODE", "fused"), graphs_enabled(model.device),
+           fast_enabled(model.device))  # fmt: skip
+    dec = per_model.get(key)
     if dec is None:
-        from engine.fast.graph import GraphDecoder
+        step = _step_fn(model, cache)
+        if graphs_enabled(model.device):
+            from engine.fast.graph import GraphDecoder
 
-        dec = GraphDecoder(model, cache)
-        per_model[id(model)] = dec
+            dec = GraphDecoder(model, cache, step)
+        else:
+            dec = step
+        per_model[key] = dec
     return dec
 
 

@@ -15,11 +15,16 @@ import torch
 
 
 class GraphDecoder:
-    """`decoder(token, position) -> logits [1, V]`, the same as `model.decode_step`."""
+    """`decoder(token, position) -> logits [1, V]`, the same as `model.decode_step`.
 
-    def __init__(self, model, cache) -> None:
+    `step` (default: the model's own decode_step on `cache`) is what gets captured; the fused
+    decoder's step is the usual choice on CUDA.
+    """
+
+    def __init__(self, model, cache, step=None) -> None:
         self.model = model
         self.cache = cache
+        self.step = step or (lambda token, position: model.decode_step(token, position, cache))
         dev = model.device
         self.token = torch.zeros(1, dtype=torch.int64, device=dev)
         self.position = torch.zeros(1, dtype=torch.int64, device=dev)
@@ -32,11 +37,11 @@ class GraphDecoder:
         with torch.cuda.stream(stream), torch.inference_mode():
             # eager warm-up: compiles and tunes every kernel; it is this token's real step (the
             # replay below rewrites the same cache slot with the same values)
-            self.model.decode_step(self.token, self.position, self.cache)
+            self.step(self.token, self.position)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph), torch.inference_mode():
-            self.logits = self.model.decode_step(self.token, self.position, self.cache)
+            self.logits = self.step(self.token, self.position)
         self.graph = graph
 
     @torch.inference_mode()

@@ -21,8 +21,8 @@ import triton.language as tl
 
 @triton.jit
 def _w4_rows_kernel(
-    ids_ptr, w_ptr, s_ptr, out_ptr, K, stride_out,
-    HAS_IDS: tl.constexpr, BLOCK_KW: tl.constexpr,
+    ids_ptr, w_ptr, s_ptr, out_ptr, mul_ptr, K, stride_out,
+    HAS_IDS: tl.constexpr, BLOCK_KW: tl.constexpr, HAS_MUL: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -39,8 +39,11 @@ def _w4_rows_kernel(
     j = tl.arange(0, 8)
     codes = (w[:, None] >> (j[None, :] * 4)) & 0xF
     vals = ((codes | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0) * s[:, None]
+    vals = vals.to(out_ptr.dtype.element_ty)
+    if HAS_MUL:  # the reference's `rows * scale`: a second rounding, as a 16-bit multiply does
+        vals = (vals.to(tl.float32) * tl.load(mul_ptr).to(tl.float32)).to(out_ptr.dtype.element_ty)
     offs = row.to(tl.int64) * stride_out + rk[:, None] * 8 + j[None, :]
-    tl.store(out_ptr + offs, vals.to(out_ptr.dtype.element_ty), mask=k_mask[:, None])
+    tl.store(out_ptr + offs, vals, mask=k_mask[:, None])
 
 
 @triton.jit
@@ -58,14 +61,15 @@ def _w4_flat_kernel(w_ptr, s_ptr, out_ptr, total_words, BLOCK: tl.constexpr):
              mask=mask[:, None])  # fmt: skip
 
 
-def _launch(ids, packed, scales, out) -> None:
+def _launch(ids, packed, scales, out, mul=None) -> None:
     rows, k = out.shape
     kw = k // 8
     block_kw = min(256, triton.next_power_of_2(max(kw, 16)))
     grid = (rows, triton.cdiv(kw, block_kw))
     _w4_rows_kernel[grid](
-        ids if ids is not None else packed, packed, scales, out, k, out.stride(0),
-        HAS_IDS=ids is not None, BLOCK_KW=block_kw, num_warps=4,
+        ids if ids is not None else packed, packed, scales, out,
+        mul if mul is not None else scales, k, out.stride(0),
+        HAS_IDS=ids is not None, BLOCK_KW=block_kw, HAS_MUL=mul is not None, num_warps=4,
     )  # fmt: skip
 
 
@@ -86,15 +90,20 @@ def w4_gather_rows(
     scales: torch.Tensor,
     dtype: torch.dtype | None = None,
     out: torch.Tensor | None = None,
+    mul: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Rows `ids` (any shape) of the 4-bit table, dequantized: [*ids.shape, K]."""
+    """Rows `ids` (any shape) of the 4-bit table, dequantized: [*ids.shape, K].
+
+    `mul` (a one-element tensor) multiplies the rows after their rounding to `dtype`, rounded
+    again: the reference's `embed_rows(...) * embed_scale` in one pass.
+    """
     k = _check(packed, scales)
     flat = ids.reshape(-1)
     if out is None:
         out = torch.empty(flat.numel(), k, device=packed.device, dtype=dtype or scales.dtype)
     out2 = out.view(flat.numel(), k)
     if flat.numel():
-        _launch(flat.contiguous(), packed.contiguous(), scales.contiguous(), out2)
+        _launch(flat.contiguous(), packed.contiguous(), scales.contiguous(), out2, mul)
     return out2.view(*ids.shape, k)
 
 

@@ -1,0 +1,262 @@
+"""Fused elementwise kernels of one decode step (one token): norms, residuals, RoPE, GELU.
+
+A decode step of the reference model is ~95 small PyTorch kernels per layer (an RMSNorm alone is
+eight); inside a CUDA graph each still costs a launch slot of about a microsecond, which at
+35 layers is several milliseconds per token, more than all the weight reads. These kernels do
+each chain in one launch.
+
+They round where the reference rounds: every PyTorch op of the reference returns a 16-bit
+tensor, so each intermediate here is rounded to the compute dtype at the same point
+(`_round`), and the results equal the reference's up to the order of the fp32 sums inside a
+norm. Every kernel works on one token (T = 1).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _round(x, DT: tl.constexpr):
+    """Round fp32 to the compute dtype and back: what a 16-bit PyTorch op stores."""
+    return x.to(DT).to(tl.float32)
+
+
+@triton.jit
+def _inv_rms(x, mask, n, eps):
+    """(mean(x^2) + eps)^-0.5 over the valid elements, in fp32."""
+    ms = tl.sum(tl.where(mask, x * x, 0.0), axis=0) / n
+    return 1.0 / tl.sqrt(ms + eps)
+
+
+@triton.jit
+def _scale_w(x, inv, w_ptr, offs, mask, HAS_W: tl.constexpr, DT: tl.constexpr):
+    y = x * inv
+    if HAS_W:
+        y = y * tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    return _round(y, DT)
+
+
+@triton.jit
+def _rms(x, w_ptr, offs, mask, n, eps, HAS_W: tl.constexpr, DT: tl.constexpr):
+    """round(x * (mean(x^2) + eps)^-0.5 [* w]) in fp32 (Gemma 4: the weight as is)."""
+    return _scale_w(x, _inv_rms(x, mask, n, eps), w_ptr, offs, mask, HAS_W, DT)
+
+
+@triton.jit
+def _gelu_tanh(x):
+    # 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), tanh via exp (no libdevice needed)
+    z = 0.7978845608028654 * (x + 0.044715 * x * x * x)
+    t = 1.0 - 2.0 / (tl.exp(2.0 * z) + 1.0)
+    return 0.5 * x * (1.0 + t)
+
+
+@triton.jit
+def _rmsnorm_rows_kernel(x_ptr, w_ptr, out_ptr, D, stride_x, stride_o, eps,
+                         HAS_W: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < D
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    y = _rms(x, w_ptr, offs, mask, D, eps, HAS_W, out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * stride_o + offs, y, mask=mask)
+
+
+@triton.jit
+def _residual_norm_kernel(
+    h_ptr, y_ptr, w_post_ptr, scalar_ptr, w_next_ptr, h_out_ptr, x_out_ptr, D, eps,
+    HAS_SCALAR: tl.constexpr, HAS_NEXT: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """h' = round(h + rms(y) * w_post) [* scalar]; x' = rms(h') * w_next (the next norm)."""
+    DT: tl.constexpr = h_out_ptr.dtype.element_ty
+    offs = tl.arange(0, BLOCK)
+    mask = offs < D
+    h = tl.load(h_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    y = tl.load(y_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    h = _round(h + _rms(y, w_post_ptr, offs, mask, D, eps, True, DT), DT)
+    if HAS_SCALAR:
+        h = _round(h * tl.load(scalar_ptr).to(tl.float32), DT)
+    tl.store(h_out_ptr + offs, h, mask=mask)
+    if HAS_NEXT:
+        tl.store(x_out_ptr + offs, _rms(h, w_next_ptr, offs, mask, D, eps, True, DT), mask=mask)
+
+
+@triton.jit
+def _gelu_mul_kernel(g_ptr, u_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    """round(round(gelu_tanh(g)) * u)."""
+    DT: tl.constexpr = out_ptr.dtype.element_ty
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs, _round(_round(_gelu_tanh(g), DT) * u, DT), mask=mask)
+
+
+@triton.jit
+def _qkv_rope_kernel(
+    qkv_ptr, q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr, q_out_ptr,
+    cache_k_ptr, cache_v_ptr, cache_pos_ptr, pos_ptr, slots, eps,
+    HQ: tl.constexpr, D: tl.constexpr, OWN_KV: tl.constexpr, V_FROM_K: tl.constexpr,
+    RING: tl.constexpr,
+):  # fmt: skip
+    """Per head: RMSNorm (q, k with weights; v without), RoPE on q and k (NeoX half split),
+    and for own-KV layers the key/value written into the cache slot of this position."""
+    DT: tl.constexpr = q_out_ptr.dtype.element_ty
+    head = tl.program_id(0)
+    offs = tl.arange(0, D)
+    half: tl.constexpr = D // 2
+    partner = (offs + half) % D
+    sign = tl.where(offs < half, -1.0, 1.0)
+    mask = offs < D
+    pos = tl.load(pos_ptr)
+    cos = tl.load(cos_ptr + offs).to(tl.float32)
+    sin = tl.load(sin_ptr + offs).to(tl.float32)
+    if head < HQ:
+        x = tl.load(qkv_ptr + head * D + offs).to(tl.float32)
+        xp = tl.load(qkv_ptr + head * D + partner).to(tl.float32)
+        inv = _inv_rms(x, mask, D, eps)  # the partner uses the same factor: one norm
+        xn = _scale_w(x, inv, q_norm_ptr, offs, mask, True, DT)
+        xpn = _scale_w(xp, inv, q_norm_ptr, partner, mask, True, DT)
+        out = _round(_round(xn * cos, DT) + _round(sign * xpn * sin, DT), DT)
+        tl.store(q_out_ptr + head * D + offs, out)
+    elif OWN_KV:
+        if RING:  # noqa: SIM108 - a constexpr branch
+            slot = pos % slots
+        else:
+            slot = pos
+        base = HQ * D
+        if head == HQ:  # the key: norm with weights, rotate, store
+            x = tl.load(qkv_ptr + base + offs).to(tl.float32)
+            xp = tl.load(qkv_ptr + base + partner).to(tl.float32)
+            inv = _inv_rms(x, mask, D, eps)
+            xn = _scale_w(x, inv, k_norm_ptr, offs, mask, True, DT)
+            xpn = _scale_w(xp, inv, k_norm_ptr, partner, mask, True, DT)
+            out = _round(_round(xn * cos, DT) + _round(sign * xpn * sin, DT), DT)
+            tl.store(cache_k_ptr + slot * D + offs, out.to(cache_k_ptr.dtype.element_ty))
+            tl.store(cache_pos_ptr + slot, pos.to(cache_pos_ptr.dtype.element_ty))
+        else:  # the value: norm without weight, no rotation
+            if V_FROM_K:
+                x = tl.load(qkv_ptr + base + offs).to(tl.float32)
+            else:
+                x = tl.load(qkv_ptr + base + D + offs).to(tl.float32)
+            vn = _rms(x, k_norm_ptr, offs, mask, D, eps, False, DT)
+            tl.store(cache_v_ptr + slot * D + offs, vn.to(cache_v_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _ple_mix_kernel(proj_ptr, tok_ptr, w_ptr, out_ptr, P, eps, c_proj, c_mix,
+                    BLOCK: tl.constexpr):  # fmt: skip
+    """Per layer l: round(round(rms(round(proj*c_proj)) * w + tok) * c_mix) (the PLE input)."""
+    DT: tl.constexpr = out_ptr.dtype.element_ty
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < P
+    p = _round(tl.load(proj_ptr + row * P + offs, mask=mask, other=0.0).to(tl.float32) * c_proj,
+               DT)  # fmt: skip
+    n = _rms(p, w_ptr, offs, mask, P, eps, True, DT)
+    t = tl.load(tok_ptr + row * P + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * P + offs, _round(_round(n + t, DT) * c_mix, DT), mask=mask)
+
+
+# ---- launchers -------------------------------------------------------------------------------
+def _block(n: int) -> int:
+    return triton.next_power_of_2(max(n, 16))
+
+
+def _warps(n: int) -> int:
+    return 8 if n >= 4096 else 4 if n >= 1024 else 2 if n >= 256 else 1
+
+
+def rmsnorm_rows(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
+                 out: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """RMSNorm of every row of x [R, D] (weight [D] or None), as ops.rms_norm rounds it."""
+    d = x.shape[-1]
+    x2 = x.reshape(-1, d)
+    out = torch.empty_like(x2) if out is None else out.view(-1, d)
+    _rmsnorm_rows_kernel[(x2.shape[0],)](
+        x2, weight if weight is not None else x2, out, d, x2.stride(0), out.stride(0), eps,
+        HAS_W=weight is not None, BLOCK=_block(d), num_warps=_warps(d),
+    )  # fmt: skip
+    return out.view(x.shape)
+
+
+def residual_norm(
+    h: torch.Tensor,
+    y: torch.Tensor,
+    w_post: torch.Tensor,
+    eps: float,
+    scalar: torch.Tensor | None = None,
+    w_next: torch.Tensor | None = None,
+    h_out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """h' = h + rms_norm(y, w_post) [then * scalar]; also rms_norm(h', w_next) when given.
+    h_out may be h itself (one program reads every element before it writes)."""
+    d = h.shape[-1]
+    h_out = torch.empty_like(h) if h_out is None else h_out
+    x_out = torch.empty_like(h) if w_next is not None else None
+    _residual_norm_kernel[(1,)](
+        h, y, w_post, scalar if scalar is not None else w_post,
+        w_next if w_next is not None else w_post, h_out, x_out if x_out is not None else h_out,
+        d, eps, HAS_SCALAR=scalar is not None, HAS_NEXT=w_next is not None,
+        BLOCK=_block(d), num_warps=_warps(d),
+    )  # fmt: skip
+    return h_out, x_out
+
+
+def gelu_mul(g: torch.Tensor, u: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """gelu_tanh(g) * u, rounded as the reference rounds (g, u: same number of elements)."""
+    n = g.numel()
+    out = torch.empty_like(g) if out is None else out
+    block = 1024
+    _gelu_mul_kernel[(triton.cdiv(n, block),)](g, u, out, n, BLOCK=block, num_warps=4)
+    return out
+
+
+def qkv_rope(
+    qkv: torch.Tensor,
+    q_norm: torch.Tensor,
+    k_norm: torch.Tensor | None,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    num_heads: int,
+    head_dim: int,
+    eps: float,
+    position: torch.Tensor,
+    cache=None,
+    v_from_k: bool = False,
+) -> torch.Tensor:
+    """q [HQ, D] normed and rotated from the fused projection output; for an own-KV layer
+    (`cache` a LayerCache) the key and value are normed (and the key rotated) and written to
+    the slot of `position`, whose recorded position is updated too."""
+    q_out = torch.empty(num_heads, head_dim, device=qkv.device, dtype=qkv.dtype)
+    own = cache is not None
+    grid = (num_heads + (2 if own else 0),)
+    _qkv_rope_kernel[grid](
+        qkv, q_norm, k_norm if k_norm is not None else q_norm, cos, sin, q_out,
+        cache.k if own else q_out, cache.v if own else q_out, cache.pos if own else position,
+        position, cache.slots if own else 1, eps,
+        HQ=num_heads, D=head_dim, OWN_KV=own, V_FROM_K=v_from_k,
+        RING=bool(own and cache.window is not None), num_warps=_warps(head_dim),
+    )  # fmt: skip
+    return q_out
+
+
+def ple_mix(
+    proj: torch.Tensor,
+    tok: torch.Tensor,
+    weight: torch.Tensor,
+    layers: int,
+    width: int,
+    eps: float,
+    c_proj: float,
+    c_mix: float,
+) -> torch.Tensor:
+    """The per-layer inputs [layers, width] of one token from the raw projection and lookup."""
+    out = torch.empty(layers, width, device=proj.device, dtype=proj.dtype)
+    _ple_mix_kernel[(layers,)](
+        proj, tok, weight, out, width, eps, c_proj, c_mix, BLOCK=_block(width),
+        num_warps=_warps(width),
+    )  # fmt: skip
+    return out

@@ -1,0 +1,100 @@
+"""The fast path's pieces wired into the model: fused decode step, fused projections, and the
+Triton branches of the ops dispatch points, against the engine's reference (tiny preset, fp32,
+on the CPU interpreter here and compiled on a GPU)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import engine
+from engine import ops
+from engine.checkpoint_maker import make_checkpoint
+from engine.fast import ops_fast
+from engine.fast.decode import FusedDecoder, supported
+from engine.fast.fuse import fuse_projections
+from engine.generate import prefill
+
+
+@pytest.fixture(scope="module")
+def tiny_engine(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_emb4")
+    make_checkpoint(path, preset="tiny", seed=3, emb4=True)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    return engine.load(path, device=dev, dtype=torch.float32, max_context=256)
+
+
+def test_fused_decode_step_matches_the_reference_step(tiny_engine) -> None:
+    eng = tiny_engine
+    model = eng.model
+    assert supported(model)
+    prompt = [2] + [int(t) for t in torch.randint(3, 500, (40,))]
+    logits = prefill(model, eng.cache, prompt, 16)  # 40 > window 16: the rings wrap
+    fused_cache = copy.deepcopy(eng.cache)
+    decoder = FusedDecoder(model, fused_cache)
+    tok_ref = tok_fast = logits.argmax().view(1)
+    pos = torch.tensor([len(prompt)], device=model.device)
+    for _ in range(8):
+        ref = model.decode_step(tok_ref, pos, eng.cache)[0]
+        fast = decoder.step(tok_fast, pos)[0]
+        assert (ref - fast).abs().max().item() < 1e-4
+        tok_ref, tok_fast = ref.argmax().view(1), fast.argmax().view(1)
+        assert tok_ref.item() == tok_fast.item()
+        pos = pos + 1
+    for i, layer in eng.cache.layers.items():
+        other = fused_cache.layers[i]
+        assert torch.equal(layer.pos, other.pos), i
+        assert torch.allclose(layer.k, other.k, atol=1e-5) and torch.allclose(
+            layer.v, other.v, atol=1e-5
+        )
+
+
+def test_fusion_keeps_one_copy_and_the_same_products(tiny_engine) -> None:
+    model = tiny_engine.model
+    fused = fuse_projections(model)
+    assert fuse_projections(model) is fused  # idempotent
+    w = model.layers[0]
+    assert fused[0].qkv is not None and fused[0].gate_up is not None
+    assert w.q.packed.data_ptr() == fused[0].qkv.packed.data_ptr()  # a view, not a copy
+    x = torch.randn(3, w.q.in_features, device=model.device)
+    whole = ops.linear(x, fused[0].qkv)
+    parts = torch.cat([ops.linear(x, p) for p in (w.q, w.k, w.v)], dim=-1)
+    assert torch.allclose(whole, parts, atol=1e-5)
+
+
+def test_fast_ops_agree_with_the_reference_ops(tiny_engine) -> None:
+    model = tiny_engine.model
+    dev = model.device
+    w = model.layers[1].down
+    for rows in (1, 9):  # GEMV and the dequantise + matmul path
+        x = torch.randn(rows, w.in_features, device=dev)
+        assert torch.allclose(ops_fast.linear4(x, w), ops.linear4(x, w), atol=1e-4)
+    ids = torch.tensor([0, 5, 511], device=dev)
+    got = ops_fast.embed4_rows(ids, model.embed, torch.float32)
+    assert torch.equal(got, ops.embed4_rows(ids, model.embed, torch.float32))
+    # decode attention over a wrapped sliding ring and over a full cache, slots from the cache
+    cache = copy.deepcopy(tiny_engine.cache)
+    prefill(model, cache, list(range(2, 60)), 32)
+    for i, window in ((0, model.cfg.sliding_window), (2, None)):
+        lc = cache.layers[i]
+        d = lc.k.shape[-1]
+        q = torch.randn(1, model.cfg.num_attention_heads, d, device=dev)
+        pos = torch.tensor([57], device=dev)
+        want = ops.attention_decode(q, lc.k, lc.v, lc.pos, pos, window)
+        got = ops_fast.attention_decode(q, lc.k, lc.v, lc.pos, pos, window)
+        assert torch.allclose(got, want, atol=1e-4), i
+
+
+def test_shapes_outside_the_kernels_fall_back(tiny_engine) -> None:
+    dev = tiny_engine.model.device
+    q = torch.randn(2, 4, 32, device=dev)  # two query tokens
+    k = torch.zeros(8, 1, 32, device=dev)
+    pos = torch.arange(8, device=dev)
+    assert ops_fast.attention_decode(q, k, k, pos, torch.tensor([7, 8], device=dev), None) is None
+    k2 = torch.zeros(8, 2, 32, device=dev)  # two KV heads
+    assert ops_fast.attention_decode(q[:1], k2, k2, pos, pos[:1], None) is None
+    odd = ops.PackedLinear(torch.zeros(4, 2, dtype=torch.int32, device=dev),
+                           torch.ones(4, 1, device=dev), 4, 16, group_size=16)  # fmt: skip
+    assert ops_fast.linear4(torch.randn(1, 16, device=dev), odd) is None
