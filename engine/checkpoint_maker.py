@@ -257,8 +257,8 @@ class _Quantizer:
         quantize = (_is_linear(name) or (self.emb4 and _is_embed_table(name))) and w.dim() == 2
         if quantize and w.shape[1] % GROUP_SIZE == 0:
             module = name[: -len(".weight")]
-            codes, scales = quantize_groups(w, GROUP_SIZE)
-            yield f"{module}.weight_packed", pack_codes(codes)
+            packed, scales = _quantize_in_blocks(w)
+            yield f"{module}.weight_packed", packed
             yield f"{module}.weight_scale", scales
             yield f"{module}.weight_shape", torch.tensor(list(w.shape), dtype=torch.int64)
             if _is_linear(name):
@@ -268,6 +268,17 @@ class _Quantizer:
             self.plain += 1
             self.ignore.append(self.module_prefix + name[: -len(".weight")])
         yield name, w.to(torch.bfloat16) if w.is_floating_point() else w
+
+
+def _quantize_in_blocks(w: torch.Tensor, rows: int = 8192) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_groups + pack_codes a block of rows at a time: the E2B per-layer table is 2.3 G
+    values, whose fp32 copy alone would not fit in host memory."""
+    packed, scales = [], []
+    for start in range(0, w.shape[0], rows):
+        codes, sc = quantize_groups(w[start : start + rows], GROUP_SIZE)
+        packed.append(pack_codes(codes))
+        scales.append(sc)
+    return torch.cat(packed), torch.cat(scales)
 
 
 def quantization_config(ignore: list[str]) -> dict[str, Any]:

@@ -21,6 +21,7 @@ Conventions shared by every function:
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -87,18 +88,27 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 def unpack_codes(packed: torch.Tensor, in_features: int) -> torch.Tensor:
-    """int32 [N, K // 8] -> signed 4-bit codes as int8 [N, K] (q in [-8, 7])."""
-    shifts = torch.arange(0, 32, 4, device=packed.device, dtype=torch.int32)
-    nibbles = (packed.unsqueeze(-1) >> shifts) & 0xF  # [N, K//8, 8]
-    return (nibbles.reshape(packed.shape[0], -1)[:, :in_features] - 8).to(torch.int8)
+    """int32 [N, K // 8] -> signed 4-bit codes as int8 [N, K] (q in [-8, 7]).
+
+    On little-endian machines (every CUDA device, x86, arm64) byte j of a word holds elements 2j
+    (low nibble) and 2j + 1 (high nibble), so splitting bytes avoids 32-bit temporaries.
+    """
+    n = packed.shape[0]
+    if sys.byteorder == "little":
+        b = packed.contiguous().view(torch.uint8)  # [N, K // 2]
+        nibbles = torch.stack((b & 0xF, b >> 4), dim=-1).reshape(n, -1)
+    else:
+        shifts = torch.arange(0, 32, 4, device=packed.device, dtype=torch.int32)
+        nibbles = ((packed.unsqueeze(-1) >> shifts) & 0xF).reshape(n, -1)
+    return (nibbles[:, :in_features].to(torch.int8) - 8).contiguous()
 
 
 def dequantize(w: PackedLinear, dtype: torch.dtype) -> torch.Tensor:
     """The 16/32-bit matrix [N, K] a PackedLinear stands for (exact in fp32; in 16-bit the
     product q * scale is rounded once, as a 16-bit multiply would)."""
-    codes = unpack_codes(w.packed, w.in_features).to(torch.float32)
-    scales = w.scales.to(torch.float32).repeat_interleave(w.group_size, dim=1)
-    return (codes * scales[:, : w.in_features]).to(dtype)
+    n, k, g = w.packed.shape[0], w.in_features, w.group_size
+    codes = unpack_codes(w.packed, k).to(torch.float32).view(n, k // g, g)
+    return (codes * w.scales.to(torch.float32).unsqueeze(-1)).view(n, k).to(dtype)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -154,8 +164,23 @@ def embed_rows(ids: torch.Tensor, table: Linear, dtype: torch.dtype) -> torch.Te
 
 
 def lm_head4(x: torch.Tensor, table: PackedLinear) -> torch.Tensor:
-    """x [T, H] @ E^T -> logits [T, V] with E the 4-bit embed_tokens table (tied lm_head)."""
-    return linear4(x, table)
+    """x [T, H] @ E^T -> logits [T, V] with E the 4-bit embed_tokens table (tied lm_head).
+
+    Reference: dequantizes LM_HEAD_BLOCK vocabulary rows at a time, so the temporary stays small
+    even for a 262144-row table on a small GPU.
+    """
+    out = []
+    for start in range(0, table.out_features, LM_HEAD_BLOCK):
+        rows = slice(start, start + LM_HEAD_BLOCK)
+        packed = table.packed[rows]
+        block = PackedLinear(
+            packed, table.scales[rows], packed.shape[0], table.in_features, table.group_size
+        )
+        out.append(F.linear(x, dequantize(block, x.dtype)))
+    return torch.cat(out, dim=-1)
+
+
+LM_HEAD_BLOCK = 16384
 
 
 def lm_head(x: torch.Tensor, table: Linear) -> torch.Tensor:
