@@ -1,0 +1,99 @@
+"""Config parsing against transformers' Gemma4TextConfig, and the E2B shape facts (no weights:
+the e2b preset's 4.6 B random parameters are only written by hand, never in tests)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from engine.cache import KVCache
+from engine.checkpoint_maker import PRESETS, text_config_dict
+from engine.config import FULL, SLIDING, parse_config
+from engine.errors import CheckpointError
+from engine.model import rope_inv_freq
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.mark.parametrize("preset", list(PRESETS))
+def test_parse_agrees_with_transformers(preset):
+    raw = text_config_dict(preset)
+    ours = parse_config(raw)
+    theirs = transformers.Gemma4TextConfig(**{k: v for k, v in raw.items() if k != "architectures"})
+    modes = theirs.kv_sharing_modes
+    for i in range(ours.num_hidden_layers):
+        layer = theirs.per_layer_config[i]
+        assert ours.layer_head_dims[i] == layer.head_dim
+        assert ours.layer_kv_heads[i] == layer.num_key_value_heads
+        assert (modes[i] == "reuse") == (i >= ours.first_shared_layer)
+    stores = {i for i, mode in enumerate(modes) if mode == "store"}
+    producers = {
+        ours.kv_producer(j) for j in range(ours.first_shared_layer, ours.num_hidden_layers)
+    }
+    assert stores == producers  # the layers transformers stores K/V from are the engine's producers
+    rot = (
+        transformers.Gemma4ForCausalLM._from_config(theirs, dtype=torch.float32).model.rotary_emb
+        if preset == "tiny"
+        else None
+    )
+    if rot is not None:
+        for kind in (SLIDING, FULL):
+            assert torch.equal(getattr(rot, f"{kind}_inv_freq"), rope_inv_freq(ours.rope[kind]))
+
+
+def test_e2b_shape():
+    cfg = parse_config(text_config_dict("e2b"))
+    assert [i for i, t in enumerate(cfg.layer_types) if t == FULL] == [4, 9, 14, 19, 24, 29, 34]
+    assert cfg.first_shared_layer == 15
+    assert {cfg.kv_producer(i) for i in range(15, 35)} == {13, 14}
+    assert cfg.kv_producer(19) == 14 and cfg.kv_producer(20) == 13
+    assert cfg.mlp_width(14) == 6144 and cfg.mlp_width(15) == 12288
+    assert cfg.layer_head_dims[4] == 512 and cfg.layer_head_dims[0] == 256
+    full = rope_inv_freq(cfg.rope[FULL])
+    assert full.shape == (256,) and (full[:64] > 0).all() and (full[64:] == 0).all()
+    assert math.isclose(full[1].item(), 1e6 ** (-2 / 512), rel_tol=1e-6)  # denominator: all 512
+
+    # 15 layers own a cache: 12 sliding rings of 512 and 3 full; 131072 tokens in bf16 ~ 774 MiB
+    cache = KVCache(cfg, 131072, torch.device("meta"), torch.bfloat16)
+    kinds = [cfg.layer_types[i] for i in cache.layers]
+    assert kinds.count(SLIDING) == 12 and kinds.count(FULL) == 3
+    kv_bytes = cache.nbytes() - sum(lc.pos.numel() * 8 for lc in cache.layers.values())
+    assert kv_bytes == 12 * 512 * 2 * 256 * 2 + 3 * 131072 * 2 * 512 * 2
+    assert round(kv_bytes / 2**20) == 774
+
+
+def test_e2b_parameter_count():
+    cfg = parse_config(text_config_dict("e2b"))
+    h, p, n = cfg.hidden_size, cfg.hidden_size_per_layer_input, cfg.num_hidden_layers
+    total = cfg.vocab_size * h + cfg.vocab_size_per_layer_input * n * p + n * p * h
+    for i in range(n):
+        hd, q = cfg.layer_head_dims[i], cfg.num_attention_heads * cfg.layer_head_dims[i]
+        kv = 2 * hd * h if i < cfg.first_shared_layer else 0
+        total += 2 * q * h + kv + 3 * h * cfg.mlp_width(i) + 2 * h * p
+    assert round(total / 1e9, 2) == 4.63
+
+
+def test_refusals():
+    raw = text_config_dict("tiny")
+    with pytest.raises(CheckpointError, match="mixture-of-experts"):
+        parse_config({**raw, "enable_moe_block": True})
+    with pytest.raises(CheckpointError, match="num_kv_shared_layers"):
+        parse_config({**raw, "num_kv_shared_layers": 6})
+    with pytest.raises(CheckpointError, match="vocab_size"):
+        parse_config({k: v for k, v in raw.items() if k != "vocab_size"})
+    bad_q = {
+        "quant_method": "compressed-tensors",
+        "format": "pack-quantized",
+        "config_groups": {"g": {"weights": {"num_bits": 8, "symmetric": True, "group_size": 32}}},
+    }
+    with pytest.raises(CheckpointError, match="8-bit"):
+        parse_config({**raw, "quantization_config": bad_q})
+    with pytest.raises(CheckpointError, match="RoPE"):
+        parse_config(
+            {**raw, "rope_parameters": {SLIDING: {"rope_type": "yarn", "rope_theta": 1.0}}}
+        )
+    # a multimodal config with its text part under text_config
+    outer = {"model_type": "gemma4", "text_config": raw}
+    assert parse_config(outer).num_hidden_layers == raw["num_hidden_layers"]
