@@ -202,6 +202,7 @@ class ShardWriter:
         self.tmp_dir = Path(
             tempfile.mkdtemp(prefix=f".{self.out_dir.name}.", dir=self.out_dir.parent)
         )
+        self.tmp_dir.chmod(0o777 & ~_umask())  # mkdtemp makes it private; the result should not be
         return self
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
@@ -257,6 +258,7 @@ class ShardWriter:
             }
             (self.tmp_dir / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
         for f in self.tmp_dir.iterdir():
+            f.chmod(0o666 & ~_umask())
             _fsync(f)
         if self.out_dir.exists():
             self.out_dir.rmdir()  # empty (checked on entry)
@@ -270,6 +272,12 @@ class ShardWriter:
         finally:
             if self.tmp_dir is not None and self.tmp_dir.exists():
                 shutil.rmtree(self.tmp_dir, ignore_errors=True)
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def _fsync(path: Path) -> None:
