@@ -2,13 +2,13 @@
 
 The decode loop keeps the next token and its position in device tensors that it updates in
 place, so the step `model.decode_step(token, position, cache)` sees the same tensors every time
-(what a CUDA graph replay needs). The only host sync per token is reading the sampled id, which
+(what a CUDA graph replay needs); `decode_step_for` hands the step to engine.fast when present. The only host sync per token is reading the sampled id, which
 streaming and the stop check need anyway.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -118,6 +118,19 @@ def prefill(model: Gemma4Model, cache: KVCache, prompt: list[int], chunk: int) -
     return logits
 
 
+def decode_step_for(
+    model: Gemma4Model, cache: KVCache
+) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """`step(token, position) -> logits [1, V]`: engine.fast's decoder (fused kernels replayed
+    as a CUDA graph on CUDA; the model's own step elsewhere) when that package is present, else
+    the model's reference `decode_step`."""
+    try:
+        from engine.fast import decoder_for
+    except ImportError:
+        return lambda token, position: model.decode_step(token, position, cache)
+    return decoder_for(model, cache)
+
+
 def generate_stream(
     model: Gemma4Model,
     cache: KVCache,
@@ -142,6 +155,7 @@ def generate_stream(
         state.finish_reason = "length"
         return
     logits = prefill(model, cache, prompt, chunk)
+    step = decode_step_for(model, cache)
     token = sampler(logits)  # [1] int64 on the device
     position = torch.tensor([len(prompt)], dtype=torch.int64, device=model.device)
     next_pos = len(prompt)
@@ -156,7 +170,7 @@ def generate_stream(
             yield tok
             return
         yield tok
-        logits = model.decode_step(token, position, cache)[0]
+        logits = step(token, position)[0]
         token = sampler(logits)
         position += 1
         next_pos += 1

@@ -157,7 +157,7 @@ def load(
             f"max_context {ctx} is outside [1, {limit}] (the model's max_position_embeddings)",
             f"pass a max_context between 1 and {limit}",
         )
-    chunk = DEFAULT_PREFILL_CHUNK if prefill_chunk is None else int(prefill_chunk)
+    chunk = _default_chunk(dev, memory_cap_mib) if prefill_chunk is None else int(prefill_chunk)
     if chunk < 1:
         raise EngineError(f"prefill_chunk {chunk} must be at least 1", "use e.g. 256")
     tokenizer = _load_tokenizer(model_dir)
@@ -171,6 +171,15 @@ def load(
     return Engine(
         model_dir, cfg, model, cache, tokenizer, _chat_template(model_dir), chunk, memory_cap_mib
     )
+
+
+def _default_chunk(device: torch.device, memory_cap_mib: int | None) -> int:
+    """engine.fast's per-device prompt chunk when present (bigger on big GPUs), else 256."""
+    try:
+        from engine.fast import prefill_chunk_for
+    except ImportError:
+        return DEFAULT_PREFILL_CHUNK
+    return prefill_chunk_for(device, memory_cap_mib)
 
 
 def _load_tokenizer(model_dir: Path) -> Tokenizer:
