@@ -203,7 +203,32 @@ def lm_head(x: torch.Tensor, table: Linear) -> torch.Tensor:
 # explicit mask and broadcast K/V (see the seed notes).
 
 
+SCORE_BUDGET = 1 << 26  # score elements per block of query rows (256 MiB in fp32)
+
+
 def _attend(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    key_pos: torch.Tensor,
+    q_pos: torch.Tensor,
+    window: torch.Tensor | int | None,
+) -> torch.Tensor:
+    """Blocks of query rows, so a long prompt's scores [heads, rows, keys] stay bounded (rows
+    are independent: the result is the same as in one block)."""
+    t, hq = q.shape[0], q.shape[1]
+    rows = max(1, SCORE_BUDGET // max(1, hq * keys.shape[0]))
+    if t <= rows:
+        return _attend_block(q, keys, values, key_pos, q_pos, window)
+    return torch.cat(
+        [
+            _attend_block(q[i : i + rows], keys, values, key_pos, q_pos[i : i + rows], window)
+            for i in range(0, t, rows)
+        ]
+    )
+
+
+def _attend_block(
     q: torch.Tensor,
     keys: torch.Tensor,
     values: torch.Tensor,

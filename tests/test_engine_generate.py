@@ -164,3 +164,14 @@ def test_fused_projections_change_nothing(ckpt):
     a = prefill(plain.model, plain.cache, PROMPT, 33)
     b = prefill(fused.model, fused.cache, PROMPT, 33)
     assert torch.allclose(a, b, atol=1e-5)
+
+
+def test_attention_in_row_blocks_is_the_same(monkeypatch):
+    """Long prompts attend in blocks of query rows (bounded score memory): same result."""
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(97, 4, 32, generator=gen)
+    k, v = torch.randn(2, 300, 2, 32, generator=gen)
+    kp, qp = torch.arange(300), torch.arange(203, 300)
+    whole = ops._attend(q, k, v, kp, qp, 64)
+    monkeypatch.setattr(ops, "SCORE_BUDGET", 4 * 300 * 10)  # blocks of 10 rows
+    assert torch.equal(ops._attend(q, k, v, kp, qp, 64), whole)
