@@ -142,7 +142,9 @@ class Gemma4Model:
 
         embed = _table(reader, "embed_tokens", device)
         _check_shape("embed_tokens", embed, (cfg.vocab_size, cfg.hidden_size))
-        if not cfg.tie_word_embeddings and reader.has("lm_head.weight"):
+        if not cfg.tie_word_embeddings and (
+            reader.has("lm_head.weight") or reader.has("lm_head.weight_packed")
+        ):
             lm_head: Linear = lin("lm_head")
         else:
             lm_head = embed  # one copy serves both

@@ -226,3 +226,22 @@ def test_quantize_equals_make(tmp_path):
     with pytest.raises(CheckpointError, match="already quantized"):
         quantize_checkpoint(quant, tmp_path / "again")
     assert not (tmp_path / "again").exists()
+
+
+def test_untied_lm_head_is_loaded_separately(tiny, tmp_path):
+    untied = tmp_path / "untied"
+    reader = CheckpointReader(tiny)
+    cfg = json.loads((tiny / "config.json").read_text())
+    cfg["tie_word_embeddings"] = False
+    with ShardWriter(untied) as w:
+        for name in reader.names():
+            w.add(name, reader.tensor(name))
+        w.add("lm_head.weight", reader.tensor("embed_tokens.weight"))  # same values, own copy
+        w.write_file("config.json", json.dumps(cfg))
+        w.copy_file(tiny / "tokenizer.json", "tokenizer.json")
+    a = engine.load(tiny, device="cpu", max_context=64)
+    b = engine.load(untied, device="cpu", max_context=64)
+    assert b.model.lm_head is not b.model.embed and a.model.lm_head is a.model.embed
+    assert b.memory_report().lm_head_bytes == a.memory_report().embed_lm_head_bytes
+    prompt = [2] + list(range(10, 30))
+    assert a.generate(prompt, 8, stop_ids=[]) == b.generate(prompt, 8, stop_ids=[])
