@@ -57,7 +57,7 @@ class Engine:
         self.bos_id: int | None = cfg.bos_token_id
         self.eos_ids: list[int] = list(cfg.eos_token_ids)
         self.last_finish_reason: str | None = None
-        self._state = GenerationState()
+        self._run_id = 0
 
     def stream(
         self,
@@ -84,19 +84,28 @@ class Engine:
     def _run(
         self, prompt: list[int], max_new: int, sampling: SamplingParams, stops: set[int]
     ) -> Iterator[int]:
+        """One generation; a newer one on this engine reuses the cache, so this one then stops
+        with an error instead of yielding tokens from a cache that is no longer its own."""
+        self._run_id += 1
+        run_id, state = self._run_id, GenerationState()
+        steps = generate_stream(
+            self.model, self.cache, prompt, max_new, sampling, stops, self.prefill_chunk, state
+        )
         try:
-            yield from generate_stream(
-                self.model,
-                self.cache,
-                prompt,
-                max_new,
-                sampling,
-                stops,
-                self.prefill_chunk,
-                self._state,
-            )
+            while True:
+                if self._run_id != run_id:  # checked before touching the cache again
+                    raise EngineError(
+                        "another generation started on this engine while this one was open",
+                        "run one generation at a time (close or finish a stream before the next)",
+                    )
+                tok = next(steps, None)
+                if tok is None:
+                    return
+                yield tok
         finally:
-            self.last_finish_reason = self._state.finish_reason
+            steps.close()
+            if self._run_id == run_id:
+                self.last_finish_reason = state.finish_reason
 
     def generate(
         self,

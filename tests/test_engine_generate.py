@@ -175,3 +175,13 @@ def test_attention_in_row_blocks_is_the_same(monkeypatch):
     whole = ops._attend(q, k, v, kp, qp, 64)
     monkeypatch.setattr(ops, "SCORE_BUDGET", 4 * 300 * 10)  # blocks of 10 rows
     assert torch.equal(ops._attend(q, k, v, kp, qp, 64), whole)
+
+
+def test_an_abandoned_stream_cannot_resume(eng):
+    greedy = eng.generate(PROMPT, 6, stop_ids=[])
+    old = eng.stream(PROMPT, 6, stop_ids=[])
+    assert next(old) == greedy[0]
+    assert eng.generate(PROMPT[:20], 3, stop_ids=[])  # a newer generation takes the cache
+    with pytest.raises(EngineError, match="another generation"):
+        next(old)
+    assert eng.generate(PROMPT, 6, stop_ids=[]) == greedy
