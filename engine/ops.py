@@ -21,6 +21,7 @@ Conventions shared by every function:
 
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import dataclass
 
@@ -115,12 +116,33 @@ def dequantize(w: PackedLinear, dtype: torch.dtype) -> torch.Tensor:
 # matrix products
 
 
+def _fast(t: torch.Tensor):
+    """engine.fast.ops_fast (Triton kernels) when `t` lives where the fast path serves (CUDA;
+    any device with GPURIG_FAST=force), else None and the reference body runs. A fast function
+    returns None for a case its kernels do not cover, which also falls back to the reference."""
+    if t.device.type != "cuda" and os.environ.get("GPURIG_FAST") != "force":
+        return None
+    try:
+        from engine import fast
+    except ImportError:
+        return None
+    if not fast.fast_enabled(t.device):
+        return None
+    from engine.fast import ops_fast
+
+    return ops_fast
+
+
 def linear4(x: torch.Tensor, w: PackedLinear) -> torch.Tensor:
     """x [..., K] @ W^T -> [..., N] with W a PackedLinear.
 
     Reference: dequantize the whole matrix for this call (one layer's weight at a time; the
     model never holds a 16-bit copy), then a dense matmul in x's dtype.
+    Fast path: the int4 GEMV for decode-sized x, else a Triton dequantise + cuBLAS.
     """
+    fast = _fast(x)
+    if fast is not None and (y := fast.linear4(x, w)) is not None:
+        return y
     return F.linear(x, dequantize(w, x.dtype))
 
 
@@ -146,6 +168,9 @@ def embed4_rows(ids: torch.Tensor, table: PackedLinear, dtype: torch.dtype) -> t
     The table uses the PackedLinear layout with one row per token (see engine/FORMAT.md).
     Only the looked-up rows are unpacked.
     """
+    fast = _fast(table.packed)
+    if fast is not None and (out := fast.embed4_rows(ids, table, dtype)) is not None:
+        return out
     rows = PackedLinear(
         packed=table.packed.index_select(0, ids),
         scales=table.scales.index_select(0, ids),
@@ -167,8 +192,11 @@ def lm_head4(x: torch.Tensor, table: PackedLinear) -> torch.Tensor:
     """x [T, H] @ E^T -> logits [T, V] with E the 4-bit embed_tokens table (tied lm_head).
 
     Reference: dequantizes LM_HEAD_BLOCK vocabulary rows at a time, so the temporary stays small
-    even for a 262144-row table on a small GPU.
+    even for a 262144-row table on a small GPU. Fast path: the int4 GEMV over the same table.
     """
+    fast = _fast(x)
+    if fast is not None and (y := fast.linear4(x, table)) is not None:
+        return y
     out = []
     for start in range(0, table.out_features, LM_HEAD_BLOCK):
         rows = slice(start, start + LM_HEAD_BLOCK)
@@ -288,7 +316,13 @@ def attention_decode(
     """Attention of one new token (T = 1, or the last prompt token of a KV-shared layer) over a
     cache that already holds its own key: q [T, Hq, D]; cache_k / cache_v [S, Hkv, D] the whole
     cache buffer (S = max context for full layers, the window for sliding rings); cache_pos [S]
-    each slot's position (-1 = empty); q_pos [T]. Returns [T, Hq, D]."""
+    each slot's position (-1 = empty); q_pos [T]. Returns [T, Hq, D].
+    Fast path: the split-cache Triton kernel (one KV head, T = 1)."""
+    fast = _fast(q)
+    if fast is not None:
+        out = fast.attention_decode(q, cache_k, cache_v, cache_pos, q_pos, window)
+        if out is not None:
+            return out
     return _attend(q, cache_k.to(q.dtype), cache_v.to(q.dtype), cache_pos, q_pos, window)
 
 

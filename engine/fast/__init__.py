@@ -46,7 +46,8 @@ def _step_fn(model, cache) -> Callable[[torch.Tensor, torch.Tensor], torch.Tenso
 
         if decode.supported(model):
             return decode.FusedDecoder(model, cache).step
-    return lambda token, position: model.decode_step(token, position, cache)
+    # the class's step: an instance may route decode_step back here
+    return lambda token, position: type(model).decode_step(model, token, position, cache)
 
 
 def decoder_for(model, cache) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
@@ -74,7 +75,8 @@ def prefill_chunk_for(device: torch.device, memory_cap_mib: int | None = None) -
     weights of one chunk small."""
     if device.type != "cuda":
         return 256
-    free, total = torch.cuda.mem_get_info(device)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    free, total = torch.cuda.mem_get_info(index)
     budget = min(free, total) if memory_cap_mib is None else memory_cap_mib << 20
     if budget >= 40 << 30:
         return 2048

@@ -24,7 +24,9 @@ class GraphDecoder:
     def __init__(self, model, cache, step=None) -> None:
         self.model = model
         self.cache = cache
-        self.step = step or (lambda token, position: model.decode_step(token, position, cache))
+        self.step = step or (
+            lambda token, position: type(model).decode_step(model, token, position, cache)
+        )
         dev = model.device
         self.token = torch.zeros(1, dtype=torch.int64, device=dev)
         self.position = torch.zeros(1, dtype=torch.int64, device=dev)

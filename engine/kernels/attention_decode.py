@@ -78,6 +78,8 @@ def _attn_split_kernel(
             sc = tl.dot(q, tl.trans(k)).to(tl.float32)
         else:
             sc = tl.sum(q.to(tl.float32)[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)
+        # the reference multiplies q and k in the activation dtype: its scores are rounded there
+        sc = sc.to(q_ptr.dtype.element_ty).to(tl.float32)
         sc = tl.where(valid[None, :], sc * scale, float("-inf"))
         m_new = tl.maximum(m, tl.max(sc, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)

@@ -134,15 +134,18 @@ def _qkv_rope_kernel(
             xn = _scale_w(x, inv, k_norm_ptr, offs, mask, True, DT)
             xpn = _scale_w(xp, inv, k_norm_ptr, partner, mask, True, DT)
             out = _round(_round(xn * cos, DT) + _round(sign * xpn * sin, DT), DT)
-            tl.store(cache_k_ptr + slot * D + offs, out.to(cache_k_ptr.dtype.element_ty))
-            tl.store(cache_pos_ptr + slot, pos.to(cache_pos_ptr.dtype.element_ty))
+            ok = slot < slots  # never write past the buffer (the engine stops at max_context)
+            tl.store(cache_k_ptr + slot * D + offs, out.to(cache_k_ptr.dtype.element_ty),
+                     mask=mask & ok)  # fmt: skip
+            tl.store(cache_pos_ptr + slot, pos.to(cache_pos_ptr.dtype.element_ty), mask=ok)
         else:  # the value: norm without weight, no rotation
             if V_FROM_K:
                 x = tl.load(qkv_ptr + base + offs).to(tl.float32)
             else:
                 x = tl.load(qkv_ptr + base + D + offs).to(tl.float32)
             vn = _rms(x, k_norm_ptr, offs, mask, D, eps, False, DT)
-            tl.store(cache_v_ptr + slot * D + offs, vn.to(cache_v_ptr.dtype.element_ty))
+            tl.store(cache_v_ptr + slot * D + offs, vn.to(cache_v_ptr.dtype.element_ty),
+                     mask=mask & (slot < slots))  # fmt: skip
 
 
 @triton.jit

@@ -23,6 +23,7 @@ limit, so each code costs one logic instruction and two float ones:
 from __future__ import annotations
 
 import math
+import os
 from typing import Any
 
 import torch
@@ -36,24 +37,58 @@ _MAGIC = 0x4B000000
 _TWO23 = 8388608.0
 
 # (BLOCK_N, BLOCK_KW, num_warps, num_stages); BLOCK_KW counts int32 words (8 codes each).
+# Tiles with several rows per thread let one thread reuse its activations across rows, which is
+# what keeps the unpacking arithmetic (not the memory) from being the limit on a fast card.
 _CANDIDATE_TILES = [
-    (1, 64, 1, 2), (1, 128, 1, 2), (1, 256, 2, 2), (1, 128, 2, 3), (1, 256, 1, 3),
-    (2, 64, 1, 2), (2, 128, 2, 2), (2, 256, 2, 2), (2, 128, 1, 3), (2, 256, 4, 3),
-    (4, 64, 2, 2), (4, 128, 2, 2), (4, 128, 4, 2), (4, 256, 4, 2), (4, 64, 1, 3),
-    (4, 128, 4, 3), (4, 256, 8, 3),
-    (8, 64, 2, 2), (8, 64, 4, 2), (8, 128, 4, 2), (8, 128, 8, 2), (8, 256, 8, 2),
-    (8, 64, 4, 3), (8, 128, 4, 3),
-    (16, 64, 4, 2), (16, 64, 8, 2), (16, 128, 8, 2), (16, 32, 4, 3), (16, 64, 4, 3),
-    (32, 32, 4, 2), (32, 64, 8, 2),
-]  # fmt: skip
+    (1, 64, 1, 2),
+    (1, 128, 1, 2),
+    (1, 256, 2, 2),
+    (2, 128, 2, 2),
+    (2, 256, 2, 2),
+    (4, 64, 1, 3),
+    (4, 128, 2, 2),
+    (4, 256, 4, 2),
+    (4, 256, 8, 3),
+    (4, 128, 4, 3),
+    (8, 32, 1, 2),
+    (8, 64, 1, 2),
+    (8, 64, 2, 2),
+    (8, 128, 2, 2),
+    (8, 128, 4, 2),
+    (8, 256, 4, 2),
+    (8, 256, 8, 2),
+    (16, 32, 1, 2),
+    (16, 64, 1, 2),
+    (16, 64, 2, 2),
+    (16, 128, 2, 2),
+    (16, 128, 4, 2),
+    (16, 256, 4, 2),
+    (16, 256, 8, 2),
+    (16, 64, 4, 2),
+    (32, 32, 1, 2),
+    (32, 64, 2, 2),
+    (32, 128, 4, 2),
+    (32, 256, 8, 2),
+    (32, 64, 4, 2),
+    (64, 32, 2, 2),
+    (64, 64, 4, 2),
+]
 
 
 @triton.jit
 def _nibble_dot(w, x_ptrs, k_mask, MASK: tl.constexpr, OFFSET: tl.constexpr,
-                XSCALE: tl.constexpr):  # fmt: skip
+                XSCALE: tl.constexpr, USE_ASM: tl.constexpr):  # fmt: skip
     """(code_j - 8) * x_j for one nibble position j of every word in the tile (exact)."""
     xj = tl.load(x_ptrs, mask=k_mask, other=0.0).to(tl.float32) * XSCALE
-    v = ((w & MASK) | 0x4B000000).to(tl.float32, bitcast=True) - OFFSET
+    if USE_ASM:  # (w & MASK) | 2^23 in ONE lop3 (ptxas emits two LOP3s for the plain form)
+        bits = tl.inline_asm_elementwise(
+            "lop3.b32 $0, $1, $2, $3, 0xEA;", "=r,r,r,r",
+            [w, tl.full(w.shape, MASK, tl.int32), tl.full(w.shape, 0x4B000000, tl.int32)],
+            dtype=tl.int32, is_pure=True, pack=1,
+        )  # fmt: skip
+    else:
+        bits = (w & MASK) | 0x4B000000
+    v = bits.to(tl.float32, bitcast=True) - OFFSET
     return v * xj[None, :]
 
 
@@ -62,6 +97,7 @@ def _w4_gemv_kernel(
     x_ptr, w_ptr, s_ptr, y_ptr,
     N, K, stride_xm, stride_ym,
     BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr, EVEN_K: tl.constexpr,
+    USE_ASM: tl.constexpr = False,
 ):  # fmt: skip
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -84,15 +120,15 @@ def _w4_gemv_kernel(
             k_mask = (kw0 + rk) < KW
             w = tl.load(w_ptrs, mask=k_mask[None, :], other=0)
             s = tl.load(s_ptrs, mask=k_mask[None, :], other=0.0).to(tl.float32)
-        part = _nibble_dot(w, x_ptrs + 0, k_mask, 0xF, 8388616.0, 1.0)
-        part += _nibble_dot(w, x_ptrs + 1, k_mask, 0xF0, 8388736.0, 0.0625)
-        part += _nibble_dot(w, x_ptrs + 2, k_mask, 0xF00, 8390656.0, 0.00390625)
-        part += _nibble_dot(w, x_ptrs + 3, k_mask, 0xF000, 8421376.0, 0.000244140625)
-        part += _nibble_dot(w, x_ptrs + 4, k_mask, 0xF0000, 8912896.0, 0.0000152587890625)
+        part = _nibble_dot(w, x_ptrs + 0, k_mask, 0xF, 8388616.0, 1.0, USE_ASM)
+        part += _nibble_dot(w, x_ptrs + 1, k_mask, 0xF0, 8388736.0, 0.0625, USE_ASM)
+        part += _nibble_dot(w, x_ptrs + 2, k_mask, 0xF00, 8390656.0, 0.00390625, USE_ASM)
+        part += _nibble_dot(w, x_ptrs + 3, k_mask, 0xF000, 8421376.0, 0.000244140625, USE_ASM)
+        part += _nibble_dot(w, x_ptrs + 4, k_mask, 0xF0000, 8912896.0, 0.0000152587890625, USE_ASM)
         wh = w >> 20
-        part += _nibble_dot(wh, x_ptrs + 5, k_mask, 0xF, 8388616.0, 1.0)
-        part += _nibble_dot(wh, x_ptrs + 6, k_mask, 0xF0, 8388736.0, 0.0625)
-        part += _nibble_dot(wh, x_ptrs + 7, k_mask, 0xF00, 8390656.0, 0.00390625)
+        part += _nibble_dot(wh, x_ptrs + 5, k_mask, 0xF, 8388616.0, 1.0, USE_ASM)
+        part += _nibble_dot(wh, x_ptrs + 6, k_mask, 0xF0, 8388736.0, 0.0625, USE_ASM)
+        part += _nibble_dot(wh, x_ptrs + 7, k_mask, 0xF00, 8390656.0, 0.00390625, USE_ASM)
         acc += part * s
         w_ptrs += BLOCK_KW
         s_ptrs += BLOCK_KW // 4
@@ -123,8 +159,16 @@ def _default_config(n: int, k: int) -> dict[str, Any]:
     return {"BLOCK_N": block_n, "BLOCK_KW": block_kw, "num_warps": 4, "num_stages": 2}
 
 
+KERNEL_VERSION = 2  # bump when the kernel changes: stored tilings of older versions are ignored
+
+
 def _shape_key(n: int, k: int, dtype: torch.dtype, m: int) -> str:
-    return f"N{n}_K{k}_{str(dtype).removeprefix('torch.')}_M{min(m, 4)}"
+    return f"v{KERNEL_VERSION}_N{n}_K{k}_{str(dtype).removeprefix('torch.')}_M{min(m, 4)}"
+
+
+def _use_asm(t: torch.Tensor) -> bool:
+    """The inline-PTX lop3 runs on NVIDIA GPUs only (not in the CPU interpreter)."""
+    return t.is_cuda and torch.version.hip is None and os.environ.get("TRITON_INTERPRET") != "1"
 
 
 def _launch(x2, packed, scales, y, cfg: dict[str, Any]) -> None:
@@ -135,7 +179,7 @@ def _launch(x2, packed, scales, y, cfg: dict[str, Any]) -> None:
     _w4_gemv_kernel[grid](
         x2, packed, scales, y, n, k, x2.stride(0), y.stride(0),
         BLOCK_N=cfg["BLOCK_N"], BLOCK_KW=cfg["BLOCK_KW"], EVEN_K=(kw % cfg["BLOCK_KW"] == 0),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        USE_ASM=_use_asm(x2), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
 
 

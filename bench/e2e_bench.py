@@ -1,0 +1,469 @@
+"""The whole engine on the GPU: decode and prompt-reading speed, memory, the 4 GB cap, a peer.
+
+Called by `bench.engine_bench` (section e2e) or on its own:
+
+    python3 -m bench.e2e_bench all --out $OUT/e2e.json          # everything below
+    python3 -m bench.e2e_bench make --ckpt /tmp/e2b             # the random e2b checkpoint
+    python3 -m bench.e2e_bench capped --ckpt /tmp/e2b --json x  # 131,072 context in 3,732 MiB
+    python3 -m bench.e2e_bench peer --ckpt /tmp/e2b --mode eager --json x
+
+What it measures, on the e2b preset's random weights (4-bit linears and 4-bit embedding tables):
+* greedy tokens of the fast path (Triton kernels, fused decode step, CUDA graph) against the
+  reference path (PyTorch ops, the model's own step) for the tiny and e2b presets;
+* decode tok/s at batch 1 with 0, 4,096, 32,768 and 131,072 positions already in the cache (the
+  cache is filled with random keys/values at those positions instead of reading a real prompt:
+  decode cost depends on how many slots are read, not on what they hold); both the GPU time per
+  step (graph replays back to back) and the rate `Engine.generate` delivers (a host sync per
+  token, as a server sees it);
+* prompt reading tok/s for 512- and 4,096-token prompts; peak memory;
+* a fresh process capped at 3,732 MiB (the seed's GTX 1650 Ti) decoding with a full
+  131,072-token context;
+* transformers' Gemma4ForCausalLM in bf16 on the same weights (dequantised): eager generate,
+  static cache, and static cache + torch.compile, each in its own process (compile crashed with a
+  segmentation fault before; a crash costs only that process).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+
+E2B_DIR = Path(os.environ.get("GPURIG_BENCH_CKPT", "/tmp/gpurig_e2b_emb4"))
+TINY_DIR = Path("/tmp/gpurig_tiny_emb4")
+CAP_MIB = 3732
+DEPTHS = (0, 4096, 32768, 131072)
+
+
+def _sync() -> None:
+    torch.cuda.synchronize()
+
+
+def make(ckpt: Path, preset: str = "e2b") -> dict[str, Any]:
+    from engine.checkpoint_maker import make_checkpoint
+
+    if (ckpt / "config.json").is_file():
+        return {"path": str(ckpt), "reused": True}
+    t0 = time.time()
+    info = make_checkpoint(ckpt, preset=preset, seed=0, emb4=True)
+    return {"path": str(ckpt), "seconds": round(time.time() - t0, 1),
+            "bytes_on_disk": info.bytes_on_disk, "parameters": info.parameters}  # fmt: skip
+
+
+def _env(**kv: str):
+    """Set environment variables for a block (the fast-path switches are read per call)."""
+
+    class _Ctx:
+        def __enter__(self):
+            self.old = {k: os.environ.get(k) for k in kv}
+            os.environ.update(kv)
+
+        def __exit__(self, *exc):
+            for k, v in self.old.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+
+    return _Ctx()
+
+
+def greedy_pair(eng, prompt: list[int], n: int) -> dict[str, Any]:
+    """Greedy tokens with the fast path and with the reference path, from the same prompt."""
+    with _env(GPURIG_FAST="1"):
+        t0 = time.time()
+        fast = eng.generate(prompt, n, stop_ids=[])
+        t_fast = time.time() - t0
+    with _env(GPURIG_FAST="0"):
+        t0 = time.time()
+        ref = eng.generate(prompt, n, stop_ids=[])
+        t_ref = time.time() - t0
+    same = sum(1 for a, b in zip(fast, ref, strict=False) if a == b)
+    first_diff = next((i for i, (a, b) in enumerate(zip(fast, ref, strict=False)) if a != b), None)
+    return {"tokens": n, "identical": fast == ref, "first_difference": first_diff,
+            "agreeing": same, "fast": fast, "reference": ref,
+            "seconds_fast": round(t_fast, 2), "seconds_reference": round(t_ref, 2)}  # fmt: skip
+
+
+def fill_cache(eng, depth: int) -> None:
+    """Make the cache look as if `depth` positions (0..depth-1) had been read."""
+    cache = eng.cache
+    gen = torch.Generator(device=eng.device).manual_seed(depth)
+    for layer in cache.layers.values():
+        layer.pos.fill_(-1)
+        if depth == 0:
+            continue
+        if layer.window is None:
+            n = min(depth, layer.slots)
+            positions = torch.arange(n, device=eng.device)
+            slots = positions
+        else:
+            positions = torch.arange(max(0, depth - layer.slots), depth, device=eng.device)
+            slots = positions % layer.slots
+        for i in range(0, positions.numel(), 8192):  # in pieces: little extra memory (the cap)
+            sl, ps = slots[i : i + 8192], positions[i : i + 8192]
+            shape = (ps.numel(), *layer.k.shape[1:])
+            layer.k[sl] = torch.randn(shape, device=eng.device, generator=gen).to(layer.k.dtype)
+            layer.v[sl] = torch.randn(shape, device=eng.device, generator=gen).to(layer.v.dtype)
+            layer.pos[sl] = ps
+
+
+def decode_rate(eng, depth: int, steps: int = 64) -> dict[str, Any]:
+    """GPU time per decode step (graph replays back to back, argmax on the device) and the rate
+    with a host round trip per token (what generate() does), at `depth` cached positions."""
+    from engine.fast import decoder_for
+
+    depth = min(depth, eng.max_context - steps - 8)  # every decoded position must fit
+    fill_cache(eng, depth)
+    dec = decoder_for(eng.model, eng.cache)
+    tok = torch.tensor([7], device=eng.device)
+    pos = torch.tensor([depth], device=eng.device)
+    for _ in range(3):
+        tok = dec(tok, pos)[0].argmax(-1, keepdim=True)
+        pos += 1
+    _sync()
+    fill_cache(eng, depth)
+    pos.fill_(depth)
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(steps):
+        tok = dec(tok, pos)[0].argmax(-1, keepdim=True)
+        pos += 1
+    b.record()
+    b.synchronize()
+    gpu_ms = a.elapsed_time(b) / steps
+    fill_cache(eng, depth)
+    pos.fill_(depth)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        tok = dec(tok, pos)[0].argmax(-1, keepdim=True)
+        int(tok.item())
+        pos += 1
+    host_ms = (time.perf_counter() - t0) * 1000 / steps
+    return {"depth": depth, "steps": steps, "ms_per_token_gpu": gpu_ms,
+            "tok_per_s_gpu": 1000 / gpu_ms, "ms_per_token_with_sync": host_ms,
+            "tok_per_s_with_sync": 1000 / host_ms}  # fmt: skip
+
+
+def prefill_rate(eng, n: int, repeats: int = 3) -> dict[str, Any]:
+    from engine.generate import prefill
+
+    prompt = [int(t) for t in torch.randint(3, eng.config.vocab_size, (n,))]
+    prefill(eng.model, eng.cache, prompt, eng.prefill_chunk)  # warm-up (tuning, cuBLAS plans)
+    _sync()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        prefill(eng.model, eng.cache, prompt, eng.prefill_chunk)
+        _sync()
+        times.append(time.perf_counter() - t0)
+    best = min(times)
+    return {"tokens": n, "chunk": eng.prefill_chunk, "seconds": best, "tok_per_s": n / best}
+
+
+def generate_rate(eng, prompt_len: int = 32, new: int = 128) -> dict[str, Any]:
+    prompt = [2] + [int(t) for t in torch.randint(3, eng.config.vocab_size, (prompt_len - 1,))]
+    eng.generate(prompt, 8, stop_ids=[])  # warm-up: capture
+    t0 = time.perf_counter()
+    out = eng.generate(prompt, new, stop_ids=[])
+    dt = time.perf_counter() - t0
+    return {"prompt": prompt_len, "new_tokens": len(out), "seconds": dt,
+            "tok_per_s_including_prefill": len(out) / dt}  # fmt: skip
+
+
+def run_capped(ckpt: Path) -> dict[str, Any]:
+    """In this (fresh) process: cap at 3,732 MiB, load, full 131,072 context, decode."""
+    import engine
+
+    res: dict[str, Any] = {"cap_mib": CAP_MIB}
+    try:
+        eng = engine.load(ckpt, device="cuda:0", max_context=131072, memory_cap_mib=CAP_MIB)
+        _shim_hooks(eng)
+        res["prefill_chunk"] = eng.prefill_chunk
+        res["loaded_mib"] = torch.cuda.memory_allocated() / 2**20
+        r = decode_rate(eng, 131072 - 80, steps=32)
+        res.update(r)
+        res["prompt_512"] = prefill_rate(eng, 512, repeats=1)
+        res["peak_mib"] = torch.cuda.max_memory_allocated() / 2**20
+        res["fits"] = True
+        res["memory_report"] = eng.memory_report().model_dump()
+    except Exception as exc:  # noqa: BLE001
+        res["fits"] = False
+        res["error"] = repr(exc)[:1000]
+        res["peak_mib"] = torch.cuda.max_memory_allocated() / 2**20
+    return res
+
+
+def _hf_model(ckpt: Path, device: str = "cuda"):
+    """transformers' Gemma4ForCausalLM in bf16 holding the checkpoint's weights, dequantised."""
+    import transformers
+
+    from engine import ops
+    from engine.checkpoint import CheckpointReader
+
+    raw = json.loads((ckpt / "config.json").read_text())
+    for key in ("quantization_config", "gpurig_emb4"):
+        raw.pop(key, None)
+    cfg = transformers.Gemma4TextConfig(**raw)
+    with torch.device(device):
+        model = transformers.Gemma4ForCausalLM(cfg).to(torch.bfloat16)
+    reader = CheckpointReader(ckpt)
+    state, missing = {}, []
+    for name, tensor in model.state_dict().items():
+        rel = name.removeprefix("model.")
+        mod = rel.removesuffix(".weight")
+        if rel.endswith(".weight") and reader.has(mod + ".weight_packed"):
+            w = reader.linear(mod, device, group_size=0)
+            state[name] = ops.dequantize(w, torch.bfloat16)
+        elif reader.has(rel):
+            state[name] = reader.tensor(rel, device).to(tensor.dtype)
+        elif name == "lm_head.weight":
+            continue
+        else:
+            missing.append(name)
+    model.load_state_dict(state, strict=False)
+    model.tie_weights()
+    model.eval()
+    return model, missing
+
+
+def run_peer(ckpt: Path, mode: str, new: int | None = None) -> dict[str, Any]:
+    res: dict[str, Any] = {"mode": mode}
+    new = new or (32 if mode == "eager" else 8)  # the static cache ran at ~0.6 tok/s here
+    t0 = time.time()
+    model, missing = _hf_model(ckpt)
+    res["load_s"] = round(time.time() - t0, 1)
+    res["missing"] = missing[:20]
+    prompt = torch.tensor([[2] + list(range(10, 41))], device="cuda")
+    kwargs: dict[str, Any] = {"max_new_tokens": new, "do_sample": False, "min_new_tokens": new}
+    if mode in ("static", "compile"):
+        kwargs["cache_implementation"] = "static"
+    if mode == "compile":
+        model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=False)
+    with torch.inference_mode():
+        for _ in range(2 if mode == "compile" else 1):
+            model.generate(prompt, **{**kwargs, "max_new_tokens": 4, "min_new_tokens": 4})
+        _sync()
+        t0 = time.perf_counter()
+        out = model.generate(prompt, **kwargs)
+        _sync()
+        dt = time.perf_counter() - t0
+    res["new_tokens"] = int(out.shape[1] - prompt.shape[1])
+    res["tok_per_s"] = res["new_tokens"] / dt
+    res["tokens"] = out[0, prompt.shape[1] :].tolist()
+    return res
+
+
+def _subprocess(name: str, args: list[str], timeout: float) -> dict[str, Any]:
+    """Run one part in a fresh interpreter; its JSON, or what went wrong."""
+    out = Path(f"/tmp/gpurig_bench_{name}.json")
+    out.unlink(missing_ok=True)
+    cmd = [sys.executable, "-m", "bench.e2e_bench", *args, "--json", str(out)]
+    t0 = time.time()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout:.0f}s"}
+    res: dict[str, Any] = {}
+    if out.is_file():
+        res = json.loads(out.read_text())
+    if proc.returncode != 0:
+        res["returncode"] = proc.returncode
+        res["stderr_tail"] = proc.stderr[-1500:]
+    res["wall_s"] = round(time.time() - t0, 1)
+    return res
+
+
+def _hooks_present() -> bool:
+    import inspect
+
+    from engine import generate, ops
+
+    return "fast" in inspect.getsource(ops.linear4) and "decoder_for" in inspect.getsource(generate)
+
+
+def _shim_hooks(eng) -> None:
+    """Until engine/ops.py and generate.py carry the fast-path branches, route the same calls
+    through engine.fast here (a bench-only stand-in with the same behaviour)."""
+    import engine.fast as fast
+    from engine import ops
+    from engine.fast import ops_fast
+
+    if _hooks_present():
+        return
+    eng.prefill_chunk = fast.prefill_chunk_for(eng.device, eng.memory_cap_mib)
+    for name in ("linear4", "embed4_rows", "attention_decode"):
+        if getattr(getattr(ops, name), "_gpurig_shim", False):
+            continue
+        ref = getattr(ops, name)
+        fn = getattr(ops_fast, name)
+
+        def wrapped(*a, _ref=ref, _fn=fn, **k):
+            t = a[0]
+            if fast.fast_enabled(t.device):
+                y = _fn(*a, **k)
+                if y is not None:
+                    return y
+            return _ref(*a, **k)
+
+        wrapped._gpurig_shim = True
+        setattr(ops, name, wrapped)
+    model = eng.model
+    original = model.decode_step
+
+    def decode_step(token, position, cache):
+        if fast.fast_enabled(model.device):
+            return fast.decoder_for(model, cache)(token, position)
+        return original(token, position, cache)
+
+    model.decode_step = decode_step
+
+
+def run_all(read_bps: float, save_cb=None, partial: dict | None = None,
+            budget_s: float = 480.0) -> dict[str, Any]:  # fmt: skip
+    """Everything, in order of importance, inside `budget_s` seconds."""
+    import engine
+
+    t_start = time.time()
+    res: dict[str, Any] = {}
+    if partial is not None:
+        partial["e2e"] = res
+
+    def left() -> float:
+        return budget_s - (time.time() - t_start)
+
+    def step(name: str, fn, *a, **k):
+        t0 = time.time()
+        try:
+            res[name] = fn(*a, **k)
+        except Exception as exc:  # noqa: BLE001
+            traceback.print_exc()
+            res[name] = {"error": repr(exc)[:1500]}
+        print(f"-- {name}: {time.time() - t0:.1f}s", json.dumps(res[name], default=str)[:600],
+              flush=True)  # fmt: skip
+        if save_cb:
+            save_cb()
+
+    # the tiny preset: greedy identity (fp32 and bf16)
+    def tiny():
+        make(TINY_DIR, "tiny")
+        out = {}
+        for dt in (torch.float32, torch.bfloat16):
+            eng = engine.load(TINY_DIR, device="cuda", dtype=dt, max_context=1024)
+            _shim_hooks(eng)
+            prompt = [2] + list(range(10, 60))
+            out[str(dt)] = greedy_pair(eng, prompt, 48)
+        return out
+
+    step("tiny_greedy", tiny)
+    step("make_e2b", make, E2B_DIR)
+    eng = engine.load(E2B_DIR, device="cuda")
+    _shim_hooks(eng)
+    res["hooks_in_engine"] = _hooks_present()
+    res["load"] = {"prefill_chunk": eng.prefill_chunk,
+                   "memory_report": eng.memory_report().model_dump(),
+                   "decode_weight_bytes": eng.model.decode_weight_bytes()}  # fmt: skip
+    step("e2b_greedy", greedy_pair, eng, [2] + list(range(100, 131)), 32)
+    res["decode"] = []
+    for depth in DEPTHS:
+        try:
+            r = decode_rate(eng, depth)
+        except Exception as exc:  # noqa: BLE001
+            traceback.print_exc()
+            r = {"depth": depth, "error": repr(exc)[:800]}
+        res["decode"].append(r)
+        print("-- decode", json.dumps(r), flush=True)
+    if save_cb:
+        save_cb()
+    step("generate_short", generate_rate, eng)
+    step("prefill_512", prefill_rate, eng, 512)
+    step("prefill_4096", prefill_rate, eng, 4096)
+    res["peak_mib"] = torch.cuda.max_memory_allocated() / 2**20
+    # bound: weights + 7 passes over the full-attention cache per token
+    wb = res["load"]["decode_weight_bytes"]
+    for r in res["decode"]:
+        if "ms_per_token_gpu" in r:
+            cache_bytes = 7 * 2 * 512 * 2 * r["depth"]
+            bound_ms = (wb + cache_bytes) / read_bps * 1000
+            r["bound_ms"] = bound_ms
+            r["pct_of_bound"] = 100 * bound_ms / r["ms_per_token_gpu"]
+    del eng
+    torch.cuda.empty_cache()
+    if save_cb:
+        save_cb()
+    step("capped_3732MiB", _subprocess, "capped", ["capped", "--ckpt", str(E2B_DIR)],
+         min(150, left()))  # fmt: skip
+    modes = ["eager", "static"] + (["compile"] if os.environ.get("GPURIG_BENCH_COMPILE") else [])
+    for mode in modes:
+        if left() < 40:
+            res[f"peer_{mode}"] = {"skipped": "out of time"}
+            continue
+        step(f"peer_{mode}", _subprocess, f"peer_{mode}",
+             ["peer", "--ckpt", str(E2B_DIR), "--mode", mode], min(200, left()))  # fmt: skip
+    res["summary"] = _summary(res)
+    return res
+
+
+def _summary(res: dict[str, Any]) -> dict[str, Any]:
+    s: dict[str, Any] = {}
+    for r in res.get("decode", []):
+        if "tok_per_s_gpu" in r:
+            s[f"decode_tok_s_depth_{r['depth']}"] = round(r["tok_per_s_gpu"], 1)
+            s[f"decode_tok_s_with_sync_depth_{r['depth']}"] = round(r["tok_per_s_with_sync"], 1)
+            s[f"pct_of_bound_depth_{r['depth']}"] = round(r.get("pct_of_bound", 0), 1)
+    for k in ("prefill_512", "prefill_4096"):
+        if "tok_per_s" in res.get(k, {}):
+            s[f"{k}_tok_s"] = round(res[k]["tok_per_s"])
+    s["peak_mib"] = round(res.get("peak_mib", 0))
+    cap = res.get("capped_3732MiB", {})
+    s["capped_fits"] = cap.get("fits")
+    s["capped_tok_s"] = round(cap.get("tok_per_s_gpu", 0), 1)
+    for mode in ("eager", "static", "compile"):
+        p = res.get(f"peer_{mode}", {})
+        s[f"peer_{mode}_tok_s"] = round(p["tok_per_s"], 2) if "tok_per_s" in p else p.get(
+            "error", p.get("skipped", p.get("returncode")))  # fmt: skip
+    for k in ("tiny_greedy", "e2b_greedy"):
+        g = res.get(k, {})
+        if "identical" in g:
+            s[f"{k}_identical"] = g["identical"]
+        else:
+            s[f"{k}_identical"] = {d: v.get("identical") for d, v in g.items()
+                                   if isinstance(v, dict)}  # fmt: skip
+    return s
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("what", choices=["all", "make", "capped", "peer"])
+    ap.add_argument("--ckpt", default=str(E2B_DIR))
+    ap.add_argument("--mode", default="eager")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "e2e.json"))
+    args = ap.parse_args(argv)
+    ckpt = Path(args.ckpt)
+    if args.what == "make":
+        res = make(ckpt)
+    elif args.what == "capped":
+        res = run_capped(ckpt)
+    elif args.what == "peer":
+        res = run_peer(ckpt, args.mode)
+    else:
+        res = run_all(4.1e12)
+        args.json = args.json or args.out
+    text = json.dumps(res, indent=1, default=str)
+    if args.json:
+        Path(args.json).write_text(text)
+    print(text[-3000:])
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
