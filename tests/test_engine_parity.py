@@ -253,3 +253,34 @@ def test_bfloat16_matches_transformers_bfloat16(tmp_path):
     assert ref_rows.argmax(-1).tolist() == out
     first = prefill(eng.model, eng.cache, prompt, 33).float()
     assert (first - ref_rows[0]).abs().max().item() < 1e-2
+
+
+def test_quantized_transformers_save_matches(tmp_path):
+    """`quantize` on a checkpoint written by transformers' save_pretrained (bf16): transformers
+    loads the W4A16 result, and the engine agrees with it."""
+    from engine.checkpoint_maker import quantize_checkpoint, text_config_dict
+
+    raw = text_config_dict("tiny")
+    cfg = transformers.Gemma4TextConfig(
+        **{k: v for k, v in raw.items() if k not in ("architectures", "per_layer_config")},
+        global_head_dim=64,
+    )
+    torch.manual_seed(0)
+    _quiet_transformers()
+    transformers.Gemma4ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    make_checkpoint(tmp_path / "donor", "tiny")  # only for its tokenizer.json
+    (tmp_path / "bf16" / "tokenizer.json").write_bytes(
+        (tmp_path / "donor" / "tokenizer.json").read_bytes()
+    )
+    info = quantize_checkpoint(tmp_path / "bf16", tmp_path / "w4")
+    assert info.quantized_linears == 51 and info.plain_linears == 0
+    ref = hf_reference(tmp_path / "w4")
+    eng = engine.load(tmp_path / "w4", device="cpu", max_context=512, prefill_chunk=33)
+    prompt = [2] + list(range(100, 200))
+    out = eng.generate(prompt, NEW_TOKENS, stop_ids=[])
+    seq = prompt + out
+    with torch.no_grad():
+        ref_rows = ref(torch.tensor([seq]), use_cache=False).logits[0, len(prompt) - 1 : -1].float()
+    assert ref_rows.argmax(-1).tolist() == out
+    got = engine_logits(eng, seq, len(prompt), 33).float()
+    assert (got - ref_rows).abs().max().item() < LOGIT_ATOL
