@@ -24,6 +24,10 @@ from typing import TYPE_CHECKING
 from engine.errors import CheckpointError, ContextLengthError, EngineError, GenerationError
 
 if TYPE_CHECKING:
+    import os
+
+    import torch
+
     from engine.memory import MemoryReport
     from engine.runtime import Engine
 
@@ -39,9 +43,17 @@ __all__ = [
 
 
 def load(
-    path, device=None, max_context=None, memory_cap_mib=None, prefill_chunk=None, dtype=None
+    path: str | os.PathLike[str],
+    device: str | torch.device | None = None,
+    max_context: int | None = None,
+    memory_cap_mib: int | None = None,
+    prefill_chunk: int | None = None,
+    dtype: torch.dtype | None = None,
 ) -> Engine:
-    """Load a Gemma 4 W4A16 checkpoint directory; see engine.runtime.load."""
+    """Load a Gemma 4 W4A16 checkpoint directory (see engine.runtime.load for every argument).
+
+    device None: cuda when available, else cpu. max_context None: the model's
+    max_position_embeddings. dtype None: bfloat16 on CUDA, float32 on the CPU."""
     from engine.runtime import load as _load
 
     return _load(
@@ -54,7 +66,7 @@ def load(
     )
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> object:
     if name == "Engine":
         from engine.runtime import Engine
 
