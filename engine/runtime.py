@@ -216,4 +216,7 @@ def _chat_template(model_dir: Path) -> str | None:
             return None
         if isinstance(template, str):
             return template
+        if isinstance(template, list):  # named templates: "default" wins
+            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+            return named.get("default") or next(iter(named.values()), None)
     return None
