@@ -154,9 +154,10 @@ def dequantize_reference(packed: torch.Tensor, scales: torch.Tensor) -> torch.Te
 def _default_config(n: int, k: int) -> dict[str, Any]:
     """A reasonable tiling when nothing is tuned (CPU interpreter, capture, tuning off)."""
     kw = k // 8
-    block_kw = 128 if kw >= 128 else triton.next_power_of_2(max(kw, 16))
-    block_n = 4 if n >= 4096 else 2
-    return {"BLOCK_N": block_n, "BLOCK_KW": block_kw, "num_warps": 4, "num_stages": 2}
+    if n >= 4096 and kw >= 64:  # several rows per thread: the activations are reused
+        return {"BLOCK_N": 8, "BLOCK_KW": 64, "num_warps": 2, "num_stages": 2}
+    block_kw = 256 if kw >= 256 else triton.next_power_of_2(max(kw, 16))
+    return {"BLOCK_N": 4, "BLOCK_KW": block_kw, "num_warps": 4, "num_stages": 2}
 
 
 KERNEL_VERSION = 2  # bump when the kernel changes: stored tilings of older versions are ignored
@@ -166,9 +167,17 @@ def _shape_key(n: int, k: int, dtype: torch.dtype, m: int) -> str:
     return f"v{KERNEL_VERSION}_N{n}_K{k}_{str(dtype).removeprefix('torch.')}_M{min(m, 4)}"
 
 
+_ASM = {"ok": True}  # cleared if the inline-PTX variant ever fails to build on this machine
+
+
 def _use_asm(t: torch.Tensor) -> bool:
     """The inline-PTX lop3 runs on NVIDIA GPUs only (not in the CPU interpreter)."""
-    return t.is_cuda and torch.version.hip is None and os.environ.get("TRITON_INTERPRET") != "1"
+    return (
+        _ASM["ok"]
+        and t.is_cuda
+        and torch.version.hip is None
+        and os.environ.get("TRITON_INTERPRET") != "1"
+    )
 
 
 def _launch(x2, packed, scales, y, cfg: dict[str, Any]) -> None:
@@ -215,7 +224,13 @@ def tune(
     def make_calls(cfg):
         return [lambda a=a, cfg=cfg: _launch(a[0], a[1], a[2], a[3], cfg) for a in sets]
 
-    best, us, results = tuning.pick_fastest(candidate_configs(n, k), make_calls)
+    try:
+        best, us, results = tuning.pick_fastest(candidate_configs(n, k), make_calls)
+    except RuntimeError:  # nothing built: retry with the plain (two-instruction) unpack
+        if not _ASM["ok"]:
+            raise
+        _ASM["ok"] = False
+        best, us, results = tuning.pick_fastest(candidate_configs(n, k), make_calls)
     return best, us, results
 
 
@@ -231,7 +246,11 @@ def config_for(n: int, k: int, dtype: torch.dtype, m: int, device: torch.device)
         return cfg
     if not tuning.autotune_enabled() or torch.cuda.is_current_stream_capturing():
         return _default_config(n, k)
-    best, us, _ = tune(n, k, dtype, m, device)
+    try:
+        best, us, _ = tune(n, k, dtype, m, device)
+    except torch.OutOfMemoryError:  # a capped card: tune another time, run the default now
+        torch.cuda.empty_cache()
+        return _default_config(n, k)
     best = dict(best, us=round(us, 3))
     tuning.store(KERNEL_NAME, key, gpu, best)
     return best
