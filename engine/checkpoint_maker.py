@@ -209,7 +209,8 @@ def _random_weights(cfg: dict[str, Any], seed: int) -> Iterator[tuple[str, torch
         yield pre + "self_attn.q_norm.weight", norm(hd, hd**-0.25)
         if i < tc.first_shared_layer:
             yield pre + "self_attn.k_proj.weight", linear(kvh * hd, h)
-            yield pre + "self_attn.v_proj.weight", linear(kvh * hd, h)
+            if not (tc.attention_k_eq_v and not tc.is_sliding(i)):  # k_eq_v: values = keys
+                yield pre + "self_attn.v_proj.weight", linear(kvh * hd, h)
             yield pre + "self_attn.k_norm.weight", norm(hd, hd**-0.25)
         yield pre + "self_attn.o_proj.weight", linear(h, hq * hd)
         yield pre + "post_attention_layernorm.weight", norm(h)

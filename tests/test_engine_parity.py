@@ -76,6 +76,8 @@ CONFIGS = {
         },
         [1, 33],
     ),
+    # full layers whose values are their raw keys (attention_k_eq_v: no v_proj there)
+    "k-eq-v": ({"attention_k_eq_v": True}, [65]),
     # no per-layer embeddings, single-width MLP, no sharing (transformers 5.24 itself fails on
     # PLE-less models with KV sharing: _maybe_slice_kv_shared_inputs indexes a None)
     "no-ple": (
