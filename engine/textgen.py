@@ -8,6 +8,7 @@ read time and the decode speed, plus the bytes-per-token bound figure gpt-fast r
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from pydantic import BaseModel
 
@@ -64,18 +65,32 @@ def generate_text(
     top_k: int | None = None,
     top_p: float | None = None,
     seed: int | None = None,
+    on_text: Callable[[str], None] | None = None,
 ) -> GenerationResult:
-    """Generate a reply and time it: prefill = until the first token, decode = the rest."""
+    """Generate a reply and time it: prefill = until the first token, decode = the rest.
+
+    on_text, if given, receives the reply's text piece by piece as tokens arrive (a piece that
+    ends inside a multi-byte character waits for the next token)."""
     ids = prompt_ids(engine, prompt, chat)
     start = time.perf_counter()
     first_at = None
     out: list[int] = []
+    shown = ""
     for tok in engine.stream(ids, max_new_tokens, temperature, top_k, top_p, seed):
         if first_at is None:
             _sync(engine)
             first_at = time.perf_counter()
         out.append(tok)
+        if on_text is not None:
+            text = engine.tokenizer.decode(out, skip_special_tokens=False)
+            if not text.endswith("\ufffd") and text.startswith(shown):
+                on_text(text[len(shown) :])
+                shown = text
     _sync(engine)
+    if on_text is not None:
+        text = engine.tokenizer.decode(out, skip_special_tokens=False)
+        if text.startswith(shown) and text != shown:
+            on_text(text[len(shown) :])
     end = time.perf_counter()
     first_at = first_at or end
     decode_s = end - first_at

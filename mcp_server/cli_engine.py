@@ -7,6 +7,7 @@ Nothing heavy at import time; engine errors become GpurigErrors (message + what 
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -147,9 +148,15 @@ def _run_generate(args: argparse.Namespace) -> int:
     from engine.textgen import generate_text
 
     eng = _load(args)
+
+    def show(piece: str) -> None:  # the reply as it is made (not with --json)
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+
     result = _call(
         generate_text,
         eng,
+        on_text=None if args.json else show,
         prompt=args.prompt,
         chat=args.chat,
         max_new_tokens=args.max_tokens,
@@ -173,7 +180,7 @@ def _run_generate(args: argparse.Namespace) -> int:
                 ("bandwidth achieved", f"{r.effective_gb_per_s} GB/s"),
             ]
         )
-        return f"{r.text}\n\n{speed}"
+        return f"\n\n{speed}"  # the text was shown as it came
 
     print_result(result, args.json, render)
     return 0

@@ -185,3 +185,12 @@ def test_an_abandoned_stream_cannot_resume(eng):
     with pytest.raises(EngineError, match="another generation"):
         next(old)
     assert eng.generate(PROMPT, 6, stop_ids=[]) == greedy
+
+
+def test_generate_text_streams_the_same_text(eng):
+    from engine.textgen import generate_text
+
+    pieces: list[str] = []
+    res = generate_text(eng, chat="Tell me a story", max_new_tokens=20, on_text=pieces.append)
+    assert "".join(pieces) == res.text and res.new_tokens == 20 and len(pieces) > 1
+    assert res.prompt_tokens > 10 and res.weight_bytes_per_token == eng.model.decode_weight_bytes()
