@@ -236,7 +236,8 @@ def test_untied_lm_head_is_loaded_separately(tiny, tmp_path):
     with ShardWriter(untied) as w:
         for name in reader.names():
             w.add(name, reader.tensor(name))
-        w.add("lm_head.weight", reader.tensor("embed_tokens.weight").clone())  # same values, own copy
+        lm_head = reader.tensor("embed_tokens.weight").clone()  # same values, its own copy
+        w.add("lm_head.weight", lm_head)
         w.write_file("config.json", json.dumps(cfg))
         w.copy_file(tiny / "tokenizer.json", "tokenizer.json")
     a = engine.load(tiny, device="cpu", max_context=64)
