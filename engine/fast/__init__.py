@@ -10,6 +10,7 @@ CUDA-graph replayer on CUDA and the model's plain decode_step elsewhere.
 | GPURIG_FAST           | "0" turns the fast path off (reference ops, no graph)     | on      |
 | GPURIG_CUDA_GRAPH     | "0" keeps the Triton kernels but decodes without a graph  | on      |
 | GPURIG_DECODE         | "fused" (fused kernels) or "reference" (the model's step) | fused   |
+| GPURIG_EPILOGUES      | "0": norm/residual/GELU as separate kernels, not in GEMVs | on      |
 
 GPURIG_FAST=force runs the fast path on any device Triton runs on (the CPU interpreter, for
 tests).
@@ -55,7 +56,7 @@ def decoder_for(model, cache) -> Callable[[torch.Tensor, torch.Tensor], torch.Te
     decode step captured as a CUDA graph on first use; elsewhere the model's eager step."""
     per_model = _DECODERS.setdefault(cache, {})
     key = (id(model), os.environ.get("GPURIG_DECODE", "fused"), graphs_enabled(model.device),
-           fast_enabled(model.device))  # fmt: skip
+           fast_enabled(model.device), os.environ.get("GPURIG_EPILOGUES", "1"))  # fmt: skip
     dec = per_model.get(key)
     if dec is None:
         step = _step_fn(model, cache)

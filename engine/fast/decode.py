@@ -15,6 +15,8 @@ model qualifies; otherwise the engine decodes with the model's own step.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from engine import ops
@@ -22,6 +24,17 @@ from engine.fast import ops_fast
 from engine.fast.fuse import fuse_projections
 from engine.kernels.fused import gelu_mul, ple_mix, qkv_rope, residual_norm, rmsnorm_rows
 from engine.kernels.w4dequant import w4_gather_rows
+from engine.kernels.w4gemv import w4_gemv_gelu_mul, w4_gemv_glu, w4_gemv_residual
+
+
+def _epilogues_on() -> bool:
+    """GEMVs finish the norm/residual/GELU work themselves (GPURIG_EPILOGUES=0: separate
+    kernels, the previous, slower arrangement)."""
+    return os.environ.get("GPURIG_EPILOGUES", "1") != "0"
+
+
+def _packed(w) -> bool:
+    return isinstance(w, ops.PackedLinear) and ops_fast._packed_ok(w)
 
 
 def _lin(x: torch.Tensor, w) -> torch.Tensor:
@@ -70,6 +83,33 @@ class FusedDecoder:
                       cfg.hidden_size**-0.5, 2.0**-0.5)  # fmt: skip
         return h, ple
 
+    def _rest_fused(self, i, w, fl, attn, h, ple, nxt):
+        """After attention, with the GEMV epilogues: o (+residual, norms), gate|up (+GELU*up),
+        down (+residual, norms), per-layer gate (+GELU*input), projection (+residual, norms)."""
+        eps = self.model.cfg.rms_norm_eps
+
+        def resid(x, lin, w_post, scalar=None, w_next=None):
+            if _packed(lin):
+                return w4_gemv_residual(x, lin.packed, lin.scales, h, w_post, eps,
+                                        scalar=scalar, w_next=w_next)  # fmt: skip
+            _, out = residual_norm(h, _lin(x, lin), w_post, eps, scalar=scalar, w_next=w_next,
+                                   h_out=h)  # fmt: skip
+            return out
+
+        x2 = resid(attn, w.o, w.post_attn_norm, w_next=w.pre_ffn_norm)
+        if fl.gate_up is not None:
+            act = w4_gemv_glu(x2, fl.gate_up.packed, fl.gate_up.scales)
+        else:
+            act = gelu_mul(_lin(x2, w.gate).contiguous(), _lin(x2, w.up).contiguous())
+        if ple is None:
+            return h, resid(act, w.down, w.post_ffn_norm, scalar=w.layer_scalar, w_next=nxt)
+        resid(act, w.down, w.post_ffn_norm)
+        if _packed(w.ple_gate):
+            a2 = w4_gemv_gelu_mul(h, w.ple_gate.packed, w.ple_gate.scales, ple[i])
+        else:
+            a2 = gelu_mul(_lin(h, w.ple_gate).contiguous(), ple[i])
+        return h, resid(a2, w.ple_proj, w.ple_norm, scalar=w.layer_scalar, w_next=nxt)
+
     @torch.inference_mode()
     def step(self, token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
         m, cfg, cache = self.model, self.model.cfg, self.cache
@@ -98,15 +138,18 @@ class FusedDecoder:
             attn = ops_fast.attention_decode(q3, src.k, src.v, src.pos, position, window)
             if attn is None:
                 attn = ops.attention_decode(q3, src.k, src.v, src.pos, position, window)
+            nxt = layers[i + 1].input_norm if i + 1 < len(layers) else m.final_norm
+            if _epilogues_on():
+                h, x = self._rest_fused(i, w, fl, attn.reshape(1, hq * hd), h, ple, nxt)
+                continue
             o = _lin(attn.reshape(1, hq * hd), w.o)
             h, x2 = residual_norm(h, o, w.post_attn_norm, eps, w_next=w.pre_ffn_norm, h_out=h)
-            if fl.gate_up is not None:
+            if fl.gate_up is not None:  # interleaved rows: gate at even, up at odd outputs
                 gu = _lin(x2, fl.gate_up)
-                act = gelu_mul(gu[:, : fl.mlp_width], gu[:, fl.mlp_width :])
+                act = gelu_mul(gu[:, 0::2].contiguous(), gu[:, 1::2].contiguous())
             else:
                 act = gelu_mul(_lin(x2, w.gate).contiguous(), _lin(x2, w.up).contiguous())
             d = _lin(act, w.down)
-            nxt = layers[i + 1].input_norm if i + 1 < len(layers) else m.final_norm
             if ple is not None:
                 h, _ = residual_norm(h, d, w.post_ffn_norm, eps, h_out=h)
                 g = _lin(h, w.ple_gate)

@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels import tuning
+from engine.kernels.fused import _gelu_tanh, _rms, _round
 
 KERNEL_NAME = "w4gemv"
 _MAGIC = 0x4B000000
@@ -96,9 +97,16 @@ def _nibble_dot(w, x_ptrs, k_mask, MASK: tl.constexpr, OFFSET: tl.constexpr,
 def _w4_gemv_kernel(
     x_ptr, w_ptr, s_ptr, y_ptr,
     N, K, stride_xm, stride_ym,
+    aux_ptr, h_ptr, w_post_ptr, scalar_ptr, w_next_ptr, h_out_ptr, x_out_ptr, counter_ptr, eps,
     BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr, EVEN_K: tl.constexpr,
-    USE_ASM: tl.constexpr = False,
+    USE_ASM: tl.constexpr = False, EPI: tl.constexpr = 0, HAS_SCALAR: tl.constexpr = False,
+    HAS_NEXT: tl.constexpr = False, BLOCK_H: tl.constexpr = 16,
 ):  # fmt: skip
+    """EPI 0: y = x W^T. 1: GLU over interleaved (gate, up) rows -> gelu(gate) * up, N/2 wide.
+    2: gelu(y) * aux[row]. 3: y, then the LAST program to finish adds rms_norm(y) * w_post to
+    the residual h (times a scalar), and writes rms_norm(h) * w_next: one launch instead of a
+    GEMV plus a norm kernel (programs count themselves on an atomic counter, which the last one
+    resets for the next call / graph replay). Intermediates round where the reference rounds."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     KW = K // 8
@@ -134,7 +142,37 @@ def _w4_gemv_kernel(
         s_ptrs += BLOCK_KW // 4
         x_ptrs += BLOCK_KW * 8
     y = tl.sum(acc, axis=1)
-    tl.store(y_ptr + pid_m * stride_ym + rn, y.to(y_ptr.dtype.element_ty), mask=n_mask)
+    DT: tl.constexpr = y_ptr.dtype.element_ty
+    if EPI == 1:
+        g, u = tl.split(tl.reshape(_round(y, DT), [BLOCK_N // 2, 2]))
+        act = _round(_round(_gelu_tanh(g), DT) * u, DT)
+        rp = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        tl.store(y_ptr + pid_m * stride_ym + rp, act, mask=rp < N // 2)
+    elif EPI == 2:
+        a = tl.load(aux_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)
+        out = _round(_round(_gelu_tanh(_round(y, DT)), DT) * a, DT)
+        tl.store(y_ptr + pid_m * stride_ym + rn, out, mask=n_mask)
+    else:
+        tl.store(y_ptr + pid_m * stride_ym + rn, y.to(DT), mask=n_mask)
+        if EPI == 3:
+            if USE_ASM:  # every thread's stores visible GPU-wide before the count goes up
+                tl.inline_asm_elementwise("fence.acq_rel.gpu; mov.b32 $0, $1;", "=r,r", [rn],
+                                          dtype=tl.int32, is_pure=False, pack=1)  # fmt: skip
+            tl.debug_barrier()
+            done = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
+            if done == tl.num_programs(0) - 1:
+                offs = tl.arange(0, BLOCK_H)
+                m = offs < N
+                yv = tl.load(y_ptr + offs, mask=m, other=0.0, cache_modifier=".cg")
+                h = tl.load(h_ptr + offs, mask=m, other=0.0).to(tl.float32)
+                h = _round(h + _rms(yv.to(tl.float32), w_post_ptr, offs, m, N, eps, True, DT), DT)
+                if HAS_SCALAR:
+                    h = _round(h * tl.load(scalar_ptr).to(tl.float32), DT)
+                tl.store(h_out_ptr + offs, h, mask=m)
+                if HAS_NEXT:
+                    tl.store(x_out_ptr + offs, _rms(h, w_next_ptr, offs, m, N, eps, True, DT),
+                             mask=m)  # fmt: skip
+                tl.atomic_xchg(counter_ptr, 0)
 
 
 def w4_gemv_reference(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -180,15 +218,34 @@ def _use_asm(t: torch.Tensor) -> bool:
     )
 
 
-def _launch(x2, packed, scales, y, cfg: dict[str, Any]) -> None:
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _counter(device: torch.device) -> torch.Tensor:
+    """One int32 per device for EPI 3: kernels on one stream run one after another, and the
+    last program of each resets it, so a single counter serves every call site."""
+    if device not in _COUNTERS:
+        _COUNTERS[device] = torch.zeros(1, dtype=torch.int32, device=device)
+    return _COUNTERS[device]
+
+
+def _launch(x2, packed, scales, y, cfg: dict[str, Any], epi: int = 0, aux=None, h=None,
+            w_post=None, scalar=None, w_next=None, h_out=None, x_out=None,
+            eps: float = 1e-6) -> None:  # fmt: skip
     m, k = x2.shape
     n = packed.shape[0]
     kw = k // 8
     grid = (triton.cdiv(n, cfg["BLOCK_N"]), m)
     _w4_gemv_kernel[grid](
         x2, packed, scales, y, n, k, x2.stride(0), y.stride(0),
+        aux if aux is not None else y, h if h is not None else y,
+        w_post if w_post is not None else y, scalar if scalar is not None else y,
+        w_next if w_next is not None else y, h_out if h_out is not None else y,
+        x_out if x_out is not None else y, _counter(x2.device) if epi == 3 else y, eps,
         BLOCK_N=cfg["BLOCK_N"], BLOCK_KW=cfg["BLOCK_KW"], EVEN_K=(kw % cfg["BLOCK_KW"] == 0),
-        USE_ASM=_use_asm(x2), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        USE_ASM=_use_asm(x2), EPI=epi, HAS_SCALAR=scalar is not None,
+        HAS_NEXT=w_next is not None, BLOCK_H=triton.next_power_of_2(max(n, 16)) if epi == 3 else 16,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
 
 
@@ -282,3 +339,62 @@ def w4_gemv(
     cfg = config or config_for(n, k, x.dtype, m, x.device)
     _launch(x2, packed.contiguous(), scales.contiguous(), y, cfg)
     return y.view(*x.shape[:-1], n)
+
+
+def _prepare(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor):
+    k = x.shape[-1]
+    n = packed.shape[0]
+    if packed.shape[1] * 8 != k or scales.shape != (n, k // 32) or k % 32:
+        raise ValueError(
+            f"w4_gemv: x has K={k}, packed {tuple(packed.shape)}, scales {tuple(scales.shape)}; "
+            "expected packed [N, K/8] and scales [N, K/32] with K a multiple of 32"
+        )
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    return x2, n, k
+
+
+def w4_gemv_glu(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """gelu_tanh(gate) * up from ONE GEMV over a gate|up matrix whose rows are interleaved
+    (row 2i = gate_i, row 2i+1 = up_i): [..., N/2], rounded as the reference rounds."""
+    x2, n, k = _prepare(x, packed, scales)
+    cfg = dict(config_for(n, k, x.dtype, x2.shape[0], x.device))
+    if cfg["BLOCK_N"] % 2:
+        cfg["BLOCK_N"] = 2
+    y = torch.empty(x2.shape[0], n // 2, device=x.device, dtype=x.dtype)
+    _launch(x2, packed.contiguous(), scales.contiguous(), y, cfg, epi=1)
+    return y.view(*x.shape[:-1], n // 2)
+
+
+def w4_gemv_gelu_mul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
+                     aux: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """gelu_tanh(x W^T) * aux (aux: N values), in one launch."""
+    x2, n, k = _prepare(x, packed, scales)
+    cfg = config_for(n, k, x.dtype, x2.shape[0], x.device)
+    y = torch.empty(x2.shape[0], n, device=x.device, dtype=x.dtype)
+    _launch(x2, packed.contiguous(), scales.contiguous(), y, cfg, epi=2, aux=aux.contiguous())
+    return y.view(*x.shape[:-1], n)
+
+
+def w4_gemv_residual(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    scales: torch.Tensor,
+    h: torch.Tensor,
+    w_post: torch.Tensor,
+    eps: float,
+    scalar: torch.Tensor | None = None,
+    w_next: torch.Tensor | None = None,
+) -> torch.Tensor | None:
+    """One token: h <- h + rms_norm(x W^T, w_post) [then * scalar], in place, in the GEMV's last
+    program; returns rms_norm(h, w_next) when w_next is given (the next block's input)."""
+    x2, n, k = _prepare(x, packed, scales)
+    if x2.shape[0] != 1 or h.numel() != n:
+        raise ValueError("w4_gemv_residual takes one token whose residual has N values")
+    cfg = config_for(n, k, x.dtype, 1, x.device)
+    y = torch.empty(1, n, device=x.device, dtype=x.dtype)
+    x_out = torch.empty_like(h) if w_next is not None else None
+    _launch(x2, packed.contiguous(), scales.contiguous(), y, cfg, epi=3, h=h, w_post=w_post,
+            scalar=scalar, w_next=w_next, h_out=h, x_out=x_out, eps=eps)  # fmt: skip
+    return x_out

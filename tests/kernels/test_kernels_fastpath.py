@@ -26,7 +26,9 @@ def tiny_engine(tmp_path_factory):
     return engine.load(path, device=dev, dtype=torch.float32, max_context=256)
 
 
-def test_fused_decode_step_matches_the_reference_step(tiny_engine) -> None:
+@pytest.mark.parametrize("epilogues", ["1", "0"])
+def test_fused_decode_step_matches_the_reference_step(tiny_engine, monkeypatch, epilogues):
+    monkeypatch.setenv("GPURIG_EPILOGUES", epilogues)  # GEMV epilogues, or separate kernels
     eng = tiny_engine
     model = eng.model
     assert supported(model)
@@ -62,6 +64,9 @@ def test_fusion_keeps_one_copy_and_the_same_products(tiny_engine) -> None:
     whole = ops.linear(x, fused[0].qkv)
     parts = torch.cat([ops.linear(x, p) for p in (w.q, w.k, w.v)], dim=-1)
     assert torch.allclose(whole, parts, atol=1e-5)
+    gu = ops.linear(x, fused[0].gate_up)  # interleaved rows: gate_i, up_i
+    assert torch.allclose(gu[:, 0::2], ops.linear(x, w.gate), atol=1e-5)
+    assert torch.allclose(gu[:, 1::2], ops.linear(x, w.up), atol=1e-5)
 
 
 def test_fast_ops_agree_with_the_reference_ops(tiny_engine) -> None:

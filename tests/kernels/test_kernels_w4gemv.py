@@ -100,3 +100,30 @@ def test_autotune_switch_reads_the_environment(monkeypatch) -> None:
     assert not tuning.autotune_enabled()
     monkeypatch.delenv(tuning.AUTOTUNE_ENV)
     assert tuning.autotune_enabled()
+
+
+def test_gemv_epilogues_match_their_unfused_form(device) -> None:
+    from engine.kernels.fused import gelu_mul, residual_norm
+    from engine.kernels.w4gemv import w4_gemv_gelu_mul, w4_gemv_glu, w4_gemv_residual
+
+    n, k = 96, 128
+    packed, scales = _random_layer(n, k, torch.float32, device)
+    x = torch.randn(1, k, device=device)
+    y = w4_gemv(x, packed, scales)
+    # GLU over interleaved rows
+    got = w4_gemv_glu(x, packed, scales)
+    assert got.shape == (1, n // 2)
+    want = gelu_mul(y[:, 0::2].contiguous(), y[:, 1::2].contiguous())
+    assert torch.allclose(got, want, atol=1e-5)
+    # gelu(y) * aux
+    aux = torch.randn(n, device=device)
+    assert torch.allclose(w4_gemv_gelu_mul(x, packed, scales, aux), gelu_mul(y, aux), atol=1e-5)
+    # residual + norms in the last program, twice in a row (the counter must reset itself)
+    w_post, w_next = torch.rand(n, device=device) + 0.5, torch.rand(n, device=device) + 0.5
+    scalar = torch.tensor([0.75], device=device)
+    for _ in range(2):
+        h = torch.randn(1, n, device=device)
+        h_ref, x_ref = residual_norm(h.clone(), y, w_post, 1e-6, scalar=scalar, w_next=w_next)
+        x_next = w4_gemv_residual(x, packed, scales, h, w_post, 1e-6, scalar=scalar,
+                                  w_next=w_next)  # fmt: skip
+        assert torch.allclose(h, h_ref, atol=1e-5) and torch.allclose(x_next, x_ref, atol=1e-5)
