@@ -47,6 +47,7 @@ def _attn_split_kernel(
     H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr,
     RING: tl.constexpr, USE_DOT: tl.constexpr, HAS_KPOS: tl.constexpr,
 ):  # fmt: skip
+    IEEE: tl.constexpr = k_ptr.dtype.element_ty == tl.float32
     pid = tl.program_id(0)
     P = tl.num_programs(0)
     pos = tl.load(pos_ptr).to(tl.int32)
@@ -74,7 +75,9 @@ def _attn_split_kernel(
             valid = valid & (slot_pos >= 0) & ((window <= 0) | (pos - slot_pos < window))
         k = tl.load(k_ptr + rs[:, None].to(tl.int64) * stride_ks + rd[None, :],
                     mask=valid[:, None], other=0.0)  # fmt: skip
-        if USE_DOT:
+        if USE_DOT and IEEE:  # fp32 caches: full-precision products, not tf32
+            sc = tl.dot(q, tl.trans(k), input_precision="ieee").to(tl.float32)
+        elif USE_DOT:
             sc = tl.dot(q, tl.trans(k)).to(tl.float32)
         else:
             sc = tl.sum(q.to(tl.float32)[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)
@@ -88,7 +91,9 @@ def _attn_split_kernel(
         l_sum = l_sum * alpha + tl.sum(p, axis=1)
         v = tl.load(v_ptr + rs[:, None].to(tl.int64) * stride_vs + rd[None, :],
                     mask=valid[:, None], other=0.0)  # fmt: skip
-        if USE_DOT:
+        if USE_DOT and IEEE:
+            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee").to(tl.float32)
+        elif USE_DOT:
             pv = tl.dot(p.to(v.dtype), v).to(tl.float32)
         else:
             pv = tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)

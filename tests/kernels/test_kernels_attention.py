@@ -18,7 +18,8 @@ CASES = [
     (True, 64, 48, 32, False, torch.float32),
     (True, 64, 64, 64, False, torch.bfloat16),
 ]
-TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.5e-2}
+# 16-bit: the kernel rounds scores to the activation dtype, as the engine's reference does
+TOL = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
 
 
 @pytest.mark.parametrize(("ring", "slots", "window", "dim", "use_dot", "dtype"), CASES)

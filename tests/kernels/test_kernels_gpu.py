@@ -76,4 +76,4 @@ def test_decode_attention_at_e2b_shape(ring, slots, dim, positions, use_dot) -> 
         want = decode_attention_reference(q.double(), k.double(), v.double(), pos, ring=ring,
                                           window=512 if ring else 0)  # fmt: skip
         err = ((got.double() - want).norm() / want.norm()).item()
-        assert err < 1.5e-2, (pos, err)
+        assert err < 3e-2, (pos, err)  # scores rounded to bf16, as the reference does
