@@ -6,6 +6,9 @@
 | GPURIG_HOME     | state directory (backups, logs, server records, results)   | $XDG_STATE_HOME/gpurig, else ~/.local/state/gpurig |
 | HF_HOME / HF_HUB_CACHE | where Hugging Face keeps checkpoints (measured by check_host_capacity) | ~/.cache/huggingface/hub |
 | GPURIG_TEST_WHEELS | tests only: cache of the vLLM wheels the Turing-patch network tests download | ~/.cache/gpurig-tests/vllm-wheels |
+| GPURIG_KERNEL_CACHE | per-GPU tuned GEMV tilings (engine/kernels/tuning.py) | ~/.cache/gpurig/kernels |
+| GPURIG_KERNEL_AUTOTUNE | "0": no first-use kernel tuning (stored or default tilings) | on |
+| GPURIG_FAST / GPURIG_CUDA_GRAPH / GPURIG_DECODE / GPURIG_EPILOGUES | the engine's CUDA fast path and its parts (engine/fast/__init__.py) | on / on / fused / on |
 
 Every CLI flag that names one of these (`--python`) wins over the variable.
 """
