@@ -19,12 +19,9 @@ tests).
 from __future__ import annotations
 
 import os
-import weakref
 from collections.abc import Callable
 
 import torch
-
-_DECODERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def fast_enabled(device: torch.device) -> bool:
@@ -54,7 +51,8 @@ def _step_fn(model, cache) -> Callable[[torch.Tensor, torch.Tensor], torch.Tenso
 def decoder_for(model, cache) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     """`step(token, position) -> logits [1, V]` for this model and cache: on CUDA the fused
     decode step captured as a CUDA graph on first use; elsewhere the model's eager step."""
-    per_model = _DECODERS.setdefault(cache, {})
+    # kept on the cache itself: the decoder (graph, static buffers) lives and dies with it
+    per_model = cache.__dict__.setdefault("_gpurig_decoders", {})
     key = (id(model), os.environ.get("GPURIG_DECODE", "fused"), graphs_enabled(model.device),
            fast_enabled(model.device), os.environ.get("GPURIG_EPILOGUES", "1"))  # fmt: skip
     dec = per_model.get(key)
