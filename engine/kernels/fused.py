@@ -49,6 +49,7 @@ def _rms(x, w_ptr, offs, mask, n, eps, HAS_W: tl.constexpr, DT: tl.constexpr):
 def _gelu_tanh(x):
     # 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), tanh via exp (no libdevice needed)
     z = 0.7978845608028654 * (x + 0.044715 * x * x * x)
+    z = tl.minimum(tl.maximum(z, -20.0), 20.0)  # tanh(+-20) is +-1 in fp32; exp stays finite
     t = 1.0 - 2.0 / (tl.exp(2.0 * z) + 1.0)
     return 0.5 * x * (1.0 + t)
 
