@@ -25,7 +25,7 @@ TOL = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
 @pytest.mark.parametrize(("ring", "slots", "window", "dim", "use_dot", "dtype"), CASES)
 def test_decode_attention_matches_reference(device, ring, slots, window, dim, use_dot, dtype):
     if use_dot and dtype == torch.float32 and device.type == "cuda":
-        pytest.skip("tl.dot on fp32 uses tf32 on the GPU; covered by the 16-bit cases")
+        pytest.skip("fp32 on the GPU: covered by the fp32 fast-path tests; 16-bit cases here")
     rng = random.Random()
     att = DecodeAttention(8, dim, slots, device, ring=ring, window=window, scale=0.8,
                           splits=rng.choice([1, 3, 5]), use_dot=use_dot,
