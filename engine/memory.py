@@ -86,5 +86,7 @@ def apply_memory_cap(device: torch.device, cap_mib: int | None) -> None:
     a large card behaves like a small one for memory. No effect on the CPU."""
     if cap_mib is None or device.type != "cuda":
         return
-    total = torch.cuda.get_device_properties(device).total_memory
-    torch.cuda.set_per_process_memory_fraction(min(1.0, cap_mib * MIB / total), device)
+    # set_per_process_memory_fraction wants an index: "cuda" alone means the current device.
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    total = torch.cuda.get_device_properties(index).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, cap_mib * MIB / total), index)
