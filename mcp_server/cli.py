@@ -1,8 +1,8 @@
 """The `gpurig` command line: one subcommand per tool, each calling the same function as MCP.
 
 Each area registers its own subcommands from a small module (cli_host, cli_patch, cli_engine,
-...), so this file stays a table of contents. Modules must not import torch at import time:
-`gpurig --help` has to be instant.
+...), so this file stays a table of contents. Those modules must not import torch at import
+time: `gpurig --help` has to be instant.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import sys
 from mcp_server.output import report_error
 from tools.errors import GpurigError
 
-# (module, attribute): each module has `register(subparsers)` adding its subcommands.
+# Each module has `register(subparsers)` adding its subcommands.
 TOP_LEVEL_MODULES = ["mcp_server.cli_host", "mcp_server.cli_patch"]
 # Modules adding subcommands under `gpurig engine ...`.
 ENGINE_MODULES = ["mcp_server.cli_engine", "mcp_server.cli_engine_serve"]
@@ -55,18 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _load(name: str):
-    try:
-        return importlib.import_module(name)
-    except ModuleNotFoundError as exc:
-        if exc.name == name:  # the area is not built yet: register nothing for it
-            return _Empty()
-        raise
-
-
-class _Empty:
-    @staticmethod
-    def register(_sub: argparse._SubParsersAction) -> None:
-        return None
+    return importlib.import_module(name)
 
 
 def main(argv: list[str] | None = None) -> int:

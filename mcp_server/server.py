@@ -34,13 +34,7 @@ TOOL_MODULES = ["mcp_server.mcp_host", "mcp_server.mcp_patch"]
 mcp: MCPServer = MCPServer("gpurig", instructions=INSTRUCTIONS, log_level="WARNING")
 
 for _name in TOOL_MODULES:
-    try:
-        _module = importlib.import_module(_name)
-    except ModuleNotFoundError as _exc:
-        if _exc.name != _name:
-            raise
-        continue
-    _module.register(mcp)
+    importlib.import_module(_name).register(mcp)
 
 
 def serve(transport: str = "stdio", host: str = "127.0.0.1", port: int = 8765) -> None:
