@@ -231,6 +231,29 @@ def test_not_a_python(tmp_path: Path) -> None:
         verify_gpu_arch(python_bin=str(binary))
 
 
+def test_not_a_python_waits_for_nvml(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bad python_bin raises only after the NVML thread is done: a CLI exiting while that
+    thread is inside pynvml crashed at shutdown (`gpurig gpu --python /bin/ls`: SIGSEGV)."""
+    finished: list[bool] = []
+
+    def slow_nvml() -> NvmlReport:
+        time.sleep(0.5)
+        finished.append(True)
+        return NvmlReport(available=False, error="stand-in")
+
+    monkeypatch.setattr(gpu, "read_nvml", slow_nvml)
+    with pytest.raises(InvalidInputError, match="not a Python"):
+        verify_gpu_arch(python_bin="/bin/ls")
+    assert finished == [True]
+
+
+def test_cli_not_a_python_exits_2_cleanly(run_gpurig) -> None:
+    for _ in range(4):  # the shutdown crash struck about one run in four
+        out = run_gpurig("gpu", "--python", "/bin/ls", "--json")
+        assert out.returncode == 2, out.stderr
+        assert "not a Python" in out.stderr and out.stdout == ""
+
+
 def test_probe_timeout_is_a_verdict(tmp_path: Path) -> None:
     hang = tmp_path / "python3"
     hang.write_text("#!/bin/sh\nsleep 60\n")

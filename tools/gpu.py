@@ -850,7 +850,11 @@ def verify_gpu_arch(
         target=lambda: nvml_box.setdefault("nvml", read_nvml()), daemon=True
     )
     nvml_thread.start()
-    run = run_probe(python, timeout_s=timeout_s)
-    nvml_thread.join(10)
+    try:
+        run = run_probe(python, timeout_s=timeout_s)
+    finally:
+        # Also when run_probe raises (python_bin is not a Python): a CLI that exits while this
+        # daemon thread is still inside pynvml crashes the interpreter at shutdown (SIGSEGV).
+        nvml_thread.join(10)
     nvml = nvml_box.get("nvml") or NvmlReport(available=False, error="NVML did not answer in 10 s")
     return build_report(python, run, nvml)
