@@ -202,6 +202,18 @@ def test_seed_host_needs_a_swapfile_on_the_big_disk() -> None:
     assert fixed["memory_staging"].status == "ok"
 
 
+def test_swapfile_too_big_for_every_disk_gives_no_command() -> None:
+    """48 GiB of weights on the seed's host: a 72 GiB swapfile fits on /opt1 (187 GiB free);
+    900 GiB of weights would need a 1,348 GiB one, which no disk there can hold."""
+    fits = {a.rule: a for a in evaluate_rules(seed_host().model_copy(update={"need_gib": 48.0}))}
+    assert fits["memory_staging"].commands[0] == "sudo fallocate -l 72G /opt1/swapfile"
+    huge = {a.rule: a for a in evaluate_rules(seed_host().model_copy(update={"need_gib": 900.0}))}
+    staging = huge["memory_staging"]
+    assert staging.status == "fail" and staging.commands == []
+    assert "1348 GiB swapfile would be needed" in staging.reason
+    assert "no measured disk filesystem has that much free space" in staging.reason
+
+
 def test_seed_host_tmp_is_small_and_hf_cache_fits() -> None:
     advice = {a.rule: a for a in evaluate_rules(seed_host())}
     tmp = advice["tmp_small"]

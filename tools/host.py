@@ -283,15 +283,16 @@ def swapfile_commands(size_gib: int, swapfile: str) -> list[str]:
     ]
 
 
-def _swapfile_home(filesystems: list[FilesystemReport], size_gib: int) -> str:
-    """Where the swapfile goes: the measured disk filesystem with the most free space."""
+def _swapfile_home(filesystems: list[FilesystemReport], size_gib: int) -> str | None:
+    """Where the swapfile goes: the measured disk filesystem with the most free space, or None
+    when none has room for it (a command that fails with ENOSPC is no advice)."""
     fit = [
         fs
         for fs in filesystems
         if fs.fstype not in NO_SWAPFILE_FSTYPES and fs.free_bytes >= size_gib * GIB
     ]
     if not fit:
-        return "/swapfile"
+        return None
     best = max(fit, key=lambda fs: fs.free_bytes)
     return str(Path(best.mount_point) / "swapfile")
 
@@ -313,13 +314,23 @@ def rule_memory_staging(f: Facts) -> Advice:
     shortfall = need - have
     size = int(math.ceil((shortfall + SWAP_MARGIN_GIB) / SWAP_STEP_GIB) * SWAP_STEP_GIB)
     swapfile = _swapfile_home(f.filesystems, size)
+    why = (
+        f"RAM {ram:.1f} GiB + swap {swap:.1f} GiB is less than the {need:.1f} GiB needed to "
+        f"stage {what} ({STAGING_FACTOR}x the weights); vLLM gets OOM-killed while loading "
+        f"(the seed's 7.3 GiB host died this way; a swapfile fixed it)"
+    )
+    if swapfile is None:
+        return Advice(
+            rule="memory_staging",
+            status="fail",
+            reason=f"{why}. A {size} GiB swapfile would be needed, but no measured disk "
+            "filesystem has that much free space: use a host with more RAM, or attach a disk "
+            "(check it with --path) and put the swapfile there",
+        )
     return Advice(
         rule="memory_staging",
         status="fail",
-        reason=f"RAM {ram:.1f} GiB + swap {swap:.1f} GiB is less than the {need:.1f} GiB needed to "
-        f"stage {what} ({STAGING_FACTOR}x the weights); vLLM gets OOM-killed while loading "
-        f"(the seed's 7.3 GiB host died this way; a swapfile fixed it). Add a {size} GiB "
-        f"swapfile on the disk with the most room",
+        reason=f"{why}. Add a {size} GiB swapfile on the disk with the most room",
         commands=swapfile_commands(size, swapfile),
     )
 
