@@ -208,6 +208,15 @@ def test_nonexistent_interpreter(tmp_path: Path) -> None:
         verify_gpu_arch(python_bin="no-such-python-anywhere")
 
 
+def test_empty_python_bin_is_refused_not_defaulted(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--python "$UNSET"` must not quietly probe another interpreter; an empty GPURIG_PYTHON
+    is unset, though."""
+    with pytest.raises(InvalidInputError, match="path is empty"):
+        verify_gpu_arch(python_bin="")
+    monkeypatch.setenv("GPURIG_PYTHON", "")
+    assert gpu.resolve_python(None) == str(Path(sys.executable).absolute())
+
+
 def test_directory_and_non_executable(tmp_path: Path) -> None:
     with pytest.raises(InvalidInputError, match="directory"):
         verify_gpu_arch(python_bin=str(tmp_path))

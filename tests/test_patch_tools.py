@@ -101,10 +101,11 @@ def test_no_vllm_is_a_clear_not_found(tmp_path) -> None:
 @pytest.mark.parametrize(
     ("python", "error", "text"),
     [
-        ("/nonexistent/bin/python", NotFoundError, "interpreter not found"),
-        ("no-such-python-xyz", NotFoundError, "interpreter not found"),
-        ("{tmp}/notes.txt", InvalidInputError, "not an executable|cannot run"),
-        ("{tmp}", InvalidInputError, "not an executable"),
+        ("/nonexistent/bin/python", NotFoundError, "interpreter /nonexistent/bin/python does not"),
+        ("no-such-python-xyz", NotFoundError, "no interpreter named 'no-such-python-xyz' on PATH"),
+        ("{tmp}/notes.txt", InvalidInputError, "notes.txt is not executable"),
+        ("{tmp}", InvalidInputError, "is a directory, not a Python interpreter"),
+        ("", InvalidInputError, "path is empty"),  # not a silent fallback to another Python
         ("/bin/true", InvalidInputError, "did not answer like a Python"),
     ],
 )
@@ -112,6 +113,47 @@ def test_bad_python_is_a_clear_error(python, error, text, tmp_path) -> None:
     (tmp_path / "notes.txt").write_text("not a program\n")
     with pytest.raises(error, match=text):
         verify_turing_patch(python.format(tmp=tmp_path))
+
+
+def test_lookup_does_not_read_the_callers_stdin(tmp_path) -> None:
+    """Under `gpurig mcp` (stdio) our stdin is the MCP wire: the serving interpreter must not
+    inherit it. A stand-in interpreter reports whether it saw an open stdin or end-of-file."""
+    seen = tmp_path / "stdin-was"
+    fake = tmp_path / "python3"
+    fake.write_text(
+        "#!/bin/bash\n"
+        f"if read -r -t 1 _line; then echo data > {seen}; elif [ $? -gt 128 ]; then "
+        f"echo open > {seen}; else echo eof > {seen}; fi\n"
+        'echo \'{"found": false, "executable": "x", "python_version": "3.13.5"}\'\n'
+    )
+    fake.chmod(0o755)
+    read_end, write_end = os.pipe()  # an open stdin with nothing to read, like an idle wire
+    saved = os.dup(0)
+    try:
+        os.dup2(read_end, 0)
+        with pytest.raises(NotFoundError, match="not installed"):
+            verify_turing_patch(str(fake))
+    finally:
+        os.dup2(saved, 0)
+        for fd in (saved, read_end, write_end):
+            os.close(fd)
+    assert seen.read_text().strip() == "eof"
+
+
+def test_verify_creates_nothing_and_a_bad_home_is_a_clear_error(
+    vllm_033, gpurig_home, tmp_path, monkeypatch
+) -> None:
+    python, target = vllm_033
+    assert verify_turing_patch(python).state_after == "stock"
+    assert not gpurig_home.exists()  # a read-only tool leaves no state directory behind
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("GPURIG_HOME", str(blocker / "home"))
+    stock = target.read_bytes()
+    with pytest.raises(InvalidInputError, match="cannot create the state directory") as err:
+        apply_turing_patch(python)
+    assert "GPURIG_HOME" in err.value.remedy
+    assert target.read_bytes() == stock
 
 
 def test_record_without_the_file_is_not_found(tmp_path) -> None:
@@ -258,7 +300,7 @@ def test_cli_cycle(vllm_033, capsys) -> None:
 def test_cli_errors_exit_2_with_remedy(capsys) -> None:
     assert main(["patch", "verify", "--python", "/nonexistent/python"]) == 2
     err = capsys.readouterr().err
-    assert "gpurig: error: serving interpreter not found" in err
+    assert "gpurig: error: the serving interpreter /nonexistent/python does not exist" in err
     assert "gpurig: what to do:" in err
     assert main(["patch", "diff", "--file", str(STOCK_0_22_0[0])]) == 2
 
@@ -324,7 +366,8 @@ def test_mcp_apply_verify_and_error(vllm_033) -> None:
     assert verified.structured_content["clamp_present"] is True
     assert verified.structured_content["occurrences"] == 1
     assert bad.is_error
-    assert "interpreter not found" in bad.content[0].text and "What to do:" in bad.content[0].text
+    assert "/nonexistent/py does not exist" in bad.content[0].text
+    assert "What to do:" in bad.content[0].text
     assert b"gpurig patch turing-smem-clamp v1" in target.read_bytes()
 
 

@@ -238,7 +238,7 @@ def doctor(python_bin: str | None = None, need_gib: float | None = None) -> Doct
             remedy="pass the size of the weights in GiB, e.g. 10",
         )
     if python_bin is not None:
-        from tools.gpu import resolve_python
+        from tools.settings import resolve_python
 
         python_bin = resolve_python(python_bin)
     ctx = DoctorContext(python_bin=python_bin, need_gib=need_gib)

@@ -21,7 +21,6 @@ import contextlib
 import json
 import logging
 import os
-import shutil
 import signal
 import subprocess
 import threading
@@ -32,8 +31,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from tools.errors import InvalidInputError, NotFoundError
-from tools.settings import serving_python
+from tools.errors import InvalidInputError
+from tools.settings import resolve_python
 
 log = logging.getLogger(__name__)
 
@@ -283,43 +282,6 @@ class ProbeRun(BaseModel):
     timed_out: bool = False
     crashed: str | None = Field(None, description="the probe started but died without a report")
     stderr_tail: str | None = None
-
-
-def resolve_python(python_bin: str | None) -> str:
-    """The serving interpreter as an absolute, executable path; a clear error otherwise."""
-    given = serving_python(python_bin)
-    if not given.strip():
-        raise InvalidInputError(
-            "python_bin is empty", remedy="pass a path such as /usr/bin/python3"
-        )
-    expanded = os.path.expanduser(given)
-    if os.sep not in expanded:
-        found = shutil.which(expanded)
-        if not found:
-            raise NotFoundError(
-                f"no interpreter named {given!r} on PATH",
-                remedy="pass the interpreter's full path, e.g. /usr/bin/python3.13, "
-                "or set GPURIG_PYTHON",
-            )
-        expanded = found
-    path = Path(expanded)
-    if not path.exists():
-        raise NotFoundError(
-            f"the serving interpreter {given} does not exist",
-            remedy="pass the full path of the Python that runs vLLM (e.g. /usr/bin/python3.13), "
-            "or set GPURIG_PYTHON to it",
-        )
-    if path.is_dir():
-        raise InvalidInputError(
-            f"{given} is a directory, not a Python interpreter",
-            remedy=f"pass the interpreter inside it, e.g. {path / 'bin' / 'python3'}",
-        )
-    if not os.access(path, os.X_OK):
-        raise InvalidInputError(
-            f"{given} is not executable",
-            remedy=f"pass an executable Python interpreter (chmod +x {path} if it is one)",
-        )
-    return str(path.absolute())
 
 
 def run_probe(

@@ -16,17 +16,71 @@ Every CLI flag that names one of these (`--python`) wins over the variable.
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 from pathlib import Path
 
+from tools.errors import InvalidInputError, NotFoundError
+
 
 def serving_python(explicit: str | None = None) -> str:
-    """The interpreter that runs (or would run) vLLM: the flag, else GPURIG_PYTHON, else ours."""
-    return explicit or os.environ.get("GPURIG_PYTHON") or sys.executable
+    """The interpreter that runs (or would run) vLLM: the flag, else GPURIG_PYTHON, else ours.
+
+    An explicit empty string is returned as it is (and refused by `resolve_python`): `--python
+    "$UNSET"` must not quietly fall back to another interpreter. An empty GPURIG_PYTHON counts
+    as unset.
+    """
+    if explicit is not None:
+        return explicit
+    return os.environ.get("GPURIG_PYTHON") or sys.executable
 
 
-def state_dir() -> Path:
-    """GPURIG_HOME, else the XDG state directory; created on first use."""
+def resolve_python(explicit: str | None = None) -> str:
+    """The serving interpreter as an absolute, executable path; a clear error otherwise.
+
+    Every tool that runs the serving interpreter (the GPU probe, the vLLM lookup of the Turing
+    patch) goes through here, so a bad --python reads the same everywhere.
+    """
+    given = serving_python(explicit)
+    if not given.strip():
+        raise InvalidInputError(
+            "the serving interpreter's path is empty",
+            remedy="pass a path such as /usr/bin/python3.13 (--python, python_bin), or leave it "
+            "out to use GPURIG_PYTHON, else this Python",
+        )
+    expanded = os.path.expanduser(given)
+    if os.sep not in expanded:
+        found = shutil.which(expanded)
+        if not found:
+            raise NotFoundError(
+                f"no interpreter named {given!r} on PATH",
+                remedy="pass the interpreter's full path, e.g. /usr/bin/python3.13, "
+                "or set GPURIG_PYTHON",
+            )
+        expanded = found
+    path = Path(expanded)
+    if not path.exists():
+        raise NotFoundError(
+            f"the serving interpreter {given} does not exist",
+            remedy="pass the full path of the Python that runs vLLM (e.g. /usr/bin/python3.13), "
+            "or set GPURIG_PYTHON to it",
+        )
+    if path.is_dir():
+        raise InvalidInputError(
+            f"{given} is a directory, not a Python interpreter",
+            remedy=f"pass the interpreter inside it, e.g. {path / 'bin' / 'python3'}",
+        )
+    if not os.access(path, os.X_OK):
+        raise InvalidInputError(
+            f"{given} is not executable",
+            remedy=f"pass an executable Python interpreter (chmod +x {path} if it is one)",
+        )
+    return str(path.absolute())
+
+
+def state_dir(create: bool = True) -> Path:
+    """GPURIG_HOME, else the XDG state directory; created on first use unless `create` is False
+    (read-only tools only name paths in it)."""
     env = os.environ.get("GPURIG_HOME")
     if env:
         path = Path(env).expanduser()
@@ -34,7 +88,15 @@ def state_dir() -> Path:
         xdg = os.environ.get("XDG_STATE_HOME")
         base = Path(xdg).expanduser() if xdg else Path.home() / ".local" / "state"
         path = base / "gpurig"
-    path.mkdir(parents=True, exist_ok=True)
+    if create:
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise InvalidInputError(
+                f"cannot create the state directory {path}: {exc.strerror or exc}",
+                remedy="set GPURIG_HOME to a directory you can write, e.g. "
+                "GPURIG_HOME=~/.local/state/gpurig",
+            ) from exc
     return path
 
 

@@ -102,8 +102,11 @@ def _reinstall_hint(found: InstalledFile) -> str:
 
 
 def backup_path(found: InstalledFile) -> Path:
-    """GPURIG_HOME/backups/vllm-<version>/<path in the wheel>: one stock copy per release."""
-    return state_dir() / "backups" / f"vllm-{found.version}" / SPEC.target
+    """GPURIG_HOME/backups/vllm-<version>/<path in the wheel>: one stock copy per release.
+
+    Only names the path (verify must create nothing); writers hold `_locked()`, which creates
+    GPURIG_HOME or says why it cannot."""
+    return state_dir(create=False) / "backups" / f"vllm-{found.version}" / SPEC.target
 
 
 @contextmanager

@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 from pathlib import Path
 
 from pydantic import BaseModel, Field
 
 from tools.errors import InvalidInputError, NotFoundError
-from tools.settings import serving_python
+from tools.settings import resolve_python
 
 # Runs under the serving interpreter: stdlib only, Python >= 3.8, one JSON object on stdout.
 _PROBE = r"""
@@ -70,7 +69,7 @@ PROBE_TIMEOUT_S = 60
 class InstalledFile(BaseModel):
     """One file of an installed distribution, as the serving interpreter sees it."""
 
-    python: str = Field(description="the interpreter asked (as given)")
+    python: str = Field(description="the interpreter asked (absolute path)")
     python_executable: str = Field(description="its sys.executable")
     python_version: str
     distribution: str
@@ -86,22 +85,12 @@ class InstalledFile(BaseModel):
     )
 
 
-def _run_probe(python: str, distribution: str, relative_path: str) -> dict:
-    resolved = shutil.which(python) if os.sep not in python else str(Path(python).expanduser())
-    if not resolved or not Path(resolved).exists():
-        raise NotFoundError(
-            f"serving interpreter not found: {python}",
-            remedy="pass --python with the interpreter that runs vLLM (e.g. .venv/bin/python), "
-            "or set GPURIG_PYTHON",
-        )
-    if not os.access(resolved, os.X_OK) or Path(resolved).is_dir():
-        raise InvalidInputError(
-            f"not an executable interpreter: {resolved}",
-            remedy="point --python / GPURIG_PYTHON at a python executable",
-        )
+def _run_probe(resolved: str, distribution: str, relative_path: str) -> dict:
     try:
         proc = subprocess.run(
             [resolved, "-c", _PROBE, distribution, relative_path],
+            # Never the caller's stdin: under `gpurig mcp` (stdio) that is the MCP wire.
+            stdin=subprocess.DEVNULL,
             capture_output=True,
             text=True,
             timeout=PROBE_TIMEOUT_S,
@@ -144,7 +133,7 @@ def locate_installed_file(
     RECORD does not list the file (a source/editable install, or a release without that file),
     or when `import` would load the package from somewhere else than the distribution.
     """
-    python = serving_python(python_bin)
+    python = resolve_python(python_bin)
     answer = _run_probe(python, distribution, relative_path)
     where = f"{answer['executable']} (Python {answer['python_version']})"
     if not answer.get("found"):
