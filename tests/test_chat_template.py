@@ -236,3 +236,51 @@ def test_transformers_renders_the_template_identically():
             bos_token="<bos>",
         )
         assert theirs == ours
+
+
+# The tool-result dispatch of Google's published Gemma 4 template, in our own words: a string
+# is the result, a list holds text parts. (A mapping would be iterated as a list and fail.)
+TOOL_BODY_TEMPLATE = (
+    "{%- for m in messages -%}"
+    "{%- if m.role == 'tool' -%}"
+    "{%- if m.content is string -%}tool:{{ m.content }}"
+    "{%- elif m.content is sequence -%}{%- for p in m.content -%}{{ p.get('text') }}{%- endfor -%}"
+    "{%- endif -%}"
+    "{%- elif m.tool_calls -%}"
+    "{%- for tc in m.tool_calls -%}{{ tc.function.name }}{{ tc.function.arguments | dictsort }}"
+    "{%- endfor -%}"
+    "{%- else -%}{{ m.content }}{%- endif -%}|"
+    "{%- endfor -%}"
+)
+
+
+def test_a_checkpoint_template_gets_tool_results_as_sent():
+    """A JSON tool result reaches the checkpoint's template as the string the client sent (as
+    transformers and vLLM pass it), while our own template still sees the parsed object."""
+    messages = [
+        {"role": "user", "content": "Weather?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "c1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": '{"t": 3}'},
+    ]
+    out = render_chat(TOOL_BODY_TEMPLATE, messages)
+    assert out == "Weather?|get_weather[('city', 'Oslo')]|tool:{\"t\": 3}|"
+    pytest.importorskip("transformers")
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    as_vllm_sends = json.loads(json.dumps(messages))
+    as_vllm_sends[1]["tool_calls"][0]["function"]["arguments"] = {"city": "Oslo"}
+    theirs, _ = render_jinja_template(
+        conversations=[as_vllm_sends], chat_template=TOOL_BODY_TEMPLATE
+    )
+    assert theirs[0] == out
+    assert "response:get_weather{t:3}<tool_response|>" in render(messages)

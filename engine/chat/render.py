@@ -4,8 +4,11 @@ The template is the checkpoint's (chat_template.jinja, else tokenizer_config.jso
 "chat_template"), rendered the way transformers renders it (sandboxed jinja2, trim_blocks,
 lstrip_blocks, a `tojson` filter and `raise_exception`), so a real checkpoint's template gives the
 same prompt here as under transformers. Before rendering, OpenAI wire quirks are smoothed out the
-way chat templates expect them: tool-call arguments arrive as JSON strings but templates want
-mappings; a tool message names its call only by id, so the function name is looked up.
+way chat templates expect them (as vLLM does): tool-call arguments arrive as JSON strings but
+templates want mappings; a tool message names its call only by id, so the function name is
+looked up. A tool message's content stays as the client sent it (Google's Gemma 4 template
+tests `content is string` and fails on a mapping); when it is a JSON object, the parsed object
+rides along under `content_object`, which gpurig's own template renders in Gemma 4 notation.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 TEMPLATE_FILE = "chat_template.jinja"
+CONTENT_OBJECT = "content_object"  # a tool result's JSON object, parsed (see the docstring)
 BUNDLED_TEMPLATE = Path(__file__).with_name("gemma4_chat_template.jinja")
 
 
@@ -109,7 +113,9 @@ def normalize_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if m.get("role") == "tool":
             if not m.get("name"):
                 m["name"] = names_by_id.get(m.get("tool_call_id") or "", "unknown")
-            m["content"] = _json_object_or(m["content"])
+            parsed = _json_object_or(m["content"])
+            if isinstance(parsed, dict):
+                m[CONTENT_OBJECT] = parsed
         out.append(m)
     return out
 
