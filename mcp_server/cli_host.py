@@ -97,7 +97,11 @@ def render_host(r) -> str:  # r: tools.host.HostCapacity
     ]
     m = r.memory
     load = " ".join(f"{x:.2f}" for x in r.cpu.load_avg) if r.cpu.load_avg else "?"
-    gpus = "NVML not answering" if r.nvidia_gpu_count is None else str(r.nvidia_gpu_count)
+    gpus = (
+        "? (NVML unavailable: no driver, or not answering)"
+        if r.nvidia_gpu_count is None
+        else str(r.nvidia_gpu_count)
+    )
     facts = kv_table(
         [
             (

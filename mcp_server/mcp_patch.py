@@ -6,13 +6,29 @@ other exception from the client, and the remedy is the part an LLM caller needs 
 
 from __future__ import annotations
 
+from typing import Annotated
+
 from mcp.server.mcpserver import MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
+from mcp.types import ToolAnnotations
+from pydantic import Field
 
-from mcp_server.annotations import DESTRUCTIVE, IDEMPOTENT_WRITE, READ_ONLY
+from mcp_server.annotations import IDEMPOTENT_WRITE, READ_ONLY
 from tools import turing
 from tools.errors import GpurigError
 from tools.turing import PatchDiff, TuringPatchReport
+
+PythonBin = Annotated[
+    str | None,
+    Field(
+        min_length=1,
+        description="the interpreter that runs vLLM; default: GPURIG_PYTHON, else the server's",
+    ),
+]
+# Revert removes the clamp (vLLM then fails on Turing again), but a second call changes nothing.
+DESTRUCTIVE_IDEMPOTENT = ToolAnnotations(
+    read_only_hint=False, destructive_hint=True, idempotent_hint=True, open_world_hint=False
+)
 
 
 def _tool_error(err: GpurigError) -> ToolError:
@@ -23,7 +39,7 @@ def _tool_error(err: GpurigError) -> ToolError:
 def register(mcp: MCPServer) -> None:
     @mcp.tool(annotations=IDEMPOTENT_WRITE)
     def apply_turing_patch(
-        python_bin: str | None = None, dry_run: bool = False
+        python_bin: PythonBin = None, dry_run: bool = False
     ) -> TuringPatchReport:
         """Insert gpurig's shared-memory clamp into the vLLM that the serving Python imports.
 
@@ -42,7 +58,7 @@ def register(mcp: MCPServer) -> None:
             raise _tool_error(err) from err
 
     @mcp.tool(annotations=READ_ONLY)
-    def verify_turing_patch(python_bin: str | None = None) -> TuringPatchReport:
+    def verify_turing_patch(python_bin: PythonBin = None) -> TuringPatchReport:
         """Report whether the installed vLLM carries the Turing clamp, without changing anything.
 
         state_after: `stock` (identical to the wheel's RECORD hash: no clamp), `patched` (the
@@ -56,9 +72,9 @@ def register(mcp: MCPServer) -> None:
         except GpurigError as err:
             raise _tool_error(err) from err
 
-    @mcp.tool(annotations=DESTRUCTIVE)
+    @mcp.tool(annotations=DESTRUCTIVE_IDEMPOTENT)
     def revert_turing_patch(
-        python_bin: str | None = None, dry_run: bool = False
+        python_bin: PythonBin = None, dry_run: bool = False
     ) -> TuringPatchReport:
         """Remove the Turing clamp, restoring the file exactly as the vLLM wheel installed it.
 
@@ -73,7 +89,7 @@ def register(mcp: MCPServer) -> None:
             raise _tool_error(err) from err
 
     @mcp.tool(annotations=READ_ONLY)
-    def turing_patch_diff(python_bin: str | None = None, upstream: bool = False) -> PatchDiff:
+    def turing_patch_diff(python_bin: PythonBin = None, upstream: bool = False) -> PatchDiff:
         """The Turing clamp as a unified diff against the installed vLLM's stock file.
 
         upstream=true leaves out gpurig's marker comments: the form to propose to vLLM

@@ -25,8 +25,9 @@ def kv_table(rows: list[tuple[str, object]]) -> str:
 
 
 def grid(rows: list[list[object]], headers: list[str]) -> str:
-    """A table with headers."""
-    return tabulate(rows, headers=headers, tablefmt="simple")
+    """A table with headers. Cells are shown as given: without numparse, tabulate would
+    reformat an all-number column ("252.0" -> "252") next to one that keeps its decimals."""
+    return tabulate(rows, headers=headers, tablefmt="simple", disable_numparse=True)
 
 
 def report_error(err: GpurigError) -> int:

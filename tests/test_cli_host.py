@@ -32,6 +32,18 @@ def test_host_table(run_gpurig, tmp_path: Path) -> None:
     assert out.stdout.count(str(tmp_path)) >= 2
 
 
+def test_host_table_keeps_one_decimal_and_names_a_missing_nvml(tmp_path: Path) -> None:
+    from mcp_server.cli_host import render_host
+    from tools.host import check_host_capacity
+
+    report = check_host_capacity(paths=[str(tmp_path)])
+    fs = report.filesystems[0].model_copy(update={"total_gib": 252.0, "free_gib": 72.9})
+    report = report.model_copy(update={"filesystems": [fs], "nvidia_gpu_count": None})
+    header, rule, row = render_host(report).splitlines()[:3]
+    assert row.split()[3:5] == ["72.9", "252.0"]  # not "252": both columns read alike
+    assert "NVML unavailable" in render_host(report)
+
+
 def test_host_json(run_gpurig, tmp_path: Path) -> None:
     out = run_gpurig("host", "--json", "--path", str(tmp_path))
     assert out.returncode == 0, out.stderr

@@ -346,6 +346,10 @@ def test_mcp_tools_listed_with_annotations_and_schemas() -> None:
     assert tools["verify_turing_patch"].annotations.read_only_hint is True
     assert tools["apply_turing_patch"].annotations.idempotent_hint is True
     assert tools["revert_turing_patch"].annotations.destructive_hint is True
+    assert tools["revert_turing_patch"].annotations.idempotent_hint is True  # stock: no-op
+    for name in tools:  # the interpreter argument is described for an LLM caller
+        python_bin = tools[name].input_schema["properties"]["python_bin"]
+        assert "GPURIG_PYTHON" in python_bin["description"], name
     assert "state_after" in tools["verify_turing_patch"].output_schema["properties"]
 
 
