@@ -260,6 +260,14 @@ def test_error_shapes(client, server):
     assert r.status_code in (400, 422) and _error(r)
     r = httpx.post(url, json={**ok, "seed": 2**70})
     assert r.status_code == 422 and _error(r)["param"] == "seed"
+    r = httpx.post(url, json={**ok, "max_tokens": True})  # a bool is not a count
+    assert r.status_code == 422 and _error(r)["param"] == "max_tokens"
+    with pytest.raises(openai.BadRequestError) as exc:  # refused, not silently ignored
+        client.chat.completions.create(
+            model=MODEL, messages=ok["messages"], max_tokens=1, logit_bias={"5": 100}
+        )
+    assert exc.value.body["param"] == "logit_bias"
+    assert exc.value.body["code"] == "unsupported_parameter"
 
     r = httpx.get(server.base + "/v1/nothing")
     assert r.status_code == 404 and _error(r)["code"] == "not_found"

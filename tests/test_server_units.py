@@ -86,6 +86,42 @@ def test_requests_ignore_unknown_fields_but_refuse_bad_values():
     assert CompletionRequest.model_validate({"prompt": [1, 2, 3]}).max_tokens == 16
     with pytest.raises(ValidationError):
         CompletionRequest.model_validate({"prompt": {"a": 1}})
+    # strict numbers and flags: a bool is no token id or count, a string no number or flag
+    for bad in (
+        {"prompt": [1, True]},
+        {"prompt": "x", "max_tokens": True},
+        {"prompt": "x", "temperature": "0.5"},
+        {"prompt": "x", "stream": "yes"},
+        {"prompt": "x", "echo": 1},
+    ):
+        with pytest.raises(ValidationError):
+            CompletionRequest.model_validate(bad)
+    assert CompletionRequest.model_validate({"prompt": "x", "temperature": 1}).temperature == 1.0
+
+
+def test_fields_the_server_cannot_honour_are_named_unless_neutral():
+    base = {"messages": [{"role": "user", "content": "x"}]}
+    neutral = {
+        "logit_bias": {},
+        "logprobs": False,
+        "presence_penalty": 0,
+        "frequency_penalty": 0.0,
+        "response_format": {"type": "text"},
+        "n": 1,
+    }
+    assert ChatCompletionRequest.model_validate({**base, **neutral}).unsupported_field() is None
+    for field, value in (
+        ("logit_bias", {"5": 100}),
+        ("logprobs", True),
+        ("top_logprobs", 2),
+        ("presence_penalty", 0.5),
+        ("response_format", {"type": "json_object"}),
+    ):
+        req = ChatCompletionRequest.model_validate({**base, field: value})
+        assert req.unsupported_field() == field
+    assert CompletionRequest.model_validate({"prompt": "x", "best_of": 3}).unsupported_field() == (
+        "best_of"
+    )
 
 
 def test_metrics_prometheus_text_and_json():

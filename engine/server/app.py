@@ -24,7 +24,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from pydantic import BaseModel, ValidationError
+from pydantic import ValidationError
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -61,7 +61,7 @@ from engine.server.schemas import (
 )
 
 log = logging.getLogger(__name__)
-M = TypeVar("M", bound=BaseModel)
+M = TypeVar("M", ChatCompletionRequest, CompletionRequest)
 
 MAX_BODY_BYTES = 32 * 1024 * 1024
 # Chat turns end on these even if generation_config.json forgot them.
@@ -177,7 +177,7 @@ async def _parse_body(request: Request, model: type[M]) -> M:
     if not isinstance(data, dict):
         raise ApiError(400, "The request body must be a JSON object.")
     try:
-        return model.model_validate(data)
+        parsed = model.model_validate(data)
     except RecursionError:
         raise ApiError(400, "The request body is nested too deeply.") from None
     except ValidationError as exc:
@@ -191,8 +191,17 @@ async def _parse_body(request: Request, model: type[M]) -> M:
             422,
             f"Invalid value for '{param}': {first['msg']}{more}",
             param=param,
-            code="invalid_type",
+            code="invalid_type" if first["type"].endswith("_type") else "invalid_value",
         ) from None
+    name = parsed.unsupported_field()
+    if name is not None:
+        raise ApiError(
+            400,
+            f"'{name}' is not supported by this server; leave it out (or at its default).",
+            param=name,
+            code="unsupported_parameter",
+        )
+    return parsed
 
 
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "NamedToolChoice", "literal"}

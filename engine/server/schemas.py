@@ -11,12 +11,29 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt
 
 
 class _Request(BaseModel):
-    # Unknown OpenAI fields are accepted and ignored; NaN/inf are refused.
+    # Unknown OpenAI fields are accepted and ignored; NaN/inf are refused. Numbers and flags are
+    # strict (as OpenAI's API is): `true` is not a token count, "0.5" not a temperature.
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+
+
+# OpenAI fields this server cannot honour, with the value that means "not used": a request that
+# sets one to anything else is refused (400) rather than silently answered without it.
+UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
+    "logit_bias": (None, {}),
+    "logprobs": (None, False, 0),
+    "top_logprobs": (None, 0),
+    "presence_penalty": (None, 0, 0.0),
+    "frequency_penalty": (None, 0, 0.0),
+    "repetition_penalty": (None, 1, 1.0),
+    "best_of": (None, 1),
+    "suffix": (None, ""),
+    "use_beam_search": (None, False),
+    "response_format": (None, {"type": "text"}),
+}
 
 
 # ---- errors ------------------------------------------------------------------------------------
@@ -83,24 +100,33 @@ class NamedToolChoice(_Request):
 
 
 class StreamOptions(_Request):
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
 class ChatTemplateKwargs(_Request):
-    enable_thinking: bool | None = None
+    enable_thinking: StrictBool | None = None
 
 
 class _SamplingFields(_Request):
     model: str | None = None
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=1)
-    seed: int | None = Field(None, ge=-(2**63), lt=2**64)
+    temperature: StrictFloat | None = Field(None, ge=0.0, le=2.0)
+    top_p: StrictFloat | None = Field(None, gt=0.0, le=1.0)
+    top_k: StrictInt | None = Field(None, ge=1)
+    seed: StrictInt | None = Field(None, ge=-(2**63), lt=2**64)
     stop: str | Annotated[list[str], Field(max_length=16)] | None = None
-    stream: bool = False
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    n: int | None = Field(None, ge=1, le=1, description="one choice per request")
-    ignore_eos: bool = False
+    n: StrictInt | None = Field(None, ge=1, le=1, description="one choice per request")
+    ignore_eos: StrictBool = False
+
+    def unsupported_field(self) -> str | None:
+        """The first field set to a value this server cannot honour (see UNSUPPORTED_FIELDS)."""
+        extra = self.model_extra or {}
+        for name, neutral in UNSUPPORTED_FIELDS.items():
+            value = extra.get(name)
+            if not any(value == v and type(value) is type(v) for v in neutral):
+                return name
+        return None
 
     def stop_strings(self) -> list[str]:
         if self.stop is None:
@@ -113,9 +139,9 @@ class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     tools: list[ToolDef] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    enable_thinking: bool | None = None
+    max_tokens: StrictInt | None = Field(None, ge=1)
+    max_completion_tokens: StrictInt | None = Field(None, ge=1)
+    enable_thinking: StrictBool | None = None
     chat_template_kwargs: ChatTemplateKwargs | None = None
 
     def thinking(self) -> bool:
@@ -128,9 +154,9 @@ class ChatCompletionRequest(_SamplingFields):
 
 class CompletionRequest(_SamplingFields):
     # text, token ids, or a batch of exactly one of either
-    prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
-    echo: bool = False
+    prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
+    max_tokens: StrictInt | None = Field(16, ge=1)
+    echo: StrictBool = False
 
 
 # ---- responses ---------------------------------------------------------------------------------
