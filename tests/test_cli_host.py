@@ -97,6 +97,14 @@ def test_gpu_table_under_a_venv_without_torch(run_gpurig, bare_venv: Path) -> No
     assert f"{bare_venv} -m pip install torch" in out.stdout.replace("\n       ", " ")
 
 
+def test_doctor_with_a_wrong_gpurig_python_exits_2(run_gpurig, tmp_path: Path) -> None:
+    """The same as a wrong --python: one clear error naming where the path came from."""
+    out = run_gpurig("doctor", env={"GPURIG_PYTHON": str(tmp_path / "python9")})
+    assert out.returncode == 2, out.stdout
+    assert f"{tmp_path / 'python9'} (GPURIG_PYTHON) does not exist" in out.stderr
+    assert "what to do" in out.stderr and out.stdout == ""
+
+
 @pytest.mark.skipif(not NO_GPU, reason="asserts this machine's no-GPU report")
 def test_doctor_table(run_gpurig) -> None:
     started = time.monotonic()

@@ -212,14 +212,20 @@ def _load(entry: str) -> CheckFn | None:
     return getattr(module, attr)
 
 
+def _check_name(entry: str) -> str:
+    """A person's name for a check entry: "tools.doctor:check_turing_patch" -> "turing patch"."""
+    return entry.partition(":")[2].removeprefix("check_").replace("_", " ")
+
+
 def _run_one(entry: str, fn: CheckFn, ctx: DoctorContext) -> list[Check]:
+    name = _check_name(entry)
     try:
         result = fn(ctx)
     except GpurigError as err:
-        return [Check(name=entry, status="fail", detail=err.message, remedy=err.remedy)]
+        return [Check(name=name, status="fail", detail=err.message, remedy=err.remedy)]
     except Exception as exc:  # a broken check must not hide the others
         log.exception("doctor check %s crashed", entry)
-        return [Check(name=entry, status="fail", detail=f"the check crashed: {exc!r}")]
+        return [Check(name=name, status="fail", detail=f"the check crashed: {exc!r}")]
     return result if isinstance(result, list) else [result]
 
 
@@ -237,10 +243,11 @@ def doctor(python_bin: str | None = None, need_gib: float | None = None) -> Doct
             f"need_gib must be a positive number of GiB, got {need_gib}",
             remedy="pass the size of the weights in GiB, e.g. 10",
         )
-    if python_bin is not None:
-        from tools.settings import resolve_python
+    # The serving interpreter too, whether from --python or GPURIG_PYTHON: a wrong one is
+    # configuration to fix, not two failed checks.
+    from tools.settings import resolve_python
 
-        python_bin = resolve_python(python_bin)
+    python_bin = resolve_python(python_bin)
     ctx = DoctorContext(python_bin=python_bin, need_gib=need_gib)
     loaded = [(entry, _load(entry)) for entry in CHECKS]
     runnable = [(entry, fn) for entry, fn in loaded if fn is not None]

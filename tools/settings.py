@@ -42,6 +42,10 @@ def resolve_python(explicit: str | None = None) -> str:
     patch) goes through here, so a bad --python reads the same everywhere.
     """
     given = serving_python(explicit)
+    if explicit is None and os.environ.get("GPURIG_PYTHON"):
+        given_text = f"{given} (GPURIG_PYTHON)"  # say where a path nobody typed came from
+    else:
+        given_text = given
     if not given.strip():
         raise InvalidInputError(
             "the serving interpreter's path is empty",
@@ -53,7 +57,7 @@ def resolve_python(explicit: str | None = None) -> str:
         found = shutil.which(expanded)
         if not found:
             raise NotFoundError(
-                f"no interpreter named {given!r} on PATH",
+                f"no interpreter named {given!r} on PATH" + given_text.removeprefix(given),
                 remedy="pass the interpreter's full path, e.g. /usr/bin/python3.13, "
                 "or set GPURIG_PYTHON",
             )
@@ -61,18 +65,19 @@ def resolve_python(explicit: str | None = None) -> str:
     path = Path(expanded)
     if not path.exists():
         raise NotFoundError(
-            f"the serving interpreter {given} does not exist",
+            f"the serving interpreter {given_text} does not exist",
             remedy="pass the full path of the Python that runs vLLM (e.g. /usr/bin/python3.13), "
-            "or set GPURIG_PYTHON to it",
+            "or set GPURIG_PYTHON to it"
+            + (" (or unset GPURIG_PYTHON to use this Python)" if given_text != given else ""),
         )
     if path.is_dir():
         raise InvalidInputError(
-            f"{given} is a directory, not a Python interpreter",
+            f"{given_text} is a directory, not a Python interpreter",
             remedy=f"pass the interpreter inside it, e.g. {path / 'bin' / 'python3'}",
         )
     if not os.access(path, os.X_OK):
         raise InvalidInputError(
-            f"{given} is not executable",
+            f"{given_text} is not executable",
             remedy=f"pass an executable Python interpreter (chmod +x {path} if it is one)",
         )
     return str(path.absolute())
