@@ -89,13 +89,18 @@ def register(mcp: MCPServer) -> None:
             raise _tool_error(err) from err
 
     @mcp.tool(annotations=READ_ONLY)
-    def turing_patch_diff(python_bin: PythonBin = None, upstream: bool = False) -> PatchDiff:
+    def turing_patch_diff(
+        python_bin: PythonBin = None,
+        upstream: bool = False,
+        file: Annotated[str | None, Field(min_length=1)] = None,
+    ) -> PatchDiff:
         """The Turing clamp as a unified diff against the installed vLLM's stock file.
 
         upstream=true leaves out gpurig's marker comments: the form to propose to vLLM
-        (`git apply -p1` in a vLLM checkout). Changes nothing.
+        (`git apply -p1` in a vLLM checkout). file: diff this triton_unified_attention.py
+        (e.g. in a vLLM checkout) instead of the installed one. Changes nothing.
         """
         try:
-            return turing.patch_diff(python_bin, upstream=upstream)
+            return turing.patch_diff(python_bin, upstream=upstream, file=file)
         except GpurigError as err:
             raise _tool_error(err) from err

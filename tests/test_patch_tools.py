@@ -305,6 +305,13 @@ def test_cli_errors_exit_2_with_remedy(capsys) -> None:
     assert main(["patch", "diff", "--file", str(STOCK_0_22_0[0])]) == 2
 
 
+def test_diff_without_vllm_points_at_file(tmp_path, capsys) -> None:
+    python, _ = _venv(tmp_path / "empty")
+    assert main(["patch", "diff", "--python", python]) == 2
+    err = capsys.readouterr().err
+    assert "vllm is not installed" in err and "gpurig patch diff --file" in err
+
+
 def test_cli_diff_of_a_file(capsys) -> None:
     assert main(["patch", "diff", "--file", str(STOCK_0_33_0[0]), "--upstream"]) == 0
     assert "+            launch_num_stages = 1" in capsys.readouterr().out
@@ -363,9 +370,14 @@ def test_mcp_apply_verify_and_error(vllm_033) -> None:
             applied = await client.call_tool("apply_turing_patch", {"python_bin": python})
             verified = await client.call_tool("verify_turing_patch", {"python_bin": python})
             bad = await client.call_tool("verify_turing_patch", {"python_bin": "/nonexistent/py"})
-            return applied, verified, bad
+            diff = await client.call_tool(
+                "turing_patch_diff", {"file": str(STOCK_0_33_0[0]), "upstream": True}
+            )
+            return applied, verified, bad, diff
 
-    applied, verified, bad = anyio.run(run)
+    applied, verified, bad, diff = anyio.run(run)
+    assert not diff.is_error and diff.structured_content["vllm_version"] is None
+    assert "+            launch_num_stages = 1" in diff.structured_content["diff"]
     assert not applied.is_error and applied.structured_content["state_after"] == "patched"
     assert verified.structured_content["clamp_present"] is True
     assert verified.structured_content["occurrences"] == 1

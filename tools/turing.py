@@ -299,7 +299,14 @@ def patch_diff(
             upstream=upstream,
             diff=unified_diff(text, after, SPEC.target),
         )
-    found = _locate(python_bin)
+    try:
+        found = _locate(python_bin)
+    except NotFoundError as err:  # no vLLM here: a checkout's file can still be diffed
+        raise NotFoundError(
+            err.message,
+            remedy=f"{err.remedy}; or diff a vLLM checkout's file instead: "
+            f"gpurig patch diff --file PATH/{SPEC.target}",
+        ) from err
     data = _read(found)
     state = classify(SPEC, data, found.record_sha256)
     if state.state == "modified":
