@@ -236,7 +236,7 @@ def _text_config(
             "fix layer_types in config.json",
         )
     layer_types[-1] = FULL  # transformers forces the last layer to full attention
-    head_dim = int(text.get("head_dim") or need("hidden_size") // need("num_attention_heads"))
+    head_dim = int(text.get("head_dim", 256) or need("hidden_size") // need("num_attention_heads"))
     kv_heads = int(need("num_key_value_heads"))
     k_eq_v = bool(text.get("attention_k_eq_v", False))
     head_dims, layer_kv = _per_layer_shapes(text, layer_types, head_dim, kv_heads, k_eq_v)
@@ -273,10 +273,9 @@ def _text_config(
         layer_kv_heads=tuple(layer_kv),
         sliding_window=int(text.get("sliding_window", 512)),
         num_kv_shared_layers=shared,
-        hidden_size_per_layer_input=int(text.get("hidden_size_per_layer_input", 0) or 0),
-        vocab_size_per_layer_input=int(
-            text.get("vocab_size_per_layer_input", text.get("vocab_size")) or 0
-        ),
+        # absent fields take transformers' defaults (PLE on, 256 wide, over 262144 ids)
+        hidden_size_per_layer_input=int(text.get("hidden_size_per_layer_input", 256) or 0),
+        vocab_size_per_layer_input=int(text.get("vocab_size_per_layer_input", 262_144) or 0),
         rope=rope,
         final_logit_softcapping=text.get("final_logit_softcapping"),
         rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
@@ -332,17 +331,29 @@ def _quant_spec(quant_raw: dict[str, Any] | None) -> QuantSpec | None:
     if not quant_raw:
         return None
     method = quant_raw.get("quant_method")
-    fmt = quant_raw.get("format")
-    if method != "compressed-tensors" or fmt not in ("pack-quantized",):
+    groups = quant_raw.get("config_groups") or {}
+    # compressed-tensors names the format at the top, or per group (the top then says
+    # "mixed-precision" or nothing): every group must be pack-quantized
+    top = quant_raw.get("format")
+    formats = {(group or {}).get("format") or top for group in groups.values()} or {top}
+    if method != "compressed-tensors" or formats != {"pack-quantized"}:
+        shown = top if len(formats) != 1 else next(iter(formats))
         raise CheckpointError(
-            f"quantization {method!r} / format {fmt!r} is not supported",
+            f"quantization {method!r} / format {shown!r} is not supported",
             "use a compressed-tensors 'pack-quantized' W4A16 checkpoint, or `gpurig engine "
             "quantize` a 16-bit one",
         )
-    groups = quant_raw.get("config_groups") or {}
+    fmt = "pack-quantized"
     specs = []
     for name, group in groups.items():
         w = (group or {}).get("weights") or {}
+        if w.get("actorder") == "group":
+            raise CheckpointError(
+                f"quantization group {name!r} uses activation ordering ('actorder: group'), "
+                "whose permuted groups the engine does not apply",
+                "use a checkpoint quantized without actorder (or with actorder 'weight'), or "
+                "`gpurig engine quantize` a 16-bit one",
+            )
         if group.get("input_activations"):
             raise CheckpointError(
                 f"quantization group {name!r} quantizes activations; only W4A16 is supported",

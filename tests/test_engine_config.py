@@ -43,6 +43,17 @@ def test_parse_agrees_with_transformers(preset):
             assert torch.equal(getattr(rot, f"{kind}_inv_freq"), rope_inv_freq(ours.rope[kind]))
 
 
+def test_absent_fields_take_transformers_defaults():
+    absent = ("head_dim", "hidden_size_per_layer_input", "vocab_size_per_layer_input")
+    raw = {k: v for k, v in text_config_dict("tiny").items() if k not in absent}
+    ours = parse_config(raw)
+    theirs = transformers.Gemma4TextConfig(**{k: v for k, v in raw.items() if k != "architectures"})
+    dims = [theirs.per_layer_config[i].head_dim for i in range(ours.num_hidden_layers)]
+    assert list(ours.layer_head_dims) == dims and 256 in dims
+    assert ours.hidden_size_per_layer_input == theirs.hidden_size_per_layer_input
+    assert ours.vocab_size_per_layer_input == theirs.vocab_size_per_layer_input
+
+
 def test_e2b_shape():
     cfg = parse_config(text_config_dict("e2b"))
     assert [i for i, t in enumerate(cfg.layer_types) if t == FULL] == [4, 9, 14, 19, 24, 29, 34]
@@ -94,6 +105,31 @@ def test_refusals():
         parse_config(
             {**raw, "rope_parameters": {SLIDING: {"rope_type": "yarn", "rope_theta": 1.0}}}
         )
+    # the format named per group (the top level "mixed-precision" or absent) is read there
+    per_group = {
+        "quant_method": "compressed-tensors",
+        "format": "mixed-precision",
+        "config_groups": {
+            "g": {
+                "format": "pack-quantized",
+                "weights": {"num_bits": 4, "symmetric": True, "group_size": 128},
+            }
+        },
+    }
+    assert parse_config({**raw, "quantization_config": per_group}).quant.group_size == 128
+    no_top = {k: v for k, v in per_group.items() if k != "format"}
+    assert parse_config({**raw, "quantization_config": no_top}).quant.group_size == 128
+    other = {**per_group, "config_groups": {"g": {**per_group["config_groups"]["g"]}}}
+    other["config_groups"]["g"]["format"] = "float-quantized"
+    with pytest.raises(CheckpointError, match="not supported"):
+        parse_config({**raw, "quantization_config": other})
+    actorder = {**per_group, "config_groups": {"g": {**per_group["config_groups"]["g"]}}}
+    actorder["config_groups"]["g"]["weights"] = {
+        **per_group["config_groups"]["g"]["weights"],
+        "actorder": "group",
+    }
+    with pytest.raises(CheckpointError, match="actorder"):
+        parse_config({**raw, "quantization_config": actorder})
     # a multimodal config with its text part under text_config
     outer = {"model_type": "gemma4", "text_config": raw}
     assert parse_config(outer).num_hidden_layers == raw["num_hidden_layers"]
