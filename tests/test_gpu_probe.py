@@ -186,6 +186,19 @@ def test_torch_without_cudnn_replayed(bare_venv: Path) -> None:
     assert "--no-deps" not in cudnn.remedy.split("(")[0]  # the fix installs WITH dependencies
 
 
+def test_vllm_checkout_in_the_cwd_is_not_what_gets_imported(
+    bare_venv: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`gpurig gpu` run inside a vLLM source checkout tests the installed vLLM."""
+    _fake_dist(venv_site_packages(bare_venv), "vllm", "0.33.0", "")
+    checkout = tmp_path / "vllm-src"
+    (checkout / "vllm").mkdir(parents=True)
+    (checkout / "vllm" / "__init__.py").write_text("raise ImportError('the checkout')\n")
+    monkeypatch.chdir(checkout)
+    run = gpu.run_probe(str(bare_venv), timeout_s=60)
+    assert run.report.vllm.import_ok is True, run.report.vllm.import_error
+
+
 def test_hanging_vllm_import_is_bounded(bare_venv: Path) -> None:
     site = venv_site_packages(bare_venv)
     _fake_dist(site, "vllm", "0.33.0", "import time\ntime.sleep(60)\n")

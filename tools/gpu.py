@@ -296,8 +296,11 @@ def run_probe(
     started = time.monotonic()
     try:
         # Own session: on timeout we kill the probe and its `import vllm` child, nothing else.
+        # cwd "/": the `python -c "import vllm"` child puts its cwd on sys.path, and gpurig run
+        # inside a vLLM source checkout must not test the checkout instead of the install.
         proc = subprocess.Popen(
             cmd,
+            cwd="/",
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
