@@ -194,15 +194,24 @@ class ShardWriter:
 
     def __enter__(self) -> ShardWriter:
         if self.out_dir.exists() and (not self.out_dir.is_dir() or any(self.out_dir.iterdir())):
+            what = "is not empty" if self.out_dir.is_dir() else "is a file"
             raise CheckpointError(
-                f"{self.out_dir} already exists and is not empty",
+                f"{self.out_dir} already exists and {what}",
                 "choose a new directory, or remove the old one first",
             )
-        self.out_dir.parent.mkdir(parents=True, exist_ok=True)
-        self.tmp_dir = Path(
-            tempfile.mkdtemp(prefix=f".{self.out_dir.name}.", dir=self.out_dir.parent)
-        )
-        self.tmp_dir.chmod(0o777 & ~_umask())  # mkdtemp makes it private; the result should not be
+        try:
+            self.out_dir.parent.mkdir(parents=True, exist_ok=True)
+            self.tmp_dir = Path(
+                tempfile.mkdtemp(prefix=f".{self.out_dir.name}.", dir=self.out_dir.parent)
+            )
+            self.tmp_dir.chmod(
+                0o777 & ~_umask()
+            )  # mkdtemp makes it private; the result should not be
+        except OSError as exc:
+            raise CheckpointError(
+                f"cannot create {self.out_dir}: {exc.strerror or exc}",
+                "choose a directory you can write to",
+            ) from exc
         return self
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
@@ -269,9 +278,16 @@ class ShardWriter:
         try:
             if exc_type is None:
                 self._finish()
+        except OSError as err:
+            exc = err
         finally:
             if self.tmp_dir is not None and self.tmp_dir.exists():
                 shutil.rmtree(self.tmp_dir, ignore_errors=True)
+        if isinstance(exc, OSError):  # disk full, permissions: say so, not a traceback
+            raise CheckpointError(
+                f"writing {self.out_dir} failed: {exc.strerror or exc}; nothing was written",
+                "free disk space or choose a directory you can write to, then run it again",
+            ) from exc
 
 
 def _umask() -> int:

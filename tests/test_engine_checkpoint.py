@@ -246,3 +246,27 @@ def test_untied_lm_head_is_loaded_separately(tiny, tmp_path):
     assert b.memory_report().lm_head_bytes == a.memory_report().embed_lm_head_bytes
     prompt = [2] + list(range(10, 30))
     assert a.generate(prompt, 8, stop_ids=[]) == b.generate(prompt, 8, stop_ids=[])
+
+
+def test_a_failed_write_leaves_nothing(tmp_path, monkeypatch):
+    """A write that fails half way (here: after two shards are on disk) leaves neither the
+    target directory nor a temporary sibling behind."""
+    import engine.checkpoint_maker as maker
+
+    calls = {"n": 0}
+    real = maker._quantize_in_blocks
+
+    def failing(w):
+        calls["n"] += 1
+        if calls["n"] == 20:
+            raise OSError("disk full")
+        return real(w)
+
+    monkeypatch.setattr(maker, "_quantize_in_blocks", failing)
+    with pytest.raises(CheckpointError, match="disk full") as info:
+        make_checkpoint(tmp_path / "out", "tiny", max_shard_bytes=20_000)
+    assert calls["n"] == 20 and info.value.remedy
+    assert list(tmp_path.iterdir()) == []
+    (tmp_path / "a-file").write_text("x")
+    with pytest.raises(CheckpointError, match="cannot create"):  # its parent is a file
+        make_checkpoint(tmp_path / "a-file" / "out", "tiny")
