@@ -169,3 +169,34 @@ def test_cli_module_is_light_and_refuses_bad_input(run_gpurig, tmp_path):
     assert taken.returncode == 2 and "cannot listen" in taken.stderr and "--port" in taken.stderr
     bad_ctx = run_gpurig("engine", "serve", "--model", str(tmp_path), "--max-ctx", "0")
     assert bad_ctx.returncode == 2 and "--max-ctx" in bad_ctx.stderr
+
+
+def test_the_checkpoint_template_decides_about_earlier_reasoning(tokenizer):
+    """The chat prompt is what the checkpoint's template makes of the messages as sent:
+    reasoning_content of an assistant turn included (Google's template re-shows it inside a
+    tool-calling turn), content parts joined, nothing else added."""
+    from types import SimpleNamespace
+
+    from engine.server.app import ServerState, _chat_prompt
+
+    template = (
+        "{% for m in messages %}{{ m.role }}:{{ m.content }}/{{ m.reasoning_content }}|{% endfor %}"
+    )
+    facts = SimpleNamespace(
+        tokenizer=tokenizer, max_context=64, chat_template=template, bos_id=2, eos_ids=[1]
+    )
+    state = ServerState(facts, "m", ())
+    req = ChatCompletionRequest.model_validate(
+        {
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
+                },
+                {"role": "assistant", "content": "c", "reasoning_content": "think"},
+            ]
+        }
+    )
+    ids, parse_calls = _chat_prompt(state, req)
+    assert tokenizer.decode(ids, skip_special_tokens=False) == "user:ab/|assistant:c/think|"
+    assert parse_calls is False

@@ -374,9 +374,9 @@ def _chat_prompt(state: ServerState, req: ChatCompletionRequest) -> tuple[list[i
                 f"tool_choice names '{choice.function.name}', which is not in tools.",
                 param="tool_choice",
             )
+    # reasoning_content goes to the template as sent: Google's Gemma 4 template shows it again
+    # within a tool-calling turn and drops it from earlier turns; gpurig's own ignores it
     messages = [m.model_dump(exclude_none=True) for m in req.messages]
-    for m in messages:  # reasoning from earlier turns is not shown to the model again
-        m.pop("reasoning_content", None)
     try:
         text = render_chat(
             state.template,
