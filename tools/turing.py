@@ -196,7 +196,8 @@ def _patched_bytes(found: InstalledFile, stock: bytes) -> bytes:
             f"vLLM {found.version}: {exc} - the file was left as it is",
             remedy=f"use a vLLM release the patch supports (tested: "
             f"{', '.join(SPEC.tested_versions)}; any release from 0.26.0 whose file has these "
-            "anchors): " + found.python_executable + " -m pip install vllm==0.33.0",
+            f"anchors): {found.python_executable} -m pip install "
+            f"vllm=={SPEC.tested_versions[-1]}",
         ) from exc
     try:
         compile(text, found.path, "exec")
