@@ -441,6 +441,14 @@ def test_doctor_turing_line_follows_the_gpu_and_the_file(vllm_033) -> None:
     apply_turing_patch(python)
     line = _doctor_turing_line(python, t4)
     assert line.status == "ok" and "patched" in line.detail
+    # Edited after patching: apply alone would be refused, so the remedy reinstalls first.
+    _, target = vllm_033
+    target.write_bytes(target.read_bytes().replace(b"- 4096", b"- 1024", 1))
+    line = _doctor_turing_line(python, t4)
+    assert line.status == "fail" and "modified" in line.detail
+    assert line.remedy == (
+        f"{python} -m pip install --force-reinstall --no-deps vllm==0.33.0 && gpurig patch apply"
+    )
 
 
 def test_doctor_turing_line_skips_without_vllm(tmp_path) -> None:

@@ -167,11 +167,17 @@ def check_turing_patch(ctx: DoctorContext) -> Check:
     if not needed:
         why = "not needed on this GPU" if caps else "no GPU to judge by"
         return Check(name="turing patch", status="ok", detail=f"{detail}; {why}")
+    remedy = "gpurig patch apply"
+    if report.state_after == "modified":  # apply refuses a file it did not install: reinstall
+        remedy = (
+            f"{report.python} -m pip install --force-reinstall --no-deps "
+            f"vllm=={report.vllm_version} && {remedy}"
+        )
     return Check(
         name="turing patch",
         status="fail",
         detail=f"{detail}; capability {min(caps)[0]}.{min(caps)[1]} needs the clamp for Gemma 4",
-        remedy="gpurig patch apply",
+        remedy=remedy,
     )
 
 
