@@ -6,7 +6,6 @@ package docstring (engine/__init__.py) for the public surface.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,9 +13,10 @@ import torch
 from tokenizers import Tokenizer
 
 from engine.cache import KVCache
+from engine.chat.render import read_template
 from engine.checkpoint import CheckpointReader
 from engine.config import TextConfig, load_config
-from engine.errors import CheckpointError, EngineError
+from engine.errors import CheckpointError, EngineError, GenerationError
 from engine.generate import (
     DEFAULT_PREFILL_CHUNK,
     GenerationState,
@@ -78,6 +78,8 @@ class Engine:
         )
         sampling.validate()
         check_prompt(list(token_ids), self.config.vocab_size, self.max_context)
+        if max_new_tokens < 0:
+            raise GenerationError(f"max_new_tokens {max_new_tokens} is negative", "use 0 or more")
         self.last_finish_reason = None
         return self._run(list(token_ids), max_new_tokens, sampling, stops)
 
@@ -178,7 +180,7 @@ def load(
         reader.close()
     cache = KVCache(cfg, ctx, dev, compute_dtype)
     return Engine(
-        model_dir, cfg, model, cache, tokenizer, _chat_template(model_dir), chunk, memory_cap_mib
+        model_dir, cfg, model, cache, tokenizer, read_template(model_dir), chunk, memory_cap_mib
     )
 
 
@@ -202,21 +204,3 @@ def _load_tokenizer(model_dir: Path) -> Tokenizer:
         return Tokenizer.from_file(str(path))
     except Exception as exc:  # tokenizers raises plain Exception subclasses
         raise CheckpointError(f"{path} is not a readable tokenizer: {exc}", "restore it") from exc
-
-
-def _chat_template(model_dir: Path) -> str | None:
-    jinja = model_dir / "chat_template.jinja"
-    if jinja.is_file():
-        return jinja.read_text()
-    cfg_path = model_dir / "tokenizer_config.json"
-    if cfg_path.is_file():
-        try:
-            template = json.loads(cfg_path.read_text()).get("chat_template")
-        except json.JSONDecodeError:
-            return None
-        if isinstance(template, str):
-            return template
-        if isinstance(template, list):  # named templates: "default" wins
-            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-            return named.get("default") or next(iter(named.values()), None)
-    return None

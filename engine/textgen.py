@@ -48,12 +48,14 @@ def prompt_ids(engine: Engine, prompt: str | None = None, chat: str | None = Non
 
 def _render_chat(engine: Engine, message: str) -> str:
     """The generation prompt for one user message, with the checkpoint's template when it has one."""
-    messages = [{"role": "user", "content": message}]
-    try:
-        from engine.chat.render import bundled_template, render_chat
-    except ImportError:  # the chat package is optional for the core: plain Gemma 4 turns
-        return f"<bos><|turn>user\n{message}<turn|>\n<|turn>model\n"
-    return render_chat(engine.chat_template or bundled_template(), messages)
+    from engine.chat.render import bundled_template, render_chat
+
+    bos = engine.tokenizer.id_to_token(engine.bos_id) if engine.bos_id is not None else None
+    return render_chat(
+        engine.chat_template or bundled_template(),
+        [{"role": "user", "content": message}],
+        bos_token=bos or "<bos>",
+    )
 
 
 def generate_text(

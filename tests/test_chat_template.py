@@ -178,6 +178,8 @@ def test_normalize_messages_fills_tool_names_and_parses_arguments():
 
 def test_read_template_prefers_jinja_then_tokenizer_config(tmp_path):
     assert read_template(tmp_path) is None
+    (tmp_path / "tokenizer_config.json").write_text("{broken")
+    assert read_template(tmp_path) is None  # as if it named none: the bundled one serves
     (tmp_path / "tokenizer_config.json").write_text(
         json.dumps(
             {

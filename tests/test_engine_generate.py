@@ -97,6 +97,8 @@ def test_bad_requests(eng):
         eng.generate([], 4)
     with pytest.raises(GenerationError, match="vocabulary"):
         eng.generate([2, 10_000], 4)
+    with pytest.raises(GenerationError, match="negative"):  # at the call, before any token
+        eng.stream(PROMPT, -1)
 
 
 def test_cache_ring_and_memory(ckpt):

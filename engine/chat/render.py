@@ -40,7 +40,10 @@ def read_template(model_dir: str | Path) -> str | None:
         return jinja_file.read_text(encoding="utf-8")
     config = model_dir / "tokenizer_config.json"
     if config.is_file():
-        value = json.loads(config.read_text(encoding="utf-8")).get("chat_template")
+        try:
+            value = json.loads(config.read_text(encoding="utf-8")).get("chat_template")
+        except (ValueError, AttributeError):  # unreadable: as if it named no template
+            return None
         if isinstance(value, str):
             return value
         if isinstance(value, list) and value:
