@@ -25,8 +25,19 @@ def _register_mcp(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("mcp", help="serve the MCP tools (stdio by default)")
     p.add_argument("--transport", choices=["stdio", "streamable-http"], default="stdio")
     p.add_argument("--host", default="127.0.0.1", help="bind address for streamable-http")
-    p.add_argument("--port", type=int, default=8765, help="port for streamable-http")
+    p.add_argument("--port", type=_port, default=8765, help="port for streamable-http")
     p.set_defaults(func=_run_mcp)
+
+
+def _port(text: str) -> int:
+    """A TCP port, checked here: the server would otherwise die in bind() with a traceback."""
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a TCP port (1-65535)")
+    return port
 
 
 def _run_mcp(args: argparse.Namespace) -> int:

@@ -22,6 +22,12 @@ def test_help_lists_the_commands(run_gpurig) -> None:
     assert time.monotonic() - started < 10
 
 
+def test_mcp_bad_port_is_a_usage_error(run_gpurig) -> None:
+    out = run_gpurig("mcp", "--transport", "streamable-http", "--port", "99999", timeout=30)
+    assert out.returncode == 2
+    assert "'99999' is not a TCP port (1-65535)" in out.stderr and "Traceback" not in out.stderr
+
+
 def test_host_table(run_gpurig, tmp_path: Path) -> None:
     future = tmp_path / "later"
     out = run_gpurig("host", "--path", str(tmp_path), "--path", str(future))
