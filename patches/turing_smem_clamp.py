@@ -19,9 +19,9 @@ from patches.spec import Anchor, PatchSpec
 
 TARGET = "vllm/v1/attention/ops/triton_unified_attention.py"
 
-# Headroom under the opt-in limit for what the formula does not count (Triton's own scratch for
-# layout conversions and the softmax statistics): 65,536 - 4,096 = 61,440 bytes on Turing.
-BUDGET_HEADROOM_BYTES = 4096
+# The block's `- 4096` is headroom under the opt-in limit for what the formula does not count
+# (Triton's own scratch for layout conversions and the softmax statistics): 65,536 - 4,096 =
+# 61,440 bytes on Turing. Written out in BODY, since BODY is the exact text inserted.
 
 BODY = """\
     # Pre-Ampere GPUs (compute capability < 8, e.g. Turing) allow at most
