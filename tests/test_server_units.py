@@ -200,3 +200,16 @@ def test_the_checkpoint_template_decides_about_earlier_reasoning(tokenizer):
     ids, parse_calls = _chat_prompt(state, req)
     assert tokenizer.decode(ids, skip_special_tokens=False) == "user:ab/|assistant:c/think|"
     assert parse_calls is False
+
+
+def test_sampling_defaults_follow_generation_config(tmp_path):
+    import json
+
+    from engine.server.app import _sampling_defaults
+
+    assert _sampling_defaults(tmp_path) == {"temperature": 0.0}  # no file: greedy
+    path = tmp_path / "generation_config.json"
+    path.write_text(json.dumps({"do_sample": True, "top_k": 64, "top_p": 0.95}))
+    assert _sampling_defaults(tmp_path) == {"temperature": 1.0, "top_k": 64, "top_p": 0.95}
+    path.write_text(json.dumps({"do_sample": True, "temperature": 0.7, "top_k": 0, "top_p": 1.0}))
+    assert _sampling_defaults(tmp_path) == {"temperature": 0.7, "top_k": None, "top_p": None}

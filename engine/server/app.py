@@ -145,10 +145,11 @@ def _sampling_defaults(model_dir: Any) -> dict[str, Any]:
         return {"temperature": 0.0}
     if not config.get("do_sample"):
         return {"temperature": 0.0}
-    return {
+    top_k, top_p = config.get("top_k"), config.get("top_p")
+    return {  # transformers reads top_k 0 and top_p 1.0 as "off"; so do we
         "temperature": float(config.get("temperature", 1.0)),
-        "top_p": config.get("top_p"),
-        "top_k": config.get("top_k"),
+        "top_p": float(top_p) if isinstance(top_p, int | float) and 0 < top_p < 1 else None,
+        "top_k": int(top_k) if isinstance(top_k, int) and top_k > 0 else None,
     }
 
 
