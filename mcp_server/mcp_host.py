@@ -1,7 +1,8 @@
 """MCP tools for the host and its GPU: thin wrappers around tools/host.py, gpu.py, doctor.py.
 
-A GpurigError becomes a ToolError carrying its message and remedy: the SDK hides the text of any
-other exception from the client, and the remedy is what an LLM caller needs most.
+A GpurigError becomes a ToolError carrying its message and remedy (`tool_error`, shared with the
+other areas' tool modules): the SDK hides the text of any other exception from the client, and
+the remedy is what an LLM caller needs most.
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ PythonBin = Annotated[
 ]
 
 
-def _tool_error(err: GpurigError) -> ToolError:
+def tool_error(err: GpurigError) -> ToolError:
+    """The error result an MCP caller sees: the message, then what to do (every area's tools)."""
     return ToolError(err.message + (f" What to do: {err.remedy}" if err.remedy else ""))
 
 
@@ -66,7 +68,7 @@ def register(mcp: MCPServer) -> None:
         try:
             return host.check_host_capacity(paths=paths, need_gib=need_gib)
         except GpurigError as err:
-            raise _tool_error(err) from err
+            raise tool_error(err) from err
 
     @mcp.tool(annotations=READ_ONLY)
     def verify_gpu_arch(
@@ -90,7 +92,7 @@ def register(mcp: MCPServer) -> None:
         try:
             return gpu.verify_gpu_arch(python_bin=python_bin, timeout_s=timeout_s)
         except GpurigError as err:
-            raise _tool_error(err) from err
+            raise tool_error(err) from err
 
     @mcp.tool(annotations=READ_ONLY)
     def doctor(python_bin: PythonBin = None, need_gib: NeedGib = None) -> DoctorReport:
@@ -104,4 +106,4 @@ def register(mcp: MCPServer) -> None:
         try:
             return doctor_mod.doctor(python_bin=python_bin, need_gib=need_gib)
         except GpurigError as err:
-            raise _tool_error(err) from err
+            raise tool_error(err) from err

@@ -1,7 +1,6 @@
 """MCP tools for the Turing patch: thin wrappers around tools/turing.py.
 
-A GpurigError becomes a ToolError carrying its message and remedy: the SDK hides the text of any
-other exception from the client, and the remedy is the part an LLM caller needs most.
+A GpurigError becomes a ToolError carrying its message and remedy (mcp_host.tool_error).
 """
 
 from __future__ import annotations
@@ -9,31 +8,19 @@ from __future__ import annotations
 from typing import Annotated
 
 from mcp.server.mcpserver import MCPServer
-from mcp.server.mcpserver.exceptions import ToolError
 from mcp.types import ToolAnnotations
 from pydantic import Field
 
 from mcp_server.annotations import IDEMPOTENT_WRITE, READ_ONLY
+from mcp_server.mcp_host import PythonBin, tool_error
 from tools import turing
 from tools.errors import GpurigError
 from tools.turing import PatchDiff, TuringPatchReport
 
-PythonBin = Annotated[
-    str | None,
-    Field(
-        min_length=1,
-        description="the interpreter that runs vLLM; default: GPURIG_PYTHON, else the server's",
-    ),
-]
 # Revert removes the clamp (vLLM then fails on Turing again), but a second call changes nothing.
 DESTRUCTIVE_IDEMPOTENT = ToolAnnotations(
     read_only_hint=False, destructive_hint=True, idempotent_hint=True, open_world_hint=False
 )
-
-
-def _tool_error(err: GpurigError) -> ToolError:
-    text = err.message + (f" What to do: {err.remedy}" if err.remedy else "")
-    return ToolError(text)
 
 
 def register(mcp: MCPServer) -> None:
@@ -55,7 +42,7 @@ def register(mcp: MCPServer) -> None:
         try:
             return turing.apply_turing_patch(python_bin, dry_run=dry_run)
         except GpurigError as err:
-            raise _tool_error(err) from err
+            raise tool_error(err) from err
 
     @mcp.tool(annotations=READ_ONLY)
     def verify_turing_patch(python_bin: PythonBin = None) -> TuringPatchReport:
@@ -70,7 +57,7 @@ def register(mcp: MCPServer) -> None:
         try:
             return turing.verify_turing_patch(python_bin)
         except GpurigError as err:
-            raise _tool_error(err) from err
+            raise tool_error(err) from err
 
     @mcp.tool(annotations=DESTRUCTIVE_IDEMPOTENT)
     def revert_turing_patch(
@@ -86,7 +73,7 @@ def register(mcp: MCPServer) -> None:
         try:
             return turing.revert_turing_patch(python_bin, dry_run=dry_run)
         except GpurigError as err:
-            raise _tool_error(err) from err
+            raise tool_error(err) from err
 
     @mcp.tool(annotations=READ_ONLY)
     def turing_patch_diff(
@@ -103,4 +90,4 @@ def register(mcp: MCPServer) -> None:
         try:
             return turing.patch_diff(python_bin, upstream=upstream, file=file)
         except GpurigError as err:
-            raise _tool_error(err) from err
+            raise tool_error(err) from err
