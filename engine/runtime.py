@@ -43,7 +43,7 @@ class Engine:
         memory_cap_mib: int | None,
     ) -> None:
         self.model_dir = model_dir
-        self.model_name = model_dir.name
+        self.model_name = model_name_of(model_dir)
         self.config = cfg
         self.model = model
         self.cache = cache
@@ -133,6 +133,15 @@ class Engine:
             self.dtype,
             self.memory_cap_mib,
         )
+
+
+def model_name_of(model_dir: Path) -> str:
+    """The name to serve a checkpoint under: its directory's name, or for a Hugging Face cache
+    snapshot (.../models--ORG--NAME/snapshots/HASH) the repo id ORG/NAME, not the hash."""
+    hub = model_dir.parent.parent.name
+    if model_dir.parent.name == "snapshots" and hub.startswith("models--"):
+        return hub.removeprefix("models--").replace("--", "/")
+    return model_dir.name
 
 
 def default_device() -> torch.device:

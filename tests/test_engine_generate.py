@@ -37,6 +37,14 @@ def test_surface(eng, ckpt):
     assert ids[0] == 105 and ids[-1] == 106
 
 
+def test_a_hugging_face_snapshot_is_named_by_its_repo(ckpt, tmp_path):
+    import shutil
+
+    snap = tmp_path / "models--google--gemma-4-tiny" / "snapshots" / "0123abcd"
+    shutil.copytree(ckpt, snap)
+    assert engine.load(snap, device="cpu", max_context=16).model_name == "google/gemma-4-tiny"
+
+
 def test_sampling_is_seeded_and_bounded(eng):
     greedy = eng.generate(PROMPT, 16, stop_ids=[])
     a = eng.generate(PROMPT, 16, temperature=1.0, seed=5, stop_ids=[])
