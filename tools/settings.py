@@ -2,7 +2,7 @@
 
 | variable        | meaning                                                    | default                      |
 |-----------------|------------------------------------------------------------|------------------------------|
-| GPURIG_PYTHON   | the serving interpreter (the Python that runs vLLM)        | the current interpreter      |
+| GPURIG_PYTHON   | the serving interpreter (the Python that runs vLLM); empty = unset | the current interpreter |
 | GPURIG_HOME     | state directory (backups, logs, server records, results)   | $XDG_STATE_HOME/gpurig, else ~/.local/state/gpurig |
 | HF_HOME / HF_HUB_CACHE | where Hugging Face keeps checkpoints (measured by check_host_capacity) | ~/.cache/huggingface/hub |
 | GPURIG_TEST_WHEELS | tests only: cache of the vLLM wheels the Turing-patch network tests download | ~/.cache/gpurig-tests/vllm-wheels |
