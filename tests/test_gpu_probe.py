@@ -437,6 +437,18 @@ def test_libcudart_with_a_cuda_torch_points_at_the_cuda_mismatch() -> None:
     assert "does not match" in d.message and "torch_cpu_build" not in codes(found)
 
 
+def test_torch_missing_under_vllm_installs_the_pinned_torch() -> None:
+    missing_torch = {"dist_version": None, "imported": False, "version": None, "cuda": None,
+                     "cuda_available": False, "device_count": 0, "arch_list": [], "devices": [],
+                     "fp16_matmul": None}  # fmt: skip
+    report = probe(torch=missing_torch, vllm={"torch_requirement": "==2.13.0"})
+    found = {d.code: d for d in diagnose(report, SEED_T4_NVML, "/usr/bin/python3.13")}
+    assert found["torch_missing"].remedy.startswith(
+        "/usr/bin/python3.13 -m pip install torch==2.13.0 --index-url "
+        "https://download.pytorch.org/whl/cu130"
+    )
+
+
 def test_capability_missing_from_arch_list() -> None:
     p = probe({"arch_list": ["sm_80", "sm_86", "sm_90", "sm_100", "sm_120"]})
     d = next(d for d in diagnose(p, SEED_T4_NVML) if d.code == "arch_missing")

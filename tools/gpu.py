@@ -513,7 +513,8 @@ def diagnose(
                 component="torch",
                 severity="fail",
                 message=f"torch is not installed for {py} (Python {probe.python.version})",
-                remedy=f"{py} -m pip install torch --index-url {index_url}",
+                remedy=f"{py} -m pip install torch{pin} --index-url {index_url}"
+                + (f" (the torch vLLM {v.dist_version} pins)" if pin else ""),
             )
         )
     elif not t.imported:
