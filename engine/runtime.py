@@ -165,9 +165,23 @@ def load(
     model_dir = Path(path).expanduser()
     if not model_dir.is_dir():
         raise CheckpointError(f"{model_dir} is not a directory", "pass a checkpoint directory")
-    dev = torch.device(device) if device is not None else default_device()
+    try:
+        dev = torch.device(device) if device is not None else default_device()
+    except (RuntimeError, TypeError) as exc:
+        raise EngineError(
+            f"device {device!r} is not a device name", "use cpu, cuda or cuda:N"
+        ) from exc
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise EngineError("CUDA was asked for but no CUDA device is available", "use device='cpu'")
+        raise EngineError(
+            "CUDA was asked for but no CUDA device is available", "use the cpu device"
+        )
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise EngineError(
+            f"{dev} does not exist: this host has {torch.cuda.device_count()} CUDA device(s)",
+            "use cuda:0 .. cuda:N-1, or cuda",
+        )
+    if dev.type not in ("cpu", "cuda"):
+        raise EngineError(f"device {dev} is not supported", "use cpu or cuda")
     compute_dtype = dtype or (torch.bfloat16 if dev.type == "cuda" else torch.float32)
     cfg = load_config(model_dir)
     limit = cfg.max_position_embeddings

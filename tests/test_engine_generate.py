@@ -95,6 +95,10 @@ def test_context_limit(ckpt):
     assert len(small.generate(list(range(3, 51)), 5, stop_ids=[])) == 1  # prompt fills it exactly
     with pytest.raises(EngineError, match="max_context"):
         engine.load(ckpt, device="cpu", max_context=10**7)
+    for bad in ("bogus", "meta"):
+        with pytest.raises(EngineError, match="device") as info:
+            engine.load(ckpt, device=bad)
+        assert info.value.remedy
 
 
 def test_bad_requests(eng):
