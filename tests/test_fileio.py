@@ -41,3 +41,13 @@ def test_failed_write_leaves_the_old_file(tmp_path: Path) -> None:
         write_atomic(target, 12345)  # type: ignore[arg-type]
     assert target.read_text() == "old\n"
     assert [p.name for p in tmp_path.iterdir()] == ["f.txt"]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="only root can give a file to another user")
+def test_root_keeps_the_owner(tmp_path: Path) -> None:
+    target = tmp_path / "site.py"
+    target.write_text("old\n")
+    os.chown(target, 1234, 2345)
+    write_atomic(target, "new\n")
+    st = target.stat()
+    assert (st.st_uid, st.st_gid, target.read_text()) == (1234, 2345, "new\n")

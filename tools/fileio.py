@@ -24,12 +24,14 @@ def write_atomic(path: str | os.PathLike[str], data: bytes | str, mode: int | No
     """Write to a temp file in the same directory, fsync, rename over `path`, fsync the directory.
 
     `mode` sets the permission bits; when None, an existing file's mode is kept and a new file
-    gets the umask's usual 0o666 & ~umask (not mkstemp's private 0o600).
+    gets the umask's usual 0o666 & ~umask (not mkstemp's private 0o600). An existing file keeps
+    its owner when root rewrites it (sudo gpurig patch apply on a user's venv).
     """
     target = Path(path)
     payload = data.encode() if isinstance(data, str) else data
+    existing = target.stat() if target.exists() else None
     if mode is None:
-        mode = target.stat().st_mode & 0o7777 if target.exists() else 0o666 & ~_umask()
+        mode = existing.st_mode & 0o7777 if existing else 0o666 & ~_umask()
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     try:
         with os.fdopen(fd, "wb") as fh:
@@ -37,6 +39,8 @@ def write_atomic(path: str | os.PathLike[str], data: bytes | str, mode: int | No
             fh.flush()
             os.fsync(fh.fileno())
         os.chmod(tmp, mode)
+        if existing and os.geteuid() == 0:  # root rewriting a user's file: it stays theirs
+            os.chown(tmp, existing.st_uid, existing.st_gid)
         os.replace(tmp, target)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
