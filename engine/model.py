@@ -28,7 +28,7 @@ from engine.cache import KVCache
 from engine.checkpoint import CheckpointReader
 from engine.config import RopeSpec, TextConfig
 from engine.errors import CheckpointError
-from engine.ops import Linear, PackedLinear
+from engine.ops import Linear
 
 
 @dataclass
@@ -52,32 +52,11 @@ class LayerWeights:
     ple_proj: Linear | None
     ple_norm: torch.Tensor | None
     layer_scalar: torch.Tensor
-    # fused projections (see Gemma4Model.fuse_projections): q/k/v and gate/up then are row
-    # slices (views) of these, so the fused and the separate forms share one copy
-    qkv: PackedLinear | None = None
-    gate_up: PackedLinear | None = None
 
     def linears(self) -> list[Linear]:
-        """Every weight matrix once (a fused matrix instead of its parts)."""
-        attn = [self.qkv] if self.qkv is not None else [self.q, self.k, self.v]
-        mlp = [self.gate_up] if self.gate_up is not None else [self.gate, self.up]
-        rest = [self.o, self.down, self.ple_gate, self.ple_proj]
-        return [w for w in (*attn, *mlp, *rest) if w is not None]
-
-    def fuse(self) -> bool:
-        """Build qkv and gate_up where every part is packed alike; True if anything fused."""
-        fused = False
-        parts = [self.q, self.k, self.v]
-        if self.qkv is None and _fusable(parts):
-            self.qkv = PackedLinear.concat(parts)
-            self.q, self.k, self.v = _row_views(self.qkv, parts)
-            fused = True
-        parts = [self.gate, self.up]
-        if self.gate_up is None and _fusable(parts):
-            self.gate_up = PackedLinear.concat(parts)
-            self.gate, self.up = _row_views(self.gate_up, parts)
-            fused = True
-        return fused
+        """Every weight matrix once."""
+        parts = (self.q, self.k, self.v, self.gate, self.up, self.o, self.down)
+        return [w for w in (*parts, self.ple_gate, self.ple_proj) if w is not None]
 
     def nbytes(self) -> int:
         tensors = [
@@ -248,14 +227,9 @@ class Gemma4Model:
         cos, sin = rope[kind]
 
         x = ops.rms_norm(h, w.input_norm, eps)
-        if w.qkv is not None:  # one product for q, k and v
-            q_out, k_out, v_out = ops.linear(x, w.qkv).split(
-                [w.q.out_features, w.k.out_features, w.v.out_features], dim=-1
-            )
-        else:
-            q_out = ops.linear(x, w.q)
-            k_out = ops.linear(x, w.k) if w.k is not None else None
-            v_out = ops.linear(x, w.v) if w.v is not None else None
+        q_out = ops.linear(x, w.q)
+        k_out = ops.linear(x, w.k) if w.k is not None else None
+        v_out = ops.linear(x, w.v) if w.v is not None else None
         q = ops.apply_rope(ops.rms_norm(q_out.reshape(t, -1, hd), w.q_norm, eps), cos, sin)
         if k_out is not None:
             k_raw = k_out.reshape(t, kvh, hd)
@@ -279,12 +253,7 @@ class Gemma4Model:
 
         h = h + ops.rms_norm(ops.linear(attn.reshape(t, -1), w.o), w.post_attn_norm, eps)
         x = ops.rms_norm(h, w.pre_ffn_norm, eps)
-        if w.gate_up is not None:
-            gate, up = ops.linear(x, w.gate_up).split(
-                [w.gate.out_features, w.up.out_features], dim=-1
-            )
-        else:
-            gate, up = ops.linear(x, w.gate), ops.linear(x, w.up)
+        gate, up = ops.linear(x, w.gate), ops.linear(x, w.up)
         mlp = ops.linear(ops.gelu_tanh(gate) * up, w.down)
         h = h + ops.rms_norm(mlp, w.post_ffn_norm, eps)
         if ple is not None:
@@ -337,12 +306,6 @@ class Gemma4Model:
             h = self._layer(i, h, ple, position, rope, cache, prefill_start=None)
         return self.logits(h)
 
-    def fuse_projections(self) -> int:
-        """Fuse q/k/v and gate/up of every layer into single packed matrices (one matmul each,
-        fewer kernel launches per token); no extra memory: the parts become views. Returns the
-        number of layers changed."""
-        return sum(layer.fuse() for layer in self.layers)
-
     # ---- sizes -----------------------------------------------------------------------------
     def decode_weight_bytes(self) -> int:
         """Weight bytes one decode step reads: every linear, the lm_head and the PLE projection
@@ -380,25 +343,6 @@ def rope_inv_freq(spec: RopeSpec) -> torch.Tensor:
     inv = 1.0 / (spec.theta**exponents)
     zeros = torch.zeros(spec.head_dim // 2 - pairs, dtype=torch.float32)
     return torch.cat([inv, zeros]) / spec.factor
-
-
-def _fusable(parts: list[Linear | None]) -> bool:
-    return all(isinstance(p, PackedLinear) for p in parts) and (
-        len({(p.in_features, p.group_size, p.scales.dtype) for p in parts}) == 1
-    )
-
-
-def _row_views(fused: PackedLinear, parts: list[PackedLinear]) -> list[PackedLinear]:
-    views, start = [], 0
-    for p in parts:
-        rows = slice(start, start + p.out_features)
-        views.append(
-            PackedLinear(
-                fused.packed[rows], fused.scales[rows], p.out_features, p.in_features, p.group_size
-            )
-        )
-        start += p.out_features
-    return views
 
 
 def _scale(value: float, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -164,22 +164,6 @@ def test_attention_prefill_matches_a_per_query_loop(chunk):
         assert torch.allclose(got[t], w @ values[sel], atol=1e-5), f"row {t} of {chunk}"
 
 
-def test_fused_projections_change_nothing(ckpt):
-    """q/k/v and gate/up fused into one packed matrix each: same tokens, same logits, same bytes."""
-    plain = engine.load(ckpt, device="cpu", max_context=128)
-    fused = engine.load(ckpt, device="cpu", max_context=128)
-    before = fused.memory_report().layers_bytes
-    assert fused.model.fuse_projections() == fused.config.num_hidden_layers
-    assert (
-        fused.model.layers[0].qkv is not None and fused.model.layers[-1].qkv is None
-    )  # shared: q only
-    assert fused.memory_report().layers_bytes == before
-    assert fused.generate(PROMPT, 24, stop_ids=[]) == plain.generate(PROMPT, 24, stop_ids=[])
-    a = prefill(plain.model, plain.cache, PROMPT, 33)
-    b = prefill(fused.model, fused.cache, PROMPT, 33)
-    assert torch.allclose(a, b, atol=1e-5)
-
-
 def test_attention_in_row_blocks_is_the_same(monkeypatch):
     """Long prompts attend in blocks of query rows (bounded score memory): same result."""
     gen = torch.Generator().manual_seed(0)
