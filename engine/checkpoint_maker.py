@@ -412,8 +412,10 @@ def quantize_checkpoint(
             "tokenizer_config.json",
             "generation_config.json",
             "chat_template.jinja",
+            "chat_template.json",
             "special_tokens_map.json",
             "processor_config.json",
+            "preprocessor_config.json",
         ):
             if (src / side).is_file():
                 writer.copy_file(src / side, side)

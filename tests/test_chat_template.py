@@ -191,6 +191,8 @@ def test_read_template_prefers_jinja_then_tokenizer_config(tmp_path):
         )
     )
     assert read_template(tmp_path) == "D"
+    (tmp_path / "chat_template.json").write_text(json.dumps({"chat_template": "P"}))
+    assert read_template(tmp_path) == "P"  # a processor's save comes before the tokenizer's
     (tmp_path / "chat_template.jinja").write_text("J")
     assert read_template(tmp_path) == "J"
 

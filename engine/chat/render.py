@@ -32,23 +32,29 @@ class ChatTemplateError(ValueError):
 
 
 def read_template(model_dir: str | Path) -> str | None:
-    """The checkpoint's chat template: chat_template.jinja, else tokenizer_config.json's
-    "chat_template" (a string, or a list of named templates: "default" wins)."""
+    """The checkpoint's chat template, where transformers looks: chat_template.jinja, else
+    chat_template.json (a processor's save: {"chat_template": ...}), else tokenizer_config.json's
+    "chat_template" (a string, or a list of named templates: "default" wins). An unreadable
+    JSON file counts as naming none."""
     model_dir = Path(model_dir)
     jinja_file = model_dir / TEMPLATE_FILE
     if jinja_file.is_file():
         return jinja_file.read_text(encoding="utf-8")
-    config = model_dir / "tokenizer_config.json"
-    if config.is_file():
+    for name in ("chat_template.json", "tokenizer_config.json"):
+        path = model_dir / name
+        if not path.is_file():
+            continue
         try:
-            value = json.loads(config.read_text(encoding="utf-8")).get("chat_template")
-        except (ValueError, AttributeError):  # unreadable: as if it named no template
-            return None
+            value = json.loads(path.read_text(encoding="utf-8")).get("chat_template")
+        except (ValueError, AttributeError):
+            continue
         if isinstance(value, str):
             return value
         if isinstance(value, list) and value:
             named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
-            return named.get("default") or next(iter(named.values()), None)
+            template = named.get("default") or next(iter(named.values()), None)
+            if template:
+                return template
     return None
 
 
