@@ -207,6 +207,12 @@ def parse_config(raw: dict[str, Any]) -> TextConfig:
             "this Gemma 4 checkpoint uses mixture-of-experts blocks, which the engine does not run",
             "use a dense Gemma 4 (E2B / E4B class) checkpoint",
         )
+    if text.get("attention_bias"):
+        raise CheckpointError(
+            "this checkpoint's attention projections have biases (attention_bias), which the "
+            "engine does not apply",
+            "use a Gemma 4 checkpoint without attention biases (every released one)",
+        )
     if text.get("use_bidirectional_attention") == "all":
         raise CheckpointError(
             "bidirectional attention ('all') is not a causal language model",

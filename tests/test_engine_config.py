@@ -90,6 +90,8 @@ def test_refusals():
     raw = text_config_dict("tiny")
     with pytest.raises(CheckpointError, match="mixture-of-experts"):
         parse_config({**raw, "enable_moe_block": True})
+    with pytest.raises(CheckpointError, match="attention_bias"):
+        parse_config({**raw, "attention_bias": True})
     with pytest.raises(CheckpointError, match="num_kv_shared_layers"):
         parse_config({**raw, "num_kv_shared_layers": 6})
     with pytest.raises(CheckpointError, match="vocab_size"):
