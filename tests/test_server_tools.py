@@ -158,3 +158,30 @@ def test_without_tools_the_call_text_is_plain_content(client):
     message = resp.choices[0].message
     assert not message.tool_calls and resp.choices[0].finish_reason == "stop"
     assert message.content.startswith("<|tool_call>call:get_weather{")
+
+
+@pytest.mark.parametrize(
+    "choice", ["required", {"type": "function", "function": {"name": "get_weather"}}]
+)
+def test_a_required_or_named_tool_choice_starts_the_reply_inside_a_call(client, choice):
+    """The prompt is made to end with `<|tool_call>` (one more prompt token, one fewer made),
+    and the reply parser is fed that marker first, so the call still comes back whole."""
+    free = client.chat.completions.create(model=MODEL, messages=USER, tools=TOOLS, max_tokens=32)
+    forced = client.chat.completions.create(
+        model=MODEL, messages=USER, tools=TOOLS, tool_choice=choice, max_tokens=32
+    )
+    assert forced.usage.prompt_tokens == free.usage.prompt_tokens + 1
+    assert forced.usage.completion_tokens == free.usage.completion_tokens - 1
+    assert forced.choices[0].finish_reason == "tool_calls"
+    assert forced.choices[0].message.content is None
+    (call,) = forced.choices[0].message.tool_calls
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == CALL_ARGS
+    stream = client.chat.completions.create(
+        model=MODEL, messages=USER, tools=TOOLS, tool_choice=choice, max_tokens=32, stream=True
+    )
+    deltas = [c.choices[0].delta for c in stream if c.choices]
+    calls = [tc for d in deltas for tc in (d.tool_calls or [])]
+    assert [json.loads(c.function.arguments) for c in calls] == [CALL_ARGS]
+    assert not "".join(d.content or "" for d in deltas)
+    with pytest.raises(openai.BadRequestError):  # nothing to call
+        client.chat.completions.create(model=MODEL, messages=USER, tool_choice="required")

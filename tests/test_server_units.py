@@ -197,9 +197,9 @@ def test_the_checkpoint_template_decides_about_earlier_reasoning(tokenizer):
             ]
         }
     )
-    ids, parse_calls = _chat_prompt(state, req)
+    ids, parse_calls, forced = _chat_prompt(state, req)
     assert tokenizer.decode(ids, skip_special_tokens=False) == "user:ab/|assistant:c/think|"
-    assert parse_calls is False
+    assert parse_calls is False and forced == ""
 
 
 def test_sampling_defaults_follow_generation_config(tmp_path):

@@ -22,7 +22,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 from pydantic import ValidationError
 from starlette.applications import Starlette
@@ -38,7 +38,7 @@ from engine.chat.render import (
     read_template,
     render_chat,
 )
-from engine.chat.tool_calls import StreamingReplyParser, parse_reply
+from engine.chat.tool_calls import CALL_OPEN, StreamingReplyParser, parse_reply
 from engine.errors import ContextLengthError, GenerationError
 from engine.server.metrics import Metrics
 from engine.server.queue import GenerationQueue, GenerationRequest, GenerationResult, Job
@@ -353,7 +353,18 @@ def _usage(result: GenerationResult) -> dict[str, int]:
     ).model_dump()
 
 
-def _chat_prompt(state: ServerState, req: ChatCompletionRequest) -> tuple[list[int], bool]:
+class ChatPrompt(NamedTuple):
+    """The prompt's token ids; whether tool calls are parsed out of the reply; and the text the
+    prompt was made to end with so the reply starts inside a call (`tool_choice` "required" or
+    a named function: the model continues after `<|tool_call>`), which the reply parser is fed
+    first."""
+
+    ids: list[int]
+    parse_calls: bool
+    forced: str
+
+
+def _chat_prompt(state: ServerState, req: ChatCompletionRequest) -> ChatPrompt:
     for i, m in enumerate(req.messages):
         if isinstance(m.content, list):
             for part in m.content:
@@ -367,6 +378,10 @@ def _chat_prompt(state: ServerState, req: ChatCompletionRequest) -> tuple[list[i
     choice = req.tool_choice
     if choice == "none":
         tools = []
+    elif choice == "required" and not tools:
+        raise ApiError(
+            400, "tool_choice 'required' needs a non-empty tools list.", param="tool_choice"
+        )
     elif isinstance(choice, NamedToolChoice):
         tools = [t for t in tools if t["function"]["name"] == choice.function.name]
         if not tools:
@@ -389,14 +404,15 @@ def _chat_prompt(state: ServerState, req: ChatCompletionRequest) -> tuple[list[i
         )
     except ChatTemplateError as exc:
         raise ApiError(400, str(exc), param="messages") from None
-    return encode_prompt(state.tokenizer, text), bool(tools)
+    forced = CALL_OPEN if choice == "required" or isinstance(choice, NamedToolChoice) else ""
+    return ChatPrompt(encode_prompt(state.tokenizer, text + forced), bool(tools), forced)
 
 
 async def chat_completions(request: Request) -> Response:
     state: ServerState = request.app.state.server
     req = await _parse_body(request, ChatCompletionRequest)
     state.check_model(req.model)
-    prompt_ids, parse_calls = _chat_prompt(state, req)
+    prompt_ids, parse_calls, forced = _chat_prompt(state, req)
     asked = req.max_completion_tokens or req.max_tokens
     max_new = _max_new_tokens(state, len(prompt_ids), asked, "messages")
     job = state.queue.submit(
@@ -412,7 +428,7 @@ async def chat_completions(request: Request) -> Response:
     completion_id, created = _id("chatcmpl"), int(time.time())
     if not req.stream:
         result = await _run_to_end(request, state, job)
-        reply = parse_reply(result.text, parse_calls=parse_calls)
+        reply = parse_reply(forced + result.text, parse_calls=parse_calls)
         calls = [ToolCallOut(**c.to_openai()) for c in reply.tool_calls] or None
         finish = "tool_calls" if calls and result.finish_reason == "stop" else result.finish_reason
         body = ChatCompletion(
@@ -449,6 +465,7 @@ async def chat_completions(request: Request) -> Response:
 
     async def payloads() -> AsyncIterator[dict[str, Any]]:
         parser = StreamingReplyParser(parse_calls=parse_calls)
+        parser.feed(forced)  # opens the call; it emits nothing until the call is complete
         n_calls = 0
         yield chunk({"role": "assistant", "content": ""})
 
