@@ -111,7 +111,13 @@ class CheckpointReader:
                 "the checkpoint does not match its config.json; rebuild or re-download it",
             )
         file, key = self._where[name]
-        t = self._open(file).get_tensor(key)
+        try:
+            t = self._open(file).get_tensor(key)
+        except Exception as exc:  # safetensors' own error types: a key the index misplaces
+            raise CheckpointError(
+                f"{file.name} has no readable tensor {key!r}: {exc}",
+                "the checkpoint's index and shards disagree; re-download or rebuild it",
+            ) from exc
         return t.to(device) if str(device) != "cpu" else t
 
     def linear(self, name: str, device: torch.device | str = "cpu", group_size: int = 32) -> Linear:

@@ -176,6 +176,15 @@ def test_sharded_multimodal_prefix_loads_the_same(tiny, tmp_path):
     b = engine.load(mm, device="cpu", max_context=128).generate(prompt, 20, stop_ids=[])
     assert a == b
 
+    index_path = mm / INDEX_NAME
+    misplaced = json.loads(index_path.read_text())
+    key = "model.language_model.norm.weight"
+    misplaced["weight_map"][key] = next(s for s in shards if s != index["weight_map"][key])
+    index_path.write_text(json.dumps(misplaced))
+    with pytest.raises(CheckpointError, match="norm.weight"):  # the index points elsewhere
+        engine.load(mm, device="cpu", max_context=128)
+    index_path.write_text(json.dumps(index))
+
     (mm / shards[1]).unlink()
     with pytest.raises(CheckpointError, match=shards[1]):
         engine.load(mm, device="cpu", max_context=128)
