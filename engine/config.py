@@ -142,9 +142,12 @@ def read_config_json(model_dir: Path) -> dict[str, Any]:
             "`gpurig engine make-checkpoint`)",
         )
     try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
+        raw = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise CheckpointError(f"{path} is not valid JSON: {exc}", "restore the file") from exc
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{path} is not a JSON object", "restore the file")
+    return raw
 
 
 def load_config(model_dir: Path) -> TextConfig:
@@ -169,8 +172,8 @@ def _generation_eos(model_dir: Path) -> tuple[int, ...]:
         return ()
     try:
         eos = json.loads(path.read_text()).get("eos_token_id")
-    except json.JSONDecodeError as exc:
-        raise CheckpointError(f"{path} is not valid JSON: {exc}", "restore the file") from exc
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as exc:
+        raise CheckpointError(f"{path} is not a JSON object: {exc}", "restore the file") from exc
     return _as_ids(eos)
 
 

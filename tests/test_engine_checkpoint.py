@@ -204,6 +204,9 @@ def test_refuses_other_model_types(tiny, tmp_path):
 def test_refuses_missing_files(tiny, tmp_path):
     with pytest.raises(CheckpointError, match="config.json"):
         engine.load(tmp_path, device="cpu")
+    (tmp_path / "config.json").write_text("[1, 2]")  # JSON, but not a config
+    with pytest.raises(CheckpointError, match="not a JSON object"):
+        engine.load(tmp_path, device="cpu")
     partial = tmp_path / "partial"
     shutil.copytree(tiny, partial)
     (partial / "model.safetensors").unlink()
