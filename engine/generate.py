@@ -8,6 +8,7 @@ streaming and the stop check need anyway.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -22,14 +23,24 @@ DEFAULT_PREFILL_CHUNK = 256
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to pick each token. temperature 0 (or None) means greedy."""
+    """How to pick each token. temperature 0 (or None) means greedy. logit_bias: (token id,
+    bias) pairs added to the logits before anything else (OpenAI's logit_bias; greedy too)."""
 
     temperature: float = 0.0
     top_k: int | None = None
     top_p: float | None = None
     seed: int | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
-    def validate(self) -> None:
+    def validate(self, vocab_size: int | None = None) -> None:
+        for token, bias in self.logit_bias:
+            if vocab_size is not None and not 0 <= token < vocab_size:
+                raise GenerationError(
+                    f"logit_bias names token {token}, outside the vocabulary [0, {vocab_size})",
+                    "bias token ids of this checkpoint's tokenizer",
+                )
+            if not math.isfinite(bias):
+                raise GenerationError(f"logit_bias of token {token} is {bias}", "use a finite bias")
         if self.temperature is not None and self.temperature < 0:
             raise GenerationError(
                 f"temperature {self.temperature} is negative", "use 0 (greedy) or more"
@@ -54,6 +65,11 @@ class Sampler:
     def __init__(self, params: SamplingParams, device: torch.device) -> None:
         params.validate()
         self.params = params
+        self.bias_ids = self.bias_values = None
+        if params.logit_bias:
+            ids, values = zip(*params.logit_bias, strict=True)
+            self.bias_ids = torch.tensor(ids, dtype=torch.int64, device=device)
+            self.bias_values = torch.tensor(values, dtype=torch.float32, device=device)
         self.generator: torch.Generator | None = None
         if not params.greedy:
             self.generator = torch.Generator(device=device)
@@ -65,6 +81,8 @@ class Sampler:
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
         """logits [V] -> the chosen id as a 1-element int64 tensor on the same device."""
         logits = logits.float()
+        if self.bias_ids is not None:
+            logits = logits.index_add(0, self.bias_ids, self.bias_values)
         p = self.params
         if p.greedy:
             return logits.argmax(dim=-1, keepdim=True)

@@ -68,15 +68,21 @@ class Engine:
         top_p: float | None = None,
         seed: int | None = None,
         stop_ids: list[int] | None = None,
+        logit_bias: dict[int, float] | None = None,
     ) -> Iterator[int]:
         """Yield new token ids as they are made. stop_ids None means the checkpoint's eos ids
         (generation_config.json); pass [] to stop only at max_new_tokens. The stop id that ends
-        the generation is not yielded. Bad arguments raise before the first token."""
+        the generation is not yielded. logit_bias {token id: bias} is added to the logits
+        before sampling (greedy too). Bad arguments raise before the first token."""
         stops = set(self.eos_ids if stop_ids is None else stop_ids)
         sampling = SamplingParams(
-            temperature=temperature or 0.0, top_k=top_k, top_p=top_p, seed=seed
+            temperature=temperature or 0.0,
+            top_k=top_k,
+            top_p=top_p,
+            seed=seed,
+            logit_bias=tuple((int(t), float(b)) for t, b in (logit_bias or {}).items()),
         )
-        sampling.validate()
+        sampling.validate(self.config.vocab_size)
         check_prompt(list(token_ids), self.config.vocab_size, self.max_context)
         if max_new_tokens < 0:
             raise GenerationError(f"max_new_tokens {max_new_tokens} is negative", "use 0 or more")
@@ -118,10 +124,13 @@ class Engine:
         top_p: float | None = None,
         seed: int | None = None,
         stop_ids: list[int] | None = None,
+        logit_bias: dict[int, float] | None = None,
     ) -> list[int]:
         """The new token ids (the ending stop id excluded); see `last_finish_reason`."""
         return list(
-            self.stream(token_ids, max_new_tokens, temperature, top_k, top_p, seed, stop_ids)
+            self.stream(
+                token_ids, max_new_tokens, temperature, top_k, top_p, seed, stop_ids, logit_bias
+            )
         )
 
     def memory_report(self) -> MemoryReport:

@@ -111,6 +111,17 @@ def test_bad_requests(eng):
         eng.generate([2, 10_000], 4)
     with pytest.raises(GenerationError, match="negative"):  # at the call, before any token
         eng.stream(PROMPT, -1)
+    with pytest.raises(GenerationError, match="logit_bias"):
+        eng.stream(PROMPT, 4, logit_bias={10_000: 1.0})
+
+
+def test_logit_bias_moves_greedy_and_sampled_choices(eng):
+    free = eng.generate(PROMPT, 6, stop_ids=[])
+    assert eng.generate(PROMPT, 6, stop_ids=[], logit_bias={77: 100.0}) == [77] * 6
+    banned = eng.generate(PROMPT, 6, stop_ids=[], logit_bias={free[0]: -100.0})
+    assert banned[0] != free[0] and free[0] not in banned
+    sampled = eng.generate(PROMPT, 6, temperature=1.0, seed=3, logit_bias={77: 100.0})
+    assert sampled == [77] * 6
 
 
 def test_cache_ring_and_memory(ckpt):

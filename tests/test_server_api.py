@@ -264,9 +264,9 @@ def test_error_shapes(client, server):
     assert r.status_code == 422 and _error(r)["param"] == "max_tokens"
     with pytest.raises(openai.BadRequestError) as exc:  # refused, not silently ignored
         client.chat.completions.create(
-            model=MODEL, messages=ok["messages"], max_tokens=1, logit_bias={"5": 100}
+            model=MODEL, messages=ok["messages"], max_tokens=1, presence_penalty=0.5
         )
-    assert exc.value.body["param"] == "logit_bias"
+    assert exc.value.body["param"] == "presence_penalty"
     assert exc.value.body["code"] == "unsupported_parameter"
 
     r = httpx.get(server.base + "/v1/nothing")
@@ -278,6 +278,26 @@ def test_error_shapes(client, server):
     assert httpx.get(server.base + "/health").json()["status"] == "ok"
     resp = client.chat.completions.create(model=MODEL, messages=ok["messages"], max_tokens=2)
     assert resp.usage.completion_tokens >= 1
+
+
+def test_logit_bias_steers_the_tokens(client, reference):
+    ids = [2, 105, 40, 41]
+    resp = client.completions.create(
+        model=MODEL,
+        prompt=ids,
+        max_tokens=4,
+        logit_bias={"77": 100},
+        extra_body={"ignore_eos": True},
+    )
+    expected = reference.generate(ids, 4, stop_ids=[], logit_bias={77: 100.0})
+    assert expected == [77] * 4
+    assert resp.choices[0].text == reference.tokenizer.decode(expected, skip_special_tokens=True)
+    for bad in ({"x": 1}, {"99999": 1}):
+        with pytest.raises(openai.BadRequestError) as exc:
+            client.completions.create(model=MODEL, prompt=ids, max_tokens=1, logit_bias=bad)
+        assert exc.value.body["param"] == "logit_bias"
+    with pytest.raises(openai.UnprocessableEntityError):  # OpenAI's range is [-100, 100]
+        client.completions.create(model=MODEL, prompt=ids, max_tokens=1, logit_bias={"7": 101})
 
 
 def test_concurrent_clients_each_get_their_own_answer(server, reference):

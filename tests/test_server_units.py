@@ -111,7 +111,6 @@ def test_fields_the_server_cannot_honour_are_named_unless_neutral():
     }
     assert ChatCompletionRequest.model_validate({**base, **neutral}).unsupported_field() is None
     for field, value in (
-        ("logit_bias", {"5": 100}),
         ("logprobs", True),
         ("top_logprobs", 2),
         ("presence_penalty", 0.5),

@@ -226,11 +226,16 @@ def _max_new_tokens(state: ServerState, prompt_len: int, asked: int | None, para
 def _sampling(state: ServerState, req: Any) -> dict[str, Any]:
     d = state.defaults
     temperature = req.temperature if req.temperature is not None else d.get("temperature", 0.0)
+    try:
+        logit_bias = req.logit_bias_ids(state.vocab_size)
+    except ValueError as exc:
+        raise ApiError(400, str(exc), param="logit_bias") from None
     return {
         "temperature": float(temperature),
         "top_p": req.top_p if req.top_p is not None else d.get("top_p"),
         "top_k": req.top_k if req.top_k is not None else d.get("top_k"),
         "seed": req.seed,
+        "logit_bias": logit_bias,
     }
 
 

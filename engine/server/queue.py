@@ -39,6 +39,7 @@ class GenerationRequest:
     stop_ids: list[int] = field(default_factory=list)
     stop_strings: list[str] = field(default_factory=list)
     skip_special_tokens: bool = False
+    logit_bias: dict[int, float] | None = None
 
 
 @dataclass
@@ -177,6 +178,7 @@ class GenerationQueue:
             top_p=req.top_p,
             seed=req.seed,
             stop_ids=req.stop_ids,
+            logit_bias=req.logit_bias,
         )
         try:
             for token in stream:

@@ -23,7 +23,6 @@ class _Request(BaseModel):
 # OpenAI fields this server cannot honour, with the value that means "not used": a request that
 # sets one to anything else is refused (400) rather than silently answered without it.
 UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
-    "logit_bias": (None, {}),
     "logprobs": (None, False, 0),
     "top_logprobs": (None, 0),
     "presence_penalty": (None, 0, 0.0),
@@ -118,6 +117,20 @@ class _SamplingFields(_Request):
     stream_options: StreamOptions | None = None
     n: StrictInt | None = Field(None, ge=1, le=1, description="one choice per request")
     ignore_eos: StrictBool = False
+    # OpenAI's {"token id": bias in [-100, 100]}; the ids are checked against the vocabulary
+    logit_bias: dict[str, Annotated[StrictFloat, Field(ge=-100.0, le=100.0)]] | None = None
+
+    def logit_bias_ids(self, vocab_size: int) -> dict[int, float] | None:
+        """logit_bias with int keys; ValueError naming a key that is no token id."""
+        if not self.logit_bias:
+            return None
+        out = {}
+        for key, bias in self.logit_bias.items():
+            token = int(key) if key.strip().lstrip("-").isdigit() else None
+            if token is None or not 0 <= token < vocab_size:
+                raise ValueError(f"logit_bias key {key!r} is not a token id in [0, {vocab_size})")
+            out[token] = bias
+        return out
 
     def unsupported_field(self) -> str | None:
         """The first field set to a value this server cannot honour (see UNSUPPORTED_FIELDS)."""
