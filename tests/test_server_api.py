@@ -69,6 +69,9 @@ def test_models_and_health(client, server):
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL]
     assert models.data[0].model_extra["max_model_len"] == 4096  # the tiny preset's limit
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("other-model")
     health = httpx.get(server.base + "/health").json()
     assert health["status"] == "ok" and health["model"] == MODEL and health["max_context"] == 4096
 

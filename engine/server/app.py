@@ -597,10 +597,20 @@ async def completions(request: Request) -> Response:
     return SSEResponse(job, payloads())
 
 
+def _card(state: ServerState) -> ModelCard:
+    return ModelCard(id=state.model_name, created=state.created, max_model_len=state.max_context)
+
+
 async def list_models(request: Request) -> Response:
     state: ServerState = request.app.state.server
-    card = ModelCard(id=state.model_name, created=state.created, max_model_len=state.max_context)
-    return JSONResponse(ModelList(data=[card]).model_dump())
+    return JSONResponse(ModelList(data=[_card(state)]).model_dump())
+
+
+async def retrieve_model(request: Request) -> Response:
+    """GET /v1/models/{id} (the openai client's models.retrieve): the card, or a 404."""
+    state: ServerState = request.app.state.server
+    state.check_model(request.path_params["model_id"] or "?")
+    return JSONResponse(_card(state).model_dump())
 
 
 async def health(request: Request) -> Response:
@@ -632,6 +642,7 @@ ROUTES = [
     Route("/v1/chat/completions", chat_completions, methods=["POST"]),
     Route("/v1/completions", completions, methods=["POST"]),
     Route("/v1/models", list_models, methods=["GET"]),
+    Route("/v1/models/{model_id:path}", retrieve_model, methods=["GET"]),
     Route("/health", health, methods=["GET"]),
     Route("/metrics", metrics, methods=["GET"]),
 ]
@@ -648,7 +659,7 @@ async def _http_error(_request: Request, exc: Exception) -> Response:
     code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
     message = (
         "No such endpoint. This server has POST /v1/chat/completions, POST /v1/completions, "
-        "GET /v1/models, GET /health and GET /metrics."
+        "GET /v1/models[/ID], GET /health and GET /metrics."
         if exc.status_code == 404
         else str(exc.detail)
     )
@@ -673,6 +684,8 @@ class _CountRequests:
             return
         path = scope.get("path", "")
         endpoint = path if path in KNOWN_PATHS else "other"
+        if path.startswith("/v1/models/"):  # one label for every id (bounded label values)
+            endpoint = "/v1/models/{id}"
         status = {"code": 500}
 
         async def send_wrapper(message: dict) -> None:
