@@ -56,6 +56,9 @@ def _check_port(host: str, port: int) -> None:
     if not 0 < port < 65536:
         raise InvalidInputError(f"port {port} is out of range", "use a port between 1 and 65535")
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        # as uvicorn binds: connections of a server just stopped (TIME_WAIT) do not count,
+        # a socket listening on the port does
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
         except OSError as exc:

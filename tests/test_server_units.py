@@ -169,6 +169,21 @@ def test_cli_module_is_light_and_refuses_bad_input(run_gpurig, tmp_path):
     bad_ctx = run_gpurig("engine", "serve", "--model", str(tmp_path), "--max-ctx", "0")
     assert bad_ctx.returncode == 2 and "--max-ctx" in bad_ctx.stderr
 
+    # a port whose last server just stopped (its connections in TIME_WAIT) is free again, as
+    # uvicorn sees it: the run gets past the port check (and stops at the missing config.json)
+    with socket.socket() as srv:
+        srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        srv.bind(("127.0.0.1", 0))
+        srv.listen()
+        port = srv.getsockname()[1]
+        client = socket.create_connection(("127.0.0.1", port))
+        conn, _ = srv.accept()
+        conn.close()  # the server side closes first: its end waits in TIME_WAIT
+        client.close()
+    recent = run_gpurig("engine", "serve", "--model", str(tmp_path), "--port", str(port))
+    assert recent.returncode == 2 and "cannot listen" not in recent.stderr
+    assert "config.json" in recent.stderr
+
 
 def test_the_checkpoint_template_decides_about_earlier_reasoning(tokenizer):
     """The chat prompt is what the checkpoint's template makes of the messages as sent:
