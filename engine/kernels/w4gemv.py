@@ -324,16 +324,7 @@ def w4_gemv(
 
     `out` (optional) receives the result; its dtype may differ from x's (e.g. fp32 logits).
     """
-    k = x.shape[-1]
-    n = packed.shape[0]
-    if packed.shape[1] * 8 != k or scales.shape != (n, k // 32) or k % 32:
-        raise ValueError(
-            f"w4_gemv: x has K={k}, packed {tuple(packed.shape)}, scales {tuple(scales.shape)}; "
-            "expected packed [N, K/8] and scales [N, K/32] with K a multiple of 32"
-        )
-    x2 = x.reshape(-1, k)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
+    x2, n, k = _prepare(x, packed, scales)
     m = x2.shape[0]
     y = out.view(m, n) if out is not None else torch.empty(m, n, device=x.device, dtype=x.dtype)
     cfg = config or config_for(n, k, x.dtype, m, x.device)
