@@ -3,11 +3,16 @@
 Gemma 4 E2B has 8 query heads and a single KV head, so each cached key and value is read once
 for all 8 heads (a GEMV-like pass over the cache, bound by read bandwidth). The cache is cut into
 slices, one program per slice, spread across the GPU; each program keeps an online softmax
-(running max m, running sum l, unnormalised output) and a second small kernel combines the
-slices. Both kernels read the current position from a device tensor: nothing depends on a
-Python integer, so the launch can live inside a CUDA graph replayed for every token. The
-number of programs is fixed at capture; how many cache slots each covers follows the live
-length, so a short context costs little even in a graph sized for 131,072 tokens.
+(running max m, running sum l, unnormalised output o) and writes them for its slice. A second
+small kernel combines the slices, one program per (head, 32 columns of head_dim): it loads the
+maxima and sums of all slices as one vector, takes the global max and the weights
+w_i = exp(m_i - max), then loads the partial outputs as [slices x columns] blocks (up to 256
+slices at a time) and sums w_i o_i over the slices axis, divided by sum_i w_i l_i; no
+per-slice loop of dependent loads (up to 264 slices on an H200, two per SM). Both kernels read
+the current position from a device tensor: nothing depends on a Python integer, so the launch
+can live inside a CUDA graph replayed for every token. The number of programs is fixed at
+capture; how many cache slots each covers follows the live length, so a short context costs
+little even in a graph sized for 131,072 tokens.
 
 Two cache shapes:
 * full: slot s holds position s; slots 0..pos are valid (minus a window, if one is given);
@@ -26,6 +31,16 @@ import functools
 import torch
 import triton
 import triton.language as tl
+
+from engine.kernels.pdl import launch_options, pdl_enter, pdl_on, prefetch_l2, prefetch_on
+
+# The combine: BLOCK_D head_dim columns per program (8 heads x 256 / 32 = 64 programs) and at
+# most COMBINE_TILE fp32 partial outputs in registers at a time (64 a thread at 4 warps), so up
+# to 256 slices go in one block. Measured on an H200 (8 heads, D 256, 264 slices, CUDA graph):
+# 2.8 us a call against 35 us for the former one-slice-at-a-time loop; BLOCK_D 64 with 64-slice
+# blocks took 6 us (each dependent block adds its load latency).
+COMBINE_BLOCK_D = 32
+COMBINE_TILE = 8192
 
 
 @triton.jit
@@ -46,15 +61,23 @@ def _attn_split_kernel(
     S, window, scale, stride_qh, stride_ks, stride_vs,
     H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr,
     RING: tl.constexpr, USE_DOT: tl.constexpr, HAS_KPOS: tl.constexpr,
+    PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False,
 ):  # fmt: skip
     IEEE: tl.constexpr = k_ptr.dtype.element_ty == tl.float32
     pid = tl.program_id(0)
     P = tl.num_programs(0)
-    pos = tl.load(pos_ptr).to(tl.int32)
+    pos = tl.load(pos_ptr).to(tl.int32)  # filled by the host before the step: safe before the wait
     lo, hi = _span(pos, S, window, RING)
     chunk = tl.cdiv(tl.cdiv(hi - lo, P), BLOCK_S) * BLOCK_S
     start = lo + pid * chunk
     end = tl.minimum(start + chunk, hi)
+    if PREFETCH:  # noqa: SIM102 - a constexpr branch around a run-time one
+        if end > start:  # the first rows of this slice into L2 while the previous kernel runs
+            EB: tl.constexpr = k_ptr.dtype.element_ty.primitive_bitwidth // 8
+            rows = tl.minimum(end - start, 4 * BLOCK_S)
+            prefetch_l2(k_ptr + start.to(tl.int64) * stride_ks, rows * stride_ks * EB, True)
+            prefetch_l2(v_ptr + start.to(tl.int64) * stride_vs, rows * stride_vs * EB, True)
+    pdl_enter(PDL)
 
     rh = tl.arange(0, HP)
     rd = tl.arange(0, D)
@@ -109,29 +132,50 @@ def _attn_split_kernel(
 def _attn_combine_kernel(
     po_ptr, pm_ptr, pl_ptr, pos_ptr, o_ptr, S, window, P, stride_oh,
     H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-    RING: tl.constexpr,
+    BLOCK_P: tl.constexpr, CHUNK_P: tl.constexpr, RING: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
+    """One program per (head, BLOCK_D columns): out = sum_i w_i o_i / sum_i w_i l_i, with
+    w_i = exp(m_i - max_j m_j) over the `used` slices that got work (fp32 throughout).
+
+    The maxima and sums of all slices come in one vector load of BLOCK_P (>= P) lanes; the
+    partial outputs in blocks of CHUNK_P slices x BLOCK_D columns, weighted and summed over
+    the slices axis. No dependent scalar load per slice: a handful of wide loads in all.
+    """
+    pdl_enter(PDL)
     h = tl.program_id(0)
     pid_d = tl.program_id(1)
     pos = tl.load(pos_ptr).to(tl.int32)
     lo, hi = _span(pos, S, window, RING)
     chunk = tl.cdiv(tl.cdiv(hi - lo, P), BLOCK_S) * BLOCK_S
     used = tl.cdiv(hi - lo, chunk)
+    # every slice's max and sum at once; slices past `used` (no work this step) are -inf / 0
+    rp = tl.arange(0, BLOCK_P)
+    p_mask = rp < used
+    m_all = tl.load(pm_ptr + rp * H + h, mask=p_mask, other=float("-inf"))
+    l_all = tl.load(pl_ptr + rp * H + h, mask=p_mask, other=0.0)
+    m_max = tl.max(m_all, axis=0)
+    m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)  # no visible key at all: weights 0
+    w_all = tl.where(m_all == float("-inf"), 0.0, tl.exp(m_all - m_safe))
+    l_tot = tl.sum(w_all * l_all, axis=0)
+    # the weighted sum of the partial outputs: [slices, BLOCK_D] blocks summed over the slices
+    # axis, at most CHUNK_P x BLOCK_D fp32 in registers at a time
     rd = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
-    m_tot = tl.full([1], float("-inf"), dtype=tl.float32)
-    l_tot = tl.zeros([1], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-    for i in range(0, used):
-        mi = tl.load(pm_ptr + i * H + h + tl.zeros([1], dtype=tl.int32))
-        li = tl.load(pl_ptr + i * H + h + tl.zeros([1], dtype=tl.int32))
-        oi = tl.load(po_ptr + (i * H + h) * D + rd)
-        m_new = tl.maximum(m_tot, mi)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        a_old = tl.exp(m_tot - m_safe)
-        a_new = tl.exp(mi - m_safe)
-        l_tot = l_tot * a_old + li * a_new
-        acc = acc * a_old + oi * a_new
-        m_tot = m_new
+    if CHUNK_P >= BLOCK_P:  # every slice in one block: reuse the weights above
+        o_all = tl.load(po_ptr + (rp[:, None] * H + h) * D + rd[None, :], mask=p_mask[:, None],
+                        other=0.0)  # fmt: skip
+        acc = tl.sum(w_all[:, None] * o_all, axis=0)
+    else:  # CHUNK_P slices a step, each step's weights recomputed from its maxima
+        rc = tl.arange(0, CHUNK_P)
+        acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+        for p0 in range(0, used, CHUNK_P):
+            ri = p0 + rc
+            c_mask = ri < used
+            m_c = tl.load(pm_ptr + ri * H + h, mask=c_mask, other=float("-inf"))
+            w_c = tl.where(m_c == float("-inf"), 0.0, tl.exp(m_c - m_safe))
+            o_c = tl.load(po_ptr + (ri[:, None] * H + h) * D + rd[None, :],
+                          mask=c_mask[:, None], other=0.0)  # fmt: skip
+            acc += tl.sum(w_c[:, None] * o_c, axis=0)
     out = acc / tl.where(l_tot > 0, l_tot, 1.0)
     tl.store(o_ptr + h * stride_oh + rd, out.to(o_ptr.dtype.element_ty))
 
@@ -214,6 +258,7 @@ class DecodeAttention:
             out = torch.empty(h, d, device=q.device, dtype=q.dtype)
         o2 = out.view(h, d)
         num_warps = 4 if self.use_dot else 8
+        pdl = pdl_on(q2)
         _attn_split_kernel[(self.splits,)](
             q2, k_cache, v_cache, pos, slot_pos if slot_pos is not None else pos,
             self.partial_o, self.partial_m, self.partial_l,
@@ -221,13 +266,16 @@ class DecodeAttention:
             v_cache.stride(0),
             H=h, HP=self.heads_padded, D=d, BLOCK_S=self.block_s, RING=self.ring,
             USE_DOT=self.use_dot, HAS_KPOS=slot_pos is not None, num_warps=num_warps,
-            num_stages=2,
+            num_stages=2, PDL=pdl, PREFETCH=prefetch_on(q2), **launch_options(pdl),
         )  # fmt: skip
-        block_d = min(d, 64)
+        block_d = min(d, COMBINE_BLOCK_D)
+        block_p = triton.next_power_of_2(self.splits)
         _attn_combine_kernel[(h, d // block_d)](
             self.partial_o, self.partial_m, self.partial_l, pos, o2, self.slots, self.window,
             self.splits, o2.stride(0),
-            H=h, D=d, BLOCK_D=block_d, BLOCK_S=self.block_s, RING=self.ring, num_warps=2,
+            H=h, D=d, BLOCK_D=block_d, BLOCK_S=self.block_s, BLOCK_P=block_p,
+            CHUNK_P=min(block_p, COMBINE_TILE // block_d), RING=self.ring, num_warps=4,
+            PDL=pdl, **launch_options(pdl),
         )  # fmt: skip
         return out.view(q.shape)
 

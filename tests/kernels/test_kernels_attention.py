@@ -7,6 +7,7 @@ import random
 import pytest
 import torch
 
+from engine.kernels import attention_decode
 from engine.kernels.attention_decode import DecodeAttention, decode_attention_reference
 
 CASES = [
@@ -43,6 +44,71 @@ def test_decode_attention_matches_reference(device, ring, slots, window, dim, us
         assert not torch.isnan(got).any(), pos
         err = ((got.double() - want).norm() / want.norm()).item()
         assert err < TOL[dtype], (pos, err)
+
+
+MANY_SPLITS = [
+    # ring, slots, window, head_dim, splits, use_dot, block_s, dtype, combine tile, positions
+    # 37 splits (not a power of two), all used at the end; few used at a short position
+    (False, 290, 0, 64, 37, False, 4, torch.float32, None, [0, 3, 20, 150, 289]),
+    # 150 splits in one [256 x 32] block; head_dim 128: four programs a head
+    (False, 600, 0, 128, 150, False, 4, torch.float32, None, [0, 30, 333, 599]),
+    # a smaller tile: 150 partial outputs in three blocks of 64 slices (more than 256 splits
+    # do that with the default tile), 30 in one
+    (False, 600, 0, 128, 150, False, 4, torch.float32, 2048, [0, 30, 120, 599]),
+    (False, 600, 0, 32, 150, True, 16, torch.float16, None, [1, 100, 599]),
+    (True, 296, 200, 32, 37, False, 4, torch.float16, None, [5, 200, 295, 700, 887]),
+    (True, 296, 200, 32, 37, False, 4, torch.float16, 256, [5, 200, 295, 700, 887]),
+]
+
+
+@pytest.mark.parametrize(
+    ("ring", "slots", "window", "dim", "splits", "use_dot", "block_s", "dtype", "tile",
+     "positions"),
+    MANY_SPLITS,
+)  # fmt: skip
+def test_combine_of_many_splits(
+    device, monkeypatch, ring, slots, window, dim, splits, use_dot, block_s, dtype, tile, positions
+):
+    if tile is not None:
+        monkeypatch.setattr(attention_decode, "COMBINE_TILE", tile)
+    att = DecodeAttention(8, dim, slots, device, ring=ring, window=window, scale=0.8,
+                          splits=splits, use_dot=use_dot, block_s=block_s)  # fmt: skip
+    k = torch.randn(slots, dim, device=device).to(dtype)
+    v = torch.randn(slots, dim, device=device).to(dtype)
+    for pos in positions:
+        q = (2 * torch.randn(8, dim, device=device)).to(dtype)  # spread maxima across slices
+        out = torch.full((8, dim), float("nan"), device=device, dtype=dtype)
+        got = att(q, k, v, torch.tensor([pos], dtype=torch.int32, device=device), out=out)
+        want = decode_attention_reference(q.double(), k.double(), v.double(), pos, ring=ring,
+                                          window=window, scale=0.8)  # fmt: skip
+        assert not torch.isnan(got).any(), pos
+        err = ((got.double() - want).norm() / want.norm()).item()
+        assert err < TOL[dtype], (pos, err)
+
+
+def test_combine_skips_slices_without_visible_keys(device) -> None:
+    # slot_pos marks whole slices empty (-1): their partial max is -inf, their weight 0
+    slots, dim, splits = 96, 32, 12
+    att = DecodeAttention(8, dim, slots, device, ring=False, splits=splits, use_dot=False,
+                          block_s=4)  # fmt: skip
+    k = torch.randn(slots, dim, device=device)
+    v = torch.randn(slots, dim, device=device)
+    q = torch.randn(8, dim, device=device)
+    pos = torch.tensor([slots - 1], dtype=torch.int32, device=device)
+    slot_pos = torch.arange(slots, dtype=torch.int32, device=device)
+    keep = torch.zeros(slots, dtype=torch.bool, device=device)
+    keep[8:16] = True  # one slice of 8 slots out of 12
+    keep[40:44] = True  # half of another
+    keep[95] = True
+    got = att(q, k, v, pos, slot_pos=torch.where(keep, slot_pos, -1))
+    n = int(keep.sum())
+    want = decode_attention_reference(q.double(), k[keep].double(), v[keep].double(), n - 1,
+                                      ring=False)  # fmt: skip
+    assert ((got.double() - want).norm() / want.norm()).item() < 1e-5
+    # no visible key at all: every partial is empty and the output is 0, not NaN
+    out = torch.full((8, dim), float("nan"), device=device)
+    got = att(q, k, v, pos, out=out, slot_pos=torch.full_like(slot_pos, -1))
+    assert torch.equal(got, torch.zeros_like(got))
 
 
 def test_cache_rows_may_be_strided(device) -> None:
