@@ -198,6 +198,18 @@ def section_gemv(read_bps: float, dtypes=("bfloat16",), peers=True) -> dict[str,
             us = tuning.time_graph_us(calls, repeats=7)
             row[f"ours_{dname}_us"] = us
             row[f"ours_{dname}_pct_bw"] = 100 * nbytes / (us * 1e-6) / read_bps
+            row[f"ours_{dname}_half2"] = w4gemv.use_h2(ours[0][2])
+            if row[f"ours_{dname}_half2"]:  # the exact fp32-unpack path beside it
+                os.environ[w4gemv.H2_ENV] = "0"
+                try:
+                    cfg_x = w4gemv.config_for(n, k, dtype, 1, torch.device("cuda"))
+                    calls = [lambda a=a, c=cfg_x: w4_gemv(a[2], a[0], a[1], out=a[3], config=c)
+                             for a in ours]  # fmt: skip
+                    us_x = tuning.time_graph_us(calls, repeats=7)
+                    row[f"ours_{dname}_exact_us"] = us_x
+                    row[f"ours_{dname}_exact_pct_bw"] = 100 * nbytes / (us_x * 1e-6) / read_bps
+                finally:
+                    os.environ.pop(w4gemv.H2_ENV, None)
             del ours
         if peers:
             # ---- cuBLAS fp16 on the dequantised matrix (2 bytes per weight)
@@ -387,12 +399,13 @@ def _summary(results: dict[str, Any]) -> str:
             table.append([
                 r["name"], f"{r['N']}x{r['K']}",
                 f"{r.get('ours_bfloat16_us', float('nan')):.2f} ({r.get('ours_bfloat16_pct_bw', 0):.0f}%)",
+                f"{r.get('ours_bfloat16_exact_us', float('nan')):.2f}",
                 f"{r.get('cublas_fp16_us', float('nan')):.2f}",
                 f"{r.get('tinygemm_bf16_us', float('nan')):.2f} ({r.get('tinygemm_bf16_pct_bw', 0):.0f}%)",
                 f"{r.get('gemlite_fp16_us', float('nan')):.2f} ({r.get('gemlite_fp16_pct_bw', 0):.0f}%)",
                 r.get("ours_faster_than_best_peer"),
             ])  # fmt: skip
-        lines.append(tabulate(table, headers=["shape", "NxK", "ours bf16 us", "cuBLAS fp16",
+        lines.append(tabulate(table, headers=["shape", "NxK", "ours bf16 us", "exact", "cuBLAS fp16",
                                               "tinygemm", "gemlite", "ours<best"]))  # fmt: skip
         lines.append(
             f"linears per token: {g['decode_linears_us_per_token']:.1f} us, "

@@ -11,6 +11,8 @@ CUDA-graph replayer on CUDA and the model's plain decode_step elsewhere.
 | GPURIG_CUDA_GRAPH     | "0" keeps the Triton kernels but decodes without a graph  | on      |
 | GPURIG_DECODE         | "fused" (fused kernels) or "reference" (the model's step) | fused   |
 | GPURIG_EPILOGUES      | "0": norm/residual/GELU as separate kernels, not in GEMVs | on      |
+| GPURIG_PDL            | "1": programmatic dependent launch (sm_90+ only)          | off     |
+| GPURIG_PREFETCH       | "1": L2 prefetch of weight slices first (sm_90+ only)     | off     |
 
 GPURIG_FAST=force runs the fast path on any device Triton runs on (the CPU interpreter, for
 tests).
@@ -54,7 +56,9 @@ def decoder_for(model, cache) -> Callable[[torch.Tensor, torch.Tensor], torch.Te
     # kept on the cache itself: the decoder (graph, static buffers) lives and dies with it
     per_model = cache.__dict__.setdefault("_gpurig_decoders", {})
     key = (id(model), os.environ.get("GPURIG_DECODE", "fused"), graphs_enabled(model.device),
-           fast_enabled(model.device), os.environ.get("GPURIG_EPILOGUES", "1"))  # fmt: skip
+           fast_enabled(model.device),
+           os.environ.get("GPURIG_EPILOGUES", "1"), os.environ.get("GPURIG_PDL", "0"),
+           os.environ.get("GPURIG_PREFETCH", "0"))  # fmt: skip
     dec = per_model.get(key)
     if dec is None:
         step = _step_fn(model, cache)

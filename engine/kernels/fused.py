@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels.pdl import launch_options, pdl_enter, pdl_on
+
 
 @triton.jit
 def _round(x, DT: tl.constexpr):
@@ -56,7 +58,9 @@ def _gelu_tanh(x):
 
 @triton.jit
 def _rmsnorm_rows_kernel(x_ptr, w_ptr, out_ptr, D, stride_x, stride_o, eps,
-                         HAS_W: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+                         HAS_W: tl.constexpr, BLOCK: tl.constexpr,
+                         PDL: tl.constexpr = False):  # fmt: skip
+    pdl_enter(PDL)
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     mask = offs < D
@@ -69,8 +73,10 @@ def _rmsnorm_rows_kernel(x_ptr, w_ptr, out_ptr, D, stride_x, stride_o, eps,
 def _residual_norm_kernel(
     h_ptr, y_ptr, w_post_ptr, scalar_ptr, w_next_ptr, h_out_ptr, x_out_ptr, D, eps,
     HAS_SCALAR: tl.constexpr, HAS_NEXT: tl.constexpr, BLOCK: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
     """h' = round(h + rms(y) * w_post) [* scalar]; x' = rms(h') * w_next (the next norm)."""
+    pdl_enter(PDL)
     DT: tl.constexpr = h_out_ptr.dtype.element_ty
     offs = tl.arange(0, BLOCK)
     mask = offs < D
@@ -85,8 +91,9 @@ def _residual_norm_kernel(
 
 
 @triton.jit
-def _gelu_mul_kernel(g_ptr, u_ptr, out_ptr, n, BLOCK: tl.constexpr):
+def _gelu_mul_kernel(g_ptr, u_ptr, out_ptr, n, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """round(round(gelu_tanh(g)) * u)."""
+    pdl_enter(PDL)
     DT: tl.constexpr = out_ptr.dtype.element_ty
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
@@ -100,10 +107,11 @@ def _qkv_rope_kernel(
     qkv_ptr, q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr, q_out_ptr,
     cache_k_ptr, cache_v_ptr, cache_pos_ptr, pos_ptr, slots, eps,
     HQ: tl.constexpr, D: tl.constexpr, OWN_KV: tl.constexpr, V_FROM_K: tl.constexpr,
-    RING: tl.constexpr,
+    RING: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
     """Per head: RMSNorm (q, k with weights; v without), RoPE on q and k (NeoX half split),
     and for own-KV layers the key/value written into the cache slot of this position."""
+    pdl_enter(PDL)
     DT: tl.constexpr = q_out_ptr.dtype.element_ty
     head = tl.program_id(0)
     offs = tl.arange(0, D)
@@ -151,8 +159,9 @@ def _qkv_rope_kernel(
 
 @triton.jit
 def _ple_mix_kernel(proj_ptr, tok_ptr, w_ptr, out_ptr, P, eps, c_proj, c_mix,
-                    BLOCK: tl.constexpr):  # fmt: skip
+                    BLOCK: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
     """Per layer l: round(round(rms(round(proj*c_proj)) * w + tok) * c_mix) (the PLE input)."""
+    pdl_enter(PDL)
     DT: tl.constexpr = out_ptr.dtype.element_ty
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
@@ -169,6 +178,12 @@ def _block(n: int) -> int:
     return triton.next_power_of_2(max(n, 16))
 
 
+def _pdl(t: torch.Tensor) -> dict:
+    """The PDL constexpr and launch option for a kernel working on t (see engine/kernels/pdl.py)."""
+    on = pdl_on(t)
+    return {"PDL": on, **launch_options(on)}
+
+
 def _warps(n: int) -> int:
     return 8 if n >= 4096 else 4 if n >= 1024 else 2 if n >= 256 else 1
 
@@ -181,7 +196,7 @@ def rmsnorm_rows(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
     out = torch.empty_like(x2) if out is None else out.view(-1, d)
     _rmsnorm_rows_kernel[(x2.shape[0],)](
         x2, weight if weight is not None else x2, out, d, x2.stride(0), out.stride(0), eps,
-        HAS_W=weight is not None, BLOCK=_block(d), num_warps=_warps(d),
+        HAS_W=weight is not None, BLOCK=_block(d), num_warps=_warps(d), **_pdl(x2),
     )  # fmt: skip
     return out.view(x.shape)
 
@@ -204,7 +219,7 @@ def residual_norm(
         h, y, w_post, scalar if scalar is not None else w_post,
         w_next if w_next is not None else w_post, h_out, x_out if x_out is not None else h_out,
         d, eps, HAS_SCALAR=scalar is not None, HAS_NEXT=w_next is not None,
-        BLOCK=_block(d), num_warps=_warps(d),
+        BLOCK=_block(d), num_warps=_warps(d), **_pdl(h),
     )  # fmt: skip
     return h_out, x_out
 
@@ -214,7 +229,7 @@ def gelu_mul(g: torch.Tensor, u: torch.Tensor, out: torch.Tensor | None = None) 
     n = g.numel()
     out = torch.empty_like(g) if out is None else out
     block = 1024
-    _gelu_mul_kernel[(triton.cdiv(n, block),)](g, u, out, n, BLOCK=block, num_warps=4)
+    _gelu_mul_kernel[(triton.cdiv(n, block),)](g, u, out, n, BLOCK=block, num_warps=4, **_pdl(g))
     return out
 
 
@@ -242,7 +257,7 @@ def qkv_rope(
         cache.k if own else q_out, cache.v if own else q_out, cache.pos if own else position,
         position, cache.slots if own else 1, eps,
         HQ=num_heads, D=head_dim, OWN_KV=own, V_FROM_K=v_from_k,
-        RING=bool(own and cache.window is not None), num_warps=_warps(head_dim),
+        RING=bool(own and cache.window is not None), num_warps=_warps(head_dim), **_pdl(qkv),
     )  # fmt: skip
     return q_out
 
@@ -261,6 +276,6 @@ def ple_mix(
     out = torch.empty(layers, width, device=proj.device, dtype=proj.dtype)
     _ple_mix_kernel[(layers,)](
         proj, tok, weight, out, width, eps, c_proj, c_mix, BLOCK=_block(width),
-        num_warps=_warps(width),
+        num_warps=_warps(width), **_pdl(proj),
     )  # fmt: skip
     return out

@@ -79,3 +79,24 @@ def test_decode_attention_at_e2b_shape(ring, slots, dim, positions, use_dot) -> 
                                           window=512 if ring else 0)  # fmt: skip
         err = ((got.double() - want).norm() / want.norm()).item()
         assert err < 3e-2, (pos, err)  # scores rounded to bf16, as the reference does
+
+
+@pytest.mark.parametrize("magnitude", [1e-6, 1.0, 3e4, 1e30])
+def test_w4_gemv_half2_path_keeps_any_bf16_activation_range(magnitude, monkeypatch) -> None:
+    """The half2 path scales each column's activations into fp16's range and back: bf16 inputs
+    far beyond fp16's 65504 (or far below its normal range) still give the exact path's result
+    to within the bf16 output rounding, and never inf/nan."""
+    n, k = 1536, 2048
+    packed = torch.randint(-(2**31), 2**31 - 1, (n, k // 8), dtype=torch.int32, device="cuda")
+    scales = (torch.rand(n, k // 32, device="cuda") * 0.02 + 0.002).to(torch.bfloat16)
+    x = (torch.randn(1, k, device="cuda") * magnitude).to(torch.bfloat16)
+    x[0, :7] *= 1e-3  # a few columns mix small and large values
+    monkeypatch.setenv("GPURIG_GEMV_H2", "0")
+    exact = w4_gemv(x, packed, scales)
+    monkeypatch.setenv("GPURIG_GEMV_H2", "1")
+    half2 = w4_gemv(x, packed, scales)
+    ref = x.double() @ dequantize_reference(packed, scales).double().T
+    assert torch.isfinite(half2).all()
+    for y in (exact, half2):
+        err = ((y.double() - ref).norm() / ref.norm()).item()
+        assert err < 8e-3, err

@@ -1,0 +1,218 @@
+"""Where a decode token's time goes: every kernel of one graph replay, timed by the profiler.
+
+    python3 -m bench.decode_profile --out $OUT/profile.json
+
+* profile   the e2b decode step replayed as its CUDA graph under torch.profiler (CUPTI records
+            the kernels inside graph launches): per kernel name, how many per token, total and
+            mean microseconds; the sum of kernel time against the replay's wall time (the rest
+            is gaps between dependent kernels). With and without PDL.
+* gemv_hot  each E2B GEMV shape timed with its weights resident in L2 (one copy, replayed) and
+            streamed from memory (rotated copies larger than the L2): what is left when the
+            bytes cost nothing is the kernel's own fixed cost.
+* prefetch  does `cp.async.bulk.prefetch.L2` work here: a 32 MB read timed cold, after a
+            prefetch kernel, and after a plain read of the same bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+from bench.e2e_bench import E2B_DIR, _env, fill_cache, make
+from engine.kernels.pdl import prefetch_l2
+
+
+def _kernels_of_trace(path: str) -> list[dict[str, Any]]:
+    data = json.loads(Path(path).read_text())
+    events = data["traceEvents"] if isinstance(data, dict) else data
+    return sorted(
+        (e for e in events if e.get("cat") == "kernel" and "dur" in e), key=lambda e: e["ts"]
+    )
+
+
+def _short(name: str) -> str:
+    return name.split("(")[0].split("<")[0][:60]
+
+
+def profile_decode(eng, depth: int, replays: int = 3) -> dict[str, Any]:
+    from engine.fast import decoder_for
+
+    fill_cache(eng, depth)
+    dec = decoder_for(eng.model, eng.cache)
+    tok = torch.tensor([7], device=eng.device)
+    pos = torch.tensor([depth], device=eng.device)
+    for _ in range(3):
+        dec(tok, pos)
+    torch.cuda.synchronize()
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:
+        for _ in range(replays):
+            dec(tok, pos)
+        torch.cuda.synchronize()
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+        trace = f.name
+    prof.export_chrome_trace(trace)
+    ks = _kernels_of_trace(trace)
+    os.unlink(trace)
+    if not ks:
+        return {"error": "no kernel events in the trace"}
+    # one replay = the kernels between consecutive lm_head-sized gaps; split evenly by count
+    per = len(ks) // replays
+    step = ks[-per:]
+    wall = step[-1]["ts"] + step[-1]["dur"] - step[0]["ts"]
+    busy = sum(e["dur"] for e in step)
+    # time covered by at least one kernel (PDL overlaps kernels)
+    covered, end = 0.0, -1.0
+    for e in step:
+        s, t = e["ts"], e["ts"] + e["dur"]
+        if t > end:
+            covered += t - max(s, end)
+            end = t
+    by: dict[str, list[float]] = collections.defaultdict(list)
+    for e in step:
+        by[_short(e["name"])].append(e["dur"])
+    table = sorted(
+        ({"kernel": k, "count": len(v), "total_us": sum(v), "mean_us": sum(v) / len(v),
+          "max_us": max(v)} for k, v in by.items()),
+        key=lambda r: -r["total_us"],
+    )  # fmt: skip
+    seq = [{"k": _short(e["name"]), "start": round(e["ts"] - step[0]["ts"], 2),
+            "dur": round(e["dur"], 2)} for e in step[:60]]  # fmt: skip
+    return {"depth": depth, "kernels_per_token": len(step), "wall_us": wall, "kernel_us": busy,
+            "covered_us": covered, "gap_us": wall - covered, "by_kernel": table,
+            "first_60": seq}  # fmt: skip
+
+
+def gemv_hot_cold() -> list[dict[str, Any]]:
+    from bench.engine_bench import GEMV_SHAPES, int4_bytes
+    from engine.kernels import tuning, w4gemv
+
+    out = []
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    for name, n, k, per_token in GEMV_SHAPES:
+        nbytes = int4_bytes(n, k)
+        copies = max(2, min(48, -(-3 * l2 // nbytes)))
+        sets = []
+        for _ in range(copies):
+            p = torch.randint(-(2**31), 2**31 - 1, (n, k // 8), device="cuda", dtype=torch.int32)
+            s = (torch.rand(n, k // 32, device="cuda") * 0.02).to(torch.bfloat16)
+            x = torch.randn(1, k, device="cuda").to(torch.bfloat16)
+            sets.append((x, p, s, torch.empty(1, n, device="cuda", dtype=torch.bfloat16)))
+        cfg = w4gemv.config_for(n, k, torch.bfloat16, 1, torch.device("cuda"))
+        row: dict[str, Any] = {"name": name, "N": n, "K": k, "per_token": per_token,
+                               "config": cfg, "bytes": nbytes}  # fmt: skip
+        for flags in ("0", "1"):
+            with _env(GPURIG_PDL=flags, GPURIG_PREFETCH=flags):
+                cold = [lambda a=a, c=cfg: w4gemv.w4_gemv(a[0], a[1], a[2], out=a[3], config=c)
+                        for a in sets]  # fmt: skip
+                hot = [lambda a=sets[0], c=cfg: w4gemv.w4_gemv(a[0], a[1], a[2], out=a[3],
+                                                               config=c)] * 32  # fmt: skip
+                tag = "pdl" if flags == "1" else "plain"
+                row[f"cold_us_{tag}"] = tuning.time_graph_us(cold, repeats=7)
+                row[f"hot_us_{tag}"] = tuning.time_graph_us(hot, repeats=7)
+        print(json.dumps(row), flush=True)
+        out.append(row)
+        del sets
+        torch.cuda.empty_cache()
+    return out
+
+
+@triton.jit
+def _prefetch_kernel(x_ptr, CHUNK: tl.constexpr):
+    pid = tl.program_id(0)
+    prefetch_l2(x_ptr + pid * CHUNK, CHUNK * 2, True)
+
+
+@triton.jit
+def _sum_kernel(x_ptr, y_ptr, CHUNK: tl.constexpr):
+    pid = tl.program_id(0)
+    acc = tl.zeros([1024], dtype=tl.float32)
+    for i in range(0, CHUNK, 1024):
+        acc += tl.load(x_ptr + pid * CHUNK + i + tl.arange(0, 1024)).to(tl.float32)
+    tl.store(y_ptr + pid, tl.sum(acc, axis=0))
+
+
+def prefetch_effect() -> dict[str, Any]:
+    chunk = 16384  # fp16 elements per program (32 KB)
+    n = 32 << 20  # 32 MB of fp16 (fits the 60 MB L2)
+    progs = n // 2 // chunk
+    xs = [torch.randn(n // 2, device="cuda").half() for _ in range(8)]  # 256 MB: rotates L2
+    y = torch.empty(progs, device="cuda")
+
+    def timed(pre) -> float:
+        times = []
+        for r in range(12):
+            x = xs[r % len(xs)]
+            if pre == "prefetch":
+                _prefetch_kernel[(progs,)](x, CHUNK=chunk, num_warps=1)
+            elif pre == "read":
+                _sum_kernel[(progs,)](x, y, CHUNK=chunk, num_warps=4)
+            torch.cuda.synchronize()
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            _sum_kernel[(progs,)](x, y, CHUNK=chunk, num_warps=4)
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b) * 1000)
+            for other in xs:  # evict: read everything else
+                if other is not x:
+                    other.sum()
+        times.sort()
+        return times[len(times) // 2]
+
+    return {"bytes": n, "cold_us": timed(None), "after_prefetch_us": timed("prefetch"),
+            "after_read_us": timed("read")}  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--ckpt", default=str(E2B_DIR))
+    ap.add_argument("--parts", default="prefetch,gemv_hot,profile")
+    ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "profile.json"))
+    args = ap.parse_args(argv)
+    parts = args.parts.split(",")
+    res: dict[str, Any] = {"card": torch.cuda.get_device_name(0), "torch": torch.__version__,
+                           "triton": triton.__version__}  # fmt: skip
+
+    def save() -> None:
+        Path(args.out).write_text(json.dumps(res, indent=1))
+
+    if "prefetch" in parts:
+        res["prefetch"] = prefetch_effect()
+        print(json.dumps(res["prefetch"]), flush=True)
+        save()
+    if "gemv_hot" in parts:
+        res["gemv_hot"] = gemv_hot_cold()
+        save()
+    if "profile" in parts:
+        import engine
+
+        make(Path(args.ckpt))
+        eng = engine.load(Path(args.ckpt), device="cuda")
+        res["profile"] = {}
+        for flags in ("1", "0"):
+            with _env(GPURIG_PDL=flags, GPURIG_PREFETCH=flags):
+                for depth in (0, 32768):
+                    key = f"{'pdl' if flags == '1' else 'plain'}_depth_{depth}"
+                    res["profile"][key] = r = profile_decode(eng, depth)
+                    print(key, {k: v for k, v in r.items() if k.endswith("us")
+                                or k == "kernels_per_token"}, flush=True)  # fmt: skip
+                    for row in r.get("by_kernel", [])[:14]:
+                        print(f"   {row['kernel']:<40} x{row['count']:<4} "
+                              f"{row['total_us']:8.1f} us  mean {row['mean_us']:6.2f}")  # fmt: skip
+                    save()
+    save()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
