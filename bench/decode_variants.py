@@ -28,6 +28,7 @@ VARIANTS = {
     "pdl+prefetch": {"GPURIG_PDL": "1", "GPURIG_PREFETCH": "1"},
     "exact_gemv": {"GPURIG_GEMV_H2": "0"},  # the fp32-unpack GEMV instead of half2
     "no_epilogues": {"GPURIG_EPILOGUES": "0"},
+    "residual_kernels": {"GPURIG_EPILOGUES": "glu"},  # residual+norm not in the GEMV's tail
 }
 
 

@@ -28,9 +28,15 @@ from engine.kernels.w4gemv import w4_gemv_gelu_mul, w4_gemv_glu, w4_gemv_residua
 
 
 def _epilogues_on() -> bool:
-    """GEMVs finish the norm/residual/GELU work themselves (GPURIG_EPILOGUES=0: separate
-    kernels, the previous, slower arrangement)."""
+    """GEMVs finish the GELU work themselves (GPURIG_EPILOGUES=0: separate kernels)."""
     return os.environ.get("GPURIG_EPILOGUES", "1") != "0"
+
+
+def _residual_epilogues_on() -> bool:
+    """GEMVs also add their output to the residual and compute the next norm, in their last
+    program (GPURIG_EPILOGUES=glu keeps only the GELU epilogues and runs residual + norm as
+    one separate kernel)."""
+    return os.environ.get("GPURIG_EPILOGUES", "1") not in ("0", "glu")
 
 
 def _packed(w) -> bool:
@@ -89,7 +95,7 @@ class FusedDecoder:
         eps = self.model.cfg.rms_norm_eps
 
         def resid(x, lin, w_post, scalar=None, w_next=None):
-            if _packed(lin):
+            if _packed(lin) and _residual_epilogues_on():
                 return w4_gemv_residual(x, lin.packed, lin.scales, h, w_post, eps,
                                         scalar=scalar, w_next=w_next)  # fmt: skip
             _, out = residual_norm(h, _lin(x, lin), w_post, eps, scalar=scalar, w_next=w_next,

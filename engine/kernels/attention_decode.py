@@ -122,10 +122,13 @@ def _attn_split_kernel(
             pv = tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
         acc = acc * alpha[:, None] + pv
         m = m_new
+    # a slice past the live range (a short context in a graph sized for a long one) stores
+    # nothing: the combine reads only the slices that got work
     base = pid * H + rh
-    tl.store(pm_ptr + base, m, mask=h_mask)
-    tl.store(pl_ptr + base, l_sum, mask=h_mask)
-    tl.store(po_ptr + base[:, None] * D + rd[None, :], acc, mask=h_mask[:, None])
+    out_mask = h_mask & (start < end)
+    tl.store(pm_ptr + base, m, mask=out_mask)
+    tl.store(pl_ptr + base, l_sum, mask=out_mask)
+    tl.store(po_ptr + base[:, None] * D + rd[None, :], acc, mask=out_mask[:, None])
 
 
 @triton.jit
