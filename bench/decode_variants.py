@@ -28,7 +28,8 @@ VARIANTS = {
     "pdl+prefetch": {"GPURIG_PDL": "1", "GPURIG_PREFETCH": "1"},
     "exact_gemv": {"GPURIG_GEMV_H2": "0"},  # the fp32-unpack GEMV instead of half2
     "no_epilogues": {"GPURIG_EPILOGUES": "0"},
-    "residual_kernels": {"GPURIG_EPILOGUES": "glu"},  # residual+norm not in the GEMV's tail
+    "residual_kernels": {"GPURIG_EPILOGUES": "glu"},  # residual+norm its own kernel (default)
+    "residual_in_gemv": {"GPURIG_EPILOGUES": "all"},  # ... in the GEMV's last program
 }
 
 

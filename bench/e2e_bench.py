@@ -383,11 +383,16 @@ def run_all(read_bps: float, save_cb=None, partial: dict | None = None,
         print("-- decode", json.dumps(r), flush=True)
     if save_cb:
         save_cb()
-    with _env(GPURIG_EPILOGUES="0"):  # the same step with norms/GELU as separate kernels
-        try:
-            res["decode_without_gemv_epilogues"] = decode_rate(eng, 0)
-        except Exception as exc:  # noqa: BLE001
-            res["decode_without_gemv_epilogues"] = {"error": repr(exc)[:800]}
+    for name, env in (  # the same step arranged otherwise, at depth 0
+        ("decode_residual_in_gemv_tail", {"GPURIG_EPILOGUES": "all"}),
+        ("decode_without_gemv_epilogues", {"GPURIG_EPILOGUES": "0"}),
+        ("decode_exact_fp32_unpack_gemv", {"GPURIG_GEMV_H2": "0"}),
+    ):
+        with _env(**env):
+            try:
+                res[name] = decode_rate(eng, 0)
+            except Exception as exc:  # noqa: BLE001
+                res[name] = {"error": repr(exc)[:800]}
     step("generate_short", generate_rate, eng)
     step("prefill_512", prefill_rate, eng, 512)
     step("prefill_4096", prefill_rate, eng, 4096)
@@ -410,8 +415,9 @@ def run_all(read_bps: float, save_cb=None, partial: dict | None = None,
     else:
         res["capped_3732MiB"] = {"skipped": "out of time"}
     modes = ["eager", "static"] + (["compile"] if os.environ.get("GPURIG_BENCH_COMPILE") else [])
-    if os.environ.get("GPURIG_BENCH_PEERS") == "0":
-        modes = []
+    chosen = os.environ.get("GPURIG_BENCH_PEERS")  # "0": none; "eager,static": those
+    if chosen is not None:
+        modes = [m for m in chosen.split(",") if m in ("eager", "static", "compile")]
     for mode in modes:
         if left() < 40:
             res[f"peer_{mode}"] = {"skipped": "out of time"}

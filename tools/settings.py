@@ -8,7 +8,8 @@
 | GPURIG_TEST_WHEELS | tests only: cache of the vLLM wheels the Turing-patch network tests download | ~/.cache/gpurig-tests/vllm-wheels |
 | GPURIG_KERNEL_CACHE | per-GPU tuned GEMV tilings (engine/kernels/tuning.py) | ~/.cache/gpurig/kernels |
 | GPURIG_KERNEL_AUTOTUNE | "0": no first-use kernel tuning (stored or default tilings) | on |
-| GPURIG_FAST / GPURIG_CUDA_GRAPH / GPURIG_DECODE / GPURIG_EPILOGUES | the engine's CUDA fast path and its parts (engine/fast/__init__.py) | on / on / fused / on |
+| GPURIG_FAST / GPURIG_CUDA_GRAPH / GPURIG_DECODE / GPURIG_EPILOGUES | the engine's CUDA fast path and its parts (engine/fast/__init__.py) | on / on / fused / glu |
+| GPURIG_GEMV_H2 / GPURIG_PDL / GPURIG_PREFETCH | half2 GEMV for 16-bit models; launch switches for sm_90 (engine/kernels/pdl.py) | on / off / off |
 
 Every CLI flag that names one of these (`--python`) wins over the variable.
 """

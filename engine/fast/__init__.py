@@ -10,8 +10,9 @@ CUDA-graph replayer on CUDA and the model's plain decode_step elsewhere.
 | GPURIG_FAST           | "0" turns the fast path off (reference ops, no graph)     | on      |
 | GPURIG_CUDA_GRAPH     | "0" keeps the Triton kernels but decodes without a graph  | on      |
 | GPURIG_DECODE         | "fused" (fused kernels) or "reference" (the model's step) | fused   |
-| GPURIG_EPILOGUES      | "0": norm/residual/GELU as separate kernels, not in GEMVs;| on      |
-|                       | "glu": only GELU in GEMVs, residual+norm a kernel of its own |      |
+| GPURIG_EPILOGUES      | "glu": GELU(*up) in the GEMVs, residual+norm a kernel;    | glu     |
+|                       | "all": residual+norm in the GEMVs' last program too;      |         |
+|                       | "0": every norm/residual/GELU a separate kernel           |         |
 | GPURIG_PDL            | "1": programmatic dependent launch (sm_90+ only)          | off     |
 | GPURIG_PREFETCH       | "1": L2 prefetch of weight slices first (sm_90+ only)     | off     |
 | GPURIG_GEMV_H2        | "0": exact fp32-unpack GEMV instead of half2 (16-bit)     | on      |
@@ -59,7 +60,7 @@ def decoder_for(model, cache) -> Callable[[torch.Tensor, torch.Tensor], torch.Te
     per_model = cache.__dict__.setdefault("_gpurig_decoders", {})
     key = (id(model), os.environ.get("GPURIG_DECODE", "fused"), graphs_enabled(model.device),
            fast_enabled(model.device),
-           os.environ.get("GPURIG_EPILOGUES", "1"), os.environ.get("GPURIG_PDL", "0"),
+           os.environ.get("GPURIG_EPILOGUES", "glu"), os.environ.get("GPURIG_PDL", "0"),
            os.environ.get("GPURIG_PREFETCH", "0"), os.environ.get("GPURIG_GEMV_H2", "1"))  # fmt: skip
     dec = per_model.get(key)
     if dec is None:

@@ -29,14 +29,15 @@ from engine.kernels.w4gemv import w4_gemv_gelu_mul, w4_gemv_glu, w4_gemv_residua
 
 def _epilogues_on() -> bool:
     """GEMVs finish the GELU work themselves (GPURIG_EPILOGUES=0: separate kernels)."""
-    return os.environ.get("GPURIG_EPILOGUES", "1") != "0"
+    return os.environ.get("GPURIG_EPILOGUES", "glu") != "0"
 
 
 def _residual_epilogues_on() -> bool:
-    """GEMVs also add their output to the residual and compute the next norm, in their last
-    program (GPURIG_EPILOGUES=glu keeps only the GELU epilogues and runs residual + norm as
-    one separate kernel)."""
-    return os.environ.get("GPURIG_EPILOGUES", "1") not in ("0", "glu")
+    """GPURIG_EPILOGUES=all: the o, down and per-layer projection GEMVs also add their output
+    to the residual and compute the next norm, in their last program. Off by default: on the
+    H200 that serial tail cost ~2.6 us per GEMV, and one separate residual+norm kernel was 2%
+    faster end to end (bench/NOTES.md)."""
+    return os.environ.get("GPURIG_EPILOGUES", "glu") in ("1", "all")
 
 
 def _packed(w) -> bool:

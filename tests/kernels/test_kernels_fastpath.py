@@ -26,7 +26,7 @@ def tiny_engine(tmp_path_factory):
     return engine.load(path, device=dev, dtype=torch.float32, max_context=256)
 
 
-@pytest.mark.parametrize("epilogues", ["1", "glu", "0"])
+@pytest.mark.parametrize("epilogues", ["all", "glu", "0"])
 def test_fused_decode_step_matches_the_reference_step(tiny_engine, monkeypatch, epilogues):
     monkeypatch.setenv("GPURIG_EPILOGUES", epilogues)  # GEMV epilogues, or separate kernels
     eng = tiny_engine
