@@ -88,16 +88,20 @@ def _attn_split_kernel(
     acc = tl.zeros([HP, D], dtype=tl.float32)
     for s0 in range(start, end, BLOCK_S):
         rs = s0 + tl.arange(0, BLOCK_S)
-        valid = rs < end
+        inb = rs < end
+        valid = inb
         if HAS_KPOS:  # the cache records each slot's position (-1 = empty): trust it
-            slot_pos = tl.load(kpos_ptr + rs, mask=valid, other=-1).to(tl.int32)
+            slot_pos = tl.load(kpos_ptr + rs, mask=inb, other=-1).to(tl.int32)
             valid = valid & (slot_pos >= 0) & (slot_pos <= pos)
             valid = valid & ((window <= 0) | (pos - slot_pos < window))
         elif RING:
             slot_pos = pos - ((pos - rs + S) % S)
             valid = valid & (slot_pos >= 0) & ((window <= 0) | (pos - slot_pos < window))
+        # keys and values are read under the bounds mask only, not the validity one: their
+        # loads then need not wait for the slot positions (one dependent load fewer, which is
+        # what a short context pays for); invalid slots get -inf scores and zero values
         k = tl.load(k_ptr + rs[:, None].to(tl.int64) * stride_ks + rd[None, :],
-                    mask=valid[:, None], other=0.0)  # fmt: skip
+                    mask=inb[:, None], other=0.0)  # fmt: skip
         if USE_DOT and IEEE:  # fp32 caches: full-precision products, not tf32
             sc = tl.dot(q, tl.trans(k), input_precision="ieee").to(tl.float32)
         elif USE_DOT:
@@ -113,7 +117,8 @@ def _attn_split_kernel(
         p = tl.exp(sc - m_safe[:, None])
         l_sum = l_sum * alpha + tl.sum(p, axis=1)
         v = tl.load(v_ptr + rs[:, None].to(tl.int64) * stride_vs + rd[None, :],
-                    mask=valid[:, None], other=0.0)  # fmt: skip
+                    mask=inb[:, None], other=0.0)  # fmt: skip
+        v = tl.where(valid[:, None], v, 0.0)  # an empty slot may hold anything, even NaN
         if USE_DOT and IEEE:
             pv = tl.dot(p.to(v.dtype), v, input_precision="ieee").to(tl.float32)
         elif USE_DOT:

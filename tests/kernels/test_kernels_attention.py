@@ -111,6 +111,33 @@ def test_combine_skips_slices_without_visible_keys(device) -> None:
     assert torch.equal(got, torch.zeros_like(got))
 
 
+@pytest.mark.parametrize("use_dot", [False, True])
+def test_empty_slots_holding_nan_do_not_leak(device, interpreted, use_dot) -> None:
+    """Keys and values are read under the bounds mask only: slots the cache marks empty (-1)
+    may hold anything a fresh allocation holds, NaN included, and must still count for
+    nothing."""
+    if use_dot and interpreted:
+        pytest.skip("tl.dot of 16-bit tiles: covered on the GPU")
+    dtype = torch.bfloat16 if use_dot else torch.float32
+    slots, dim = 64, 32
+    att = DecodeAttention(8, dim, slots, device, ring=False, splits=4, use_dot=use_dot,
+                          block_s=16 if use_dot else 4)  # fmt: skip
+    k = torch.randn(slots, dim, device=device).to(dtype)
+    v = torch.randn(slots, dim, device=device).to(dtype)
+    q = (torch.randn(8, dim, device=device) * 0.2).to(dtype)
+    keep = torch.zeros(slots, dtype=torch.bool, device=device)
+    keep[:20] = True
+    keep[33] = True
+    k[~keep] = float("nan")
+    v[~keep] = float("nan")
+    slot_pos = torch.where(keep, torch.arange(slots, device=device), -1).to(torch.int32)
+    got = att(q, k, v, torch.tensor([slots - 1], device=device), slot_pos=slot_pos)
+    assert torch.isfinite(got).all()
+    want = decode_attention_reference(q.double(), k[keep].double(), v[keep].double(),
+                                      int(keep.sum()) - 1, ring=False)  # fmt: skip
+    assert ((got.double() - want).norm() / want.norm()).item() < (1e-2 if use_dot else 1e-5)
+
+
 def test_cache_rows_may_be_strided(device) -> None:
     # a [slots, kv_heads=1, 2, D] layout: keys and values interleaved in one buffer
     slots, dim = 40, 32
