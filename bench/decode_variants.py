@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from bench.e2e_bench import E2B_DIR, _env, decode_rate, fill_cache, make
+from bench.e2e_bench import E2B_DIR, _env, decode_rate, fill_cache, greedy_pair, make
 
 VARIANTS = {
     "plain": {"GPURIG_PDL": "0", "GPURIG_PREFETCH": "0"},
@@ -30,6 +30,7 @@ VARIANTS = {
     "no_epilogues": {"GPURIG_EPILOGUES": "0"},
     "residual_kernels": {"GPURIG_EPILOGUES": "glu"},  # residual+norm its own kernel (default)
     "residual_in_gemv": {"GPURIG_EPILOGUES": "all"},  # ... in the GEMV's last program
+    "qkv_rope_kernel": {"GPURIG_FUSE_QKV_ATTN": "0"},  # norms + RoPE + cache write apart
 }
 
 
@@ -43,7 +44,7 @@ def logits_of(eng, env: dict[str, str], depth: int = 100) -> torch.Tensor:
                    ).clone()  # fmt: skip
 
 
-def run(ckpt: Path, depths: list[int], names: list[str]) -> dict[str, Any]:
+def run(ckpt: Path, depths: list[int], names: list[str], greedy: int = 0) -> dict[str, Any]:
     import engine
 
     make(ckpt)
@@ -61,6 +62,11 @@ def run(ckpt: Path, depths: list[int], names: list[str]) -> dict[str, Any]:
                      logits_max_abs_diff=float((base - logits_of(eng, env)).abs().max()))  # fmt: skip
             res["rows"].append(r)
             print(json.dumps(r), flush=True)
+    if greedy:  # the default arrangement's greedy tokens against the reference path's
+        fill_cache(eng, 0)
+        res["e2b_greedy"] = greedy_pair(eng, [2] + list(range(100, 131)), greedy)
+        print(json.dumps({k: v for k, v in res["e2b_greedy"].items()
+                          if k not in ("fast", "reference")}), flush=True)  # fmt: skip
     return res
 
 
@@ -70,13 +76,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--depths", default="0,4096,32768")
     ap.add_argument("--variants", default="plain,prefetch,pdl,pdl+prefetch",
                     help=f"comma-separated, the first is the baseline: {', '.join(VARIANTS)}")  # fmt: skip
+    ap.add_argument("--greedy", type=int, default=0, help="also N greedy tokens, fast vs reference")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "variants.json"))
     args = ap.parse_args(argv)
     names = [v for v in args.variants.split(",") if v]
     unknown = [v for v in names if v not in VARIANTS]
     if unknown:
         ap.error(f"unknown variant(s) {unknown}; known: {', '.join(VARIANTS)}")
-    res = run(Path(args.ckpt), [int(d) for d in args.depths.split(",")], names)
+    res = run(Path(args.ckpt), [int(d) for d in args.depths.split(",")], names, args.greedy)
     res["card"] = torch.cuda.get_device_name(0)
     res["torch"] = torch.__version__
     Path(args.out).write_text(json.dumps(res, indent=1))

@@ -32,6 +32,12 @@ def _epilogues_on() -> bool:
     return os.environ.get("GPURIG_EPILOGUES", "glu") != "0"
 
 
+def _fuse_qkv_attention() -> bool:
+    """The q/k/v norms, RoPE and cache write run inside the attention's split kernel
+    (GPURIG_FUSE_QKV_ATTN=0: a kernel of their own, as before)."""
+    return os.environ.get("GPURIG_FUSE_QKV_ATTN", "1") != "0"
+
+
 def _residual_epilogues_on() -> bool:
     """GPURIG_EPILOGUES=all: the o, down and per-layer projection GEMVs also add their output
     to the residual and compute the next norm, in their last program. Off by default: on the
@@ -137,14 +143,21 @@ class FusedDecoder:
                 qkv = _lin(x, fl.qkv)
             else:
                 qkv = torch.cat([_lin(x, p) for p in (w.q, w.k, w.v) if p is not None], dim=-1)
-            q = qkv_rope(qkv, w.q_norm, w.k_norm, cos, sin, hq, hd, eps, position,
-                         cache=cache.layers[i] if own else None,
-                         v_from_k=own and w.v is None)  # fmt: skip
             src = cache.layers[cfg.kv_producer(i)]
-            q3 = q.view(1, hq, hd)
-            attn = ops_fast.attention_decode(q3, src.k, src.v, src.pos, position, window)
+            attn = None
+            if _fuse_qkv_attention():  # norms + RoPE + cache write inside the split kernel
+                attn = ops_fast.attention_from_qkv(
+                    qkv.reshape(-1), w.q_norm, w.k_norm, cos, sin, eps, hq, hd, position, src,
+                    own_kv=own, v_from_k=own and w.v is None, window=window,
+                )  # fmt: skip
             if attn is None:
-                attn = ops.attention_decode(q3, src.k, src.v, src.pos, position, window)
+                q = qkv_rope(qkv, w.q_norm, w.k_norm, cos, sin, hq, hd, eps, position,
+                             cache=cache.layers[i] if own else None,
+                             v_from_k=own and w.v is None)  # fmt: skip
+                q3 = q.view(1, hq, hd)
+                attn = ops_fast.attention_decode(q3, src.k, src.v, src.pos, position, window)
+                if attn is None:
+                    attn = ops.attention_decode(q3, src.k, src.v, src.pos, position, window)
             nxt = layers[i + 1].input_norm if i + 1 < len(layers) else m.final_norm
             if _epilogues_on():
                 h, x = self._rest_fused(i, w, fl, attn.reshape(1, hq * hd), h, ple, nxt)

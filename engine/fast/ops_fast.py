@@ -100,6 +100,52 @@ def embed4_rows(ids: torch.Tensor, table, dtype: torch.dtype) -> torch.Tensor | 
     return w4_gather_rows(ids, table.packed, table.scales, dtype=dtype)
 
 
+def _attention_for(device, slots, d, hq, window) -> DecodeAttention:
+    ring = window is not None
+    key = (device, slots, d, hq, ring, int(window or 0))
+    att = _ATTENTION.get(key)
+    if att is None:
+        att = DecodeAttention(hq, d, slots, device, ring=ring, window=int(window or 0))
+        _ATTENTION[key] = att
+    return att
+
+
+def attention_from_qkv(
+    qkv: torch.Tensor,
+    q_norm: torch.Tensor,
+    k_norm: torch.Tensor | None,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    eps: float,
+    num_heads: int,
+    head_dim: int,
+    position: torch.Tensor,
+    cache,
+    own_kv: bool,
+    v_from_k: bool,
+    window: int | None,
+) -> torch.Tensor | None:
+    """One token's attention from its fused q|k|v projection, the q/k/v norms, RoPE and (for
+    an own-KV layer) the cache write inside the split kernel; None when the layout is outside
+    it (the caller then runs qkv_rope + attention_decode)."""
+    d, hq = head_dim, num_heads
+    k, v = cache.k, cache.v
+    if k.dim() != 3 or k.shape[1] != 1 or d & (d - 1) or d < 16 or k.dtype != v.dtype:
+        return None
+    if not qkv.is_contiguous() or qkv.numel() < hq * d + (2 * d if own_kv else 0):
+        return None
+    if k.stride(0) != d or v.stride(0) != d or k.stride(-1) != 1 or v.stride(-1) != 1:
+        return None
+    if own_kv and k_norm is None:
+        return None
+    att = _attention_for(qkv.device, k.shape[0], d, hq, window)
+    out = torch.empty(1, hq, d, device=qkv.device, dtype=qkv.dtype)
+    att.from_qkv(qkv, q_norm, k_norm, cos, sin, eps, k[:, 0], v[:, 0], position, cache.pos,
+                 own_kv=own_kv, v_from_k=v_from_k, write_ring=cache.window is not None,
+                 out=out.view(hq, d))  # fmt: skip
+    return out
+
+
 def attention_decode(
     q: torch.Tensor,
     cache_k: torch.Tensor,
@@ -115,12 +161,7 @@ def attention_decode(
         return None
     if cache_k.stride(-1) != 1 or cache_v.stride(-1) != 1:
         return None
-    ring = window is not None
-    key = (q.device, slots, d, hq, ring, int(window or 0))
-    att = _ATTENTION.get(key)
-    if att is None:
-        att = DecodeAttention(hq, d, slots, q.device, ring=ring, window=int(window or 0))
-        _ATTENTION[key] = att
+    att = _attention_for(q.device, slots, d, hq, window)
     out = torch.empty(1, hq, d, device=q.device, dtype=q.dtype)
     q_in = q if q.dtype == cache_k.dtype else q.to(cache_k.dtype)
     att(q_in.view(hq, d), cache_k[:, 0], cache_v[:, 0], q_pos, out=out.view(hq, d),

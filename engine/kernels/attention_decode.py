@@ -32,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels.fused import _round, _write_new_kv
 from engine.kernels.pdl import launch_options, pdl_enter, pdl_on, prefetch_l2, prefetch_on
 
 # The combine: BLOCK_D head_dim columns per program (8 heads x 256 / 32 = 64 programs) and at
@@ -56,33 +57,15 @@ def _span(pos, S, window, RING: tl.constexpr):
 
 
 @triton.jit
-def _attn_split_kernel(
-    q_ptr, k_ptr, v_ptr, pos_ptr, kpos_ptr, po_ptr, pm_ptr, pl_ptr,
-    S, window, scale, stride_qh, stride_ks, stride_vs,
+def _split_slice(
+    q, k_ptr, v_ptr, kpos_ptr, po_ptr, pm_ptr, pl_ptr, pos, start, end, S, window, scale,
+    stride_ks, stride_vs, pid, rh, rd, h_mask,
     H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr,
-    RING: tl.constexpr, USE_DOT: tl.constexpr, HAS_KPOS: tl.constexpr,
-    PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False,
+    RING: tl.constexpr, USE_DOT: tl.constexpr, HAS_KPOS: tl.constexpr, SC_DT: tl.constexpr,
 ):  # fmt: skip
+    """Online softmax of q [HP, D] over cache slots [start, end); stores the slice's max, sum
+    and unnormalised output (nothing when the slice is empty)."""
     IEEE: tl.constexpr = k_ptr.dtype.element_ty == tl.float32
-    pid = tl.program_id(0)
-    P = tl.num_programs(0)
-    pos = tl.load(pos_ptr).to(tl.int32)  # filled by the host before the step: safe before the wait
-    lo, hi = _span(pos, S, window, RING)
-    chunk = tl.cdiv(tl.cdiv(hi - lo, P), BLOCK_S) * BLOCK_S
-    start = lo + pid * chunk
-    end = tl.minimum(start + chunk, hi)
-    if PREFETCH:  # noqa: SIM102 - a constexpr branch around a run-time one
-        if end > start:  # the first rows of this slice into L2 while the previous kernel runs
-            EB: tl.constexpr = k_ptr.dtype.element_ty.primitive_bitwidth // 8
-            rows = tl.minimum(end - start, 4 * BLOCK_S)
-            prefetch_l2(k_ptr + start.to(tl.int64) * stride_ks, rows * stride_ks * EB, True)
-            prefetch_l2(v_ptr + start.to(tl.int64) * stride_vs, rows * stride_vs * EB, True)
-    pdl_enter(PDL)
-
-    rh = tl.arange(0, HP)
-    rd = tl.arange(0, D)
-    h_mask = rh < H
-    q = tl.load(q_ptr + rh[:, None] * stride_qh + rd[None, :], mask=h_mask[:, None], other=0.0)
     m = tl.full([HP], float("-inf"), dtype=tl.float32)
     l_sum = tl.zeros([HP], dtype=tl.float32)
     acc = tl.zeros([HP, D], dtype=tl.float32)
@@ -109,7 +92,7 @@ def _attn_split_kernel(
         else:
             sc = tl.sum(q.to(tl.float32)[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)
         # the reference multiplies q and k in the activation dtype: its scores are rounded there
-        sc = sc.to(q_ptr.dtype.element_ty).to(tl.float32)
+        sc = sc.to(SC_DT).to(tl.float32)
         sc = tl.where(valid[None, :], sc * scale, float("-inf"))
         m_new = tl.maximum(m, tl.max(sc, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -134,6 +117,102 @@ def _attn_split_kernel(
     tl.store(pm_ptr + base, m, mask=out_mask)
     tl.store(pl_ptr + base, l_sum, mask=out_mask)
     tl.store(po_ptr + base[:, None] * D + rd[None, :], acc, mask=out_mask[:, None])
+
+
+@triton.jit
+def _attn_split_kernel(
+    q_ptr, k_ptr, v_ptr, pos_ptr, kpos_ptr, po_ptr, pm_ptr, pl_ptr,
+    S, window, scale, stride_qh, stride_ks, stride_vs,
+    H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr,
+    RING: tl.constexpr, USE_DOT: tl.constexpr, HAS_KPOS: tl.constexpr,
+    PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    P = tl.num_programs(0)
+    pos = tl.load(pos_ptr).to(tl.int32)  # filled by the host before the step: safe before the wait
+    lo, hi = _span(pos, S, window, RING)
+    chunk = tl.cdiv(tl.cdiv(hi - lo, P), BLOCK_S) * BLOCK_S
+    start = lo + pid * chunk
+    end = tl.minimum(start + chunk, hi)
+    if PREFETCH:  # noqa: SIM102 - a constexpr branch around a run-time one
+        if end > start:  # the first rows of this slice into L2 while the previous kernel runs
+            EB: tl.constexpr = k_ptr.dtype.element_ty.primitive_bitwidth // 8
+            rows = tl.minimum(end - start, 4 * BLOCK_S)
+            prefetch_l2(k_ptr + start.to(tl.int64) * stride_ks, rows * stride_ks * EB, True)
+            prefetch_l2(v_ptr + start.to(tl.int64) * stride_vs, rows * stride_vs * EB, True)
+    pdl_enter(PDL)
+
+    rh = tl.arange(0, HP)
+    rd = tl.arange(0, D)
+    h_mask = rh < H
+    q = tl.load(q_ptr + rh[:, None] * stride_qh + rd[None, :], mask=h_mask[:, None], other=0.0)
+    _split_slice(q, k_ptr, v_ptr, kpos_ptr, po_ptr, pm_ptr, pl_ptr, pos, start, end, S, window,
+                 scale, stride_ks, stride_vs, pid, rh, rd, h_mask, H, HP, D, BLOCK_S, RING,
+                 USE_DOT, HAS_KPOS, q_ptr.dtype.element_ty)  # fmt: skip
+
+
+@triton.jit
+def _attn_split_qkv_kernel(
+    qkv_ptr, q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr, eps,
+    k_ptr, v_ptr, pos_ptr, kpos_ptr, po_ptr, pm_ptr, pl_ptr,
+    S, window, scale, stride_ks, stride_vs,
+    H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr,
+    RING: tl.constexpr, USE_DOT: tl.constexpr, HAS_KPOS: tl.constexpr,
+    OWN_KV: tl.constexpr, V_FROM_K: tl.constexpr, WRITE_RING: tl.constexpr,
+    PDL: tl.constexpr = False,
+):  # fmt: skip
+    """The split kernel that starts from the raw q|k|v projection, so the decode step needs no
+    kernel of its own for the q/k/v norms, RoPE and cache write: every program that has slots
+    to read normalises and rotates the 8 query heads itself (a few KB from L2), and the one
+    program whose slice holds the new position writes the new key and value (and the slot's
+    position) into the cache, then reads its slice, the new slot included, after a CTA
+    barrier. No other program reads that slot. Rounding as engine/kernels/fused.py's
+    _qkv_rope_kernel (the same helpers)."""
+    DTA: tl.constexpr = qkv_ptr.dtype.element_ty
+    pid = tl.program_id(0)
+    P = tl.num_programs(0)
+    pos = tl.load(pos_ptr).to(tl.int32)
+    lo, hi = _span(pos, S, window, RING)
+    chunk = tl.cdiv(tl.cdiv(hi - lo, P), BLOCK_S) * BLOCK_S
+    start = lo + pid * chunk
+    end = tl.minimum(start + chunk, hi)
+    pdl_enter(PDL)
+    rh = tl.arange(0, HP)
+    rd = tl.arange(0, D)
+    h_mask = rh < H
+    if start < end:
+        half: tl.constexpr = D // 2
+        partner = (rd + half) % D
+        sign = tl.where(rd < half, -1.0, 1.0)
+        d_mask = rd < D
+        cos = tl.load(cos_ptr + rd).to(tl.float32)
+        sin = tl.load(sin_ptr + rd).to(tl.float32)
+        if OWN_KV:
+            if WRITE_RING:  # noqa: SIM108 - a constexpr branch
+                slot = pos % S
+            else:
+                slot = pos
+            if (slot >= start) & (slot < end):
+                _write_new_kv(qkv_ptr, k_norm_ptr, cos, sin, sign, rd, partner, d_mask, k_ptr,
+                              v_ptr, kpos_ptr, slot, pos, S, eps, H, D, V_FROM_K, DTA, True,
+                              True)  # fmt: skip
+            tl.debug_barrier()  # the new slot's stores, seen by every thread of this program
+        # the query heads as _norm_rope does them, all rows at once
+        x = tl.load(qkv_ptr + rh[:, None] * D + rd[None, :], mask=h_mask[:, None],
+                    other=0.0).to(tl.float32)  # fmt: skip
+        xp = tl.load(qkv_ptr + rh[:, None] * D + partner[None, :], mask=h_mask[:, None],
+                     other=0.0).to(tl.float32)  # fmt: skip
+        inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / D + eps)
+        qw = tl.load(q_norm_ptr + rd).to(tl.float32)
+        qwp = tl.load(q_norm_ptr + partner).to(tl.float32)
+        xn = _round(x * inv[:, None] * qw[None, :], DTA)
+        xpn = _round(xp * inv[:, None] * qwp[None, :], DTA)
+        q = _round(_round(xn * cos[None, :], DTA) + _round(sign[None, :] * xpn * sin[None, :],
+                                                           DTA), DTA)  # fmt: skip
+        q = q.to(DTA).to(k_ptr.dtype.element_ty)
+        _split_slice(q, k_ptr, v_ptr, kpos_ptr, po_ptr, pm_ptr, pl_ptr, pos, start, end, S,
+                     window, scale, stride_ks, stride_vs, pid, rh, rd, h_mask, H, HP, D,
+                     BLOCK_S, RING, USE_DOT, HAS_KPOS, k_ptr.dtype.element_ty)  # fmt: skip
 
 
 @triton.jit
@@ -276,6 +355,11 @@ class DecodeAttention:
             USE_DOT=self.use_dot, HAS_KPOS=slot_pos is not None, num_warps=num_warps,
             num_stages=2, PDL=pdl, PREFETCH=prefetch_on(q2), **launch_options(pdl),
         )  # fmt: skip
+        self._combine(pos, o2, pdl)
+        return out.view(q.shape)
+
+    def _combine(self, pos: torch.Tensor, o2: torch.Tensor, pdl: bool) -> None:
+        h, d = self.num_heads, self.head_dim
         block_d = min(d, COMBINE_BLOCK_D)
         block_p = triton.next_power_of_2(self.splits)
         _attn_combine_kernel[(h, d // block_d)](
@@ -285,7 +369,49 @@ class DecodeAttention:
             CHUNK_P=min(block_p, COMBINE_TILE // block_d), RING=self.ring, num_warps=4,
             PDL=pdl, **launch_options(pdl),
         )  # fmt: skip
-        return out.view(q.shape)
+
+    def from_qkv(
+        self,
+        qkv: torch.Tensor,
+        q_norm: torch.Tensor,
+        k_norm: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        eps: float,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        pos: torch.Tensor,
+        slot_pos: torch.Tensor,
+        *,
+        own_kv: bool,
+        v_from_k: bool = False,
+        write_ring: bool = False,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Attention of one token straight from its fused q|k|v projection [H*D (+ 2*D)]: the
+        q norms + RoPE and, for a layer with its own cache (`own_kv`), the new key/value
+        written into `k_cache`/`v_cache`/`slot_pos` happen inside the split kernel (one launch
+        fewer per layer than qkv_rope + __call__, with the same rounding). Returns [H, D]."""
+        h, d = self.num_heads, self.head_dim
+        if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+            raise ValueError("cache rows must be contiguous along head_dim")
+        if own_kv and (k_cache.stride(0) != d or v_cache.stride(0) != d):
+            raise ValueError("a cache written here must have rows of exactly head_dim")
+        if out is None:
+            out = torch.empty(h, d, device=qkv.device, dtype=qkv.dtype)
+        o2 = out.view(h, d)
+        pdl = pdl_on(qkv)
+        _attn_split_qkv_kernel[(self.splits,)](
+            qkv, q_norm, k_norm if k_norm is not None else q_norm, cos, sin, eps,
+            k_cache, v_cache, pos, slot_pos, self.partial_o, self.partial_m, self.partial_l,
+            self.slots, self.window, self.scale, k_cache.stride(0), v_cache.stride(0),
+            H=h, HP=self.heads_padded, D=d, BLOCK_S=self.block_s, RING=self.ring,
+            USE_DOT=self.use_dot, HAS_KPOS=True, OWN_KV=own_kv, V_FROM_K=v_from_k,
+            WRITE_RING=write_ring, num_warps=4 if self.use_dot else 8, num_stages=2,
+            PDL=pdl, **launch_options(pdl),
+        )  # fmt: skip
+        self._combine(pos, o2, pdl)
+        return out
 
 
 def decode_attention_reference(

@@ -103,6 +103,44 @@ def _gelu_mul_kernel(g_ptr, u_ptr, out_ptr, n, BLOCK: tl.constexpr, PDL: tl.cons
 
 
 @triton.jit
+def _norm_rope(x, xp, w_ptr, offs, partner, mask, cos, sin, sign, D: tl.constexpr, eps,
+               DT: tl.constexpr):  # fmt: skip
+    """One head: RMSNorm with weights, then RoPE (NeoX half split); xp is x read at the partner
+    index, which shares x's norm factor."""
+    inv = _inv_rms(x, mask, D, eps)
+    xn = _scale_w(x, inv, w_ptr, offs, mask, True, DT)
+    xpn = _scale_w(xp, inv, w_ptr, partner, mask, True, DT)
+    return _round(_round(xn * cos, DT) + _round(sign * xpn * sin, DT), DT)
+
+
+@triton.jit
+def _write_new_kv(qkv_ptr, k_norm_ptr, cos, sin, sign, offs, partner, mask,
+                  cache_k_ptr, cache_v_ptr, cache_pos_ptr, slot, pos, slots, eps,
+                  HQ: tl.constexpr, D: tl.constexpr, V_FROM_K: tl.constexpr,
+                  DT: tl.constexpr, DO_K: tl.constexpr, DO_V: tl.constexpr):  # fmt: skip
+    """The new token's key (normed with weights, rotated) and value (normed without weight)
+    into `slot` of the cache, and the slot's recorded position; never past the buffer (the
+    engine stops at max_context)."""
+    base = HQ * D
+    ok = slot < slots
+    if DO_K:
+        x = tl.load(qkv_ptr + base + offs).to(tl.float32)
+        xp = tl.load(qkv_ptr + base + partner).to(tl.float32)
+        out = _norm_rope(x, xp, k_norm_ptr, offs, partner, mask, cos, sin, sign, D, eps, DT)
+        tl.store(cache_k_ptr + slot * D + offs, out.to(cache_k_ptr.dtype.element_ty),
+                 mask=mask & ok)  # fmt: skip
+        tl.store(cache_pos_ptr + slot, pos.to(cache_pos_ptr.dtype.element_ty), mask=ok)
+    if DO_V:
+        if V_FROM_K:
+            x = tl.load(qkv_ptr + base + offs).to(tl.float32)
+        else:
+            x = tl.load(qkv_ptr + base + D + offs).to(tl.float32)
+        vn = _rms(x, k_norm_ptr, offs, mask, D, eps, False, DT)
+        tl.store(cache_v_ptr + slot * D + offs, vn.to(cache_v_ptr.dtype.element_ty),
+                 mask=mask & ok)  # fmt: skip
+
+
+@triton.jit
 def _qkv_rope_kernel(
     qkv_ptr, q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr, q_out_ptr,
     cache_k_ptr, cache_v_ptr, cache_pos_ptr, pos_ptr, slots, eps,
@@ -125,36 +163,21 @@ def _qkv_rope_kernel(
     if head < HQ:
         x = tl.load(qkv_ptr + head * D + offs).to(tl.float32)
         xp = tl.load(qkv_ptr + head * D + partner).to(tl.float32)
-        inv = _inv_rms(x, mask, D, eps)  # the partner uses the same factor: one norm
-        xn = _scale_w(x, inv, q_norm_ptr, offs, mask, True, DT)
-        xpn = _scale_w(xp, inv, q_norm_ptr, partner, mask, True, DT)
-        out = _round(_round(xn * cos, DT) + _round(sign * xpn * sin, DT), DT)
+        out = _norm_rope(x, xp, q_norm_ptr, offs, partner, mask, cos, sin, sign, D, eps, DT)
         tl.store(q_out_ptr + head * D + offs, out)
     elif OWN_KV:
         if RING:  # noqa: SIM108 - a constexpr branch
             slot = pos % slots
         else:
             slot = pos
-        base = HQ * D
-        if head == HQ:  # the key: norm with weights, rotate, store
-            x = tl.load(qkv_ptr + base + offs).to(tl.float32)
-            xp = tl.load(qkv_ptr + base + partner).to(tl.float32)
-            inv = _inv_rms(x, mask, D, eps)
-            xn = _scale_w(x, inv, k_norm_ptr, offs, mask, True, DT)
-            xpn = _scale_w(xp, inv, k_norm_ptr, partner, mask, True, DT)
-            out = _round(_round(xn * cos, DT) + _round(sign * xpn * sin, DT), DT)
-            ok = slot < slots  # never write past the buffer (the engine stops at max_context)
-            tl.store(cache_k_ptr + slot * D + offs, out.to(cache_k_ptr.dtype.element_ty),
-                     mask=mask & ok)  # fmt: skip
-            tl.store(cache_pos_ptr + slot, pos.to(cache_pos_ptr.dtype.element_ty), mask=ok)
-        else:  # the value: norm without weight, no rotation
-            if V_FROM_K:
-                x = tl.load(qkv_ptr + base + offs).to(tl.float32)
-            else:
-                x = tl.load(qkv_ptr + base + D + offs).to(tl.float32)
-            vn = _rms(x, k_norm_ptr, offs, mask, D, eps, False, DT)
-            tl.store(cache_v_ptr + slot * D + offs, vn.to(cache_v_ptr.dtype.element_ty),
-                     mask=mask & (slot < slots))  # fmt: skip
+        if head == HQ:
+            _write_new_kv(qkv_ptr, k_norm_ptr, cos, sin, sign, offs, partner, mask, cache_k_ptr,
+                          cache_v_ptr, cache_pos_ptr, slot, pos, slots, eps, HQ, D, V_FROM_K,
+                          DT, True, False)  # fmt: skip
+        else:
+            _write_new_kv(qkv_ptr, k_norm_ptr, cos, sin, sign, offs, partner, mask, cache_k_ptr,
+                          cache_v_ptr, cache_pos_ptr, slot, pos, slots, eps, HQ, D, V_FROM_K,
+                          DT, False, True)  # fmt: skip
 
 
 @triton.jit

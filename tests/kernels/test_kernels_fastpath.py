@@ -26,9 +26,13 @@ def tiny_engine(tmp_path_factory):
     return engine.load(path, device=dev, dtype=torch.float32, max_context=256)
 
 
-@pytest.mark.parametrize("epilogues", ["all", "glu", "0"])
-def test_fused_decode_step_matches_the_reference_step(tiny_engine, monkeypatch, epilogues):
+@pytest.mark.parametrize(
+    ("epilogues", "fuse_qkv"), [("all", "1"), ("glu", "1"), ("0", "1"), ("glu", "0")]
+)
+def test_fused_decode_step_matches_the_reference_step(tiny_engine, monkeypatch, epilogues,
+                                                      fuse_qkv):  # fmt: skip
     monkeypatch.setenv("GPURIG_EPILOGUES", epilogues)  # GEMV epilogues, or separate kernels
+    monkeypatch.setenv("GPURIG_FUSE_QKV_ATTN", fuse_qkv)  # q/k/v norms inside the attention
     eng = tiny_engine
     model = eng.model
     assert supported(model)
