@@ -30,7 +30,7 @@ VARIANTS = {
     "no_epilogues": {"GPURIG_EPILOGUES": "0"},
     "residual_kernels": {"GPURIG_EPILOGUES": "glu"},  # residual+norm its own kernel (default)
     "residual_in_gemv": {"GPURIG_EPILOGUES": "all"},  # ... in the GEMV's last program
-    "qkv_rope_kernel": {"GPURIG_FUSE_QKV_ATTN": "0"},  # norms + RoPE + cache write apart
+    "qkv_in_attention": {"GPURIG_FUSE_QKV_ATTN": "1"},  # norms + RoPE + cache write fused
 }
 
 

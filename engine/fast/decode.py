@@ -33,9 +33,11 @@ def _epilogues_on() -> bool:
 
 
 def _fuse_qkv_attention() -> bool:
-    """The q/k/v norms, RoPE and cache write run inside the attention's split kernel
-    (GPURIG_FUSE_QKV_ATTN=0: a kernel of their own, as before)."""
-    return os.environ.get("GPURIG_FUSE_QKV_ATTN", "1") != "0"
+    """GPURIG_FUSE_QKV_ATTN=1: the q/k/v norms, RoPE and cache write run inside the attention's
+    split kernel instead of a kernel of their own. Off by default: on the H200 it saved
+    nothing (1.806 vs 1.810 ms per token, bench/NOTES.md), the fused work stays on the
+    dependent chain; it is one launch fewer per layer where launches cost more."""
+    return os.environ.get("GPURIG_FUSE_QKV_ATTN", "0") == "1"
 
 
 def _residual_epilogues_on() -> bool:

@@ -80,9 +80,11 @@ def _split_slice(
         elif RING:
             slot_pos = pos - ((pos - rs + S) % S)
             valid = valid & (slot_pos >= 0) & ((window <= 0) | (pos - slot_pos < window))
-        # keys and values are read under the bounds mask only, not the validity one: their
-        # loads then need not wait for the slot positions (one dependent load fewer, which is
-        # what a short context pays for); invalid slots get -inf scores and zero values
+        # keys are read under the bounds mask only, not the validity one: their load then
+        # need not wait for the slot positions (one dependent load fewer, which is what a
+        # short context pays for); an invalid slot's score is -inf whatever its key holds.
+        # Values keep the validity mask: zeroing them after the load instead would move the
+        # dot's operand through registers (measured 6-16% slower at 32k-131k slots)
         k = tl.load(k_ptr + rs[:, None].to(tl.int64) * stride_ks + rd[None, :],
                     mask=inb[:, None], other=0.0)  # fmt: skip
         if USE_DOT and IEEE:  # fp32 caches: full-precision products, not tf32
@@ -100,8 +102,7 @@ def _split_slice(
         p = tl.exp(sc - m_safe[:, None])
         l_sum = l_sum * alpha + tl.sum(p, axis=1)
         v = tl.load(v_ptr + rs[:, None].to(tl.int64) * stride_vs + rd[None, :],
-                    mask=inb[:, None], other=0.0)  # fmt: skip
-        v = tl.where(valid[:, None], v, 0.0)  # an empty slot may hold anything, even NaN
+                    mask=valid[:, None], other=0.0)  # fmt: skip
         if USE_DOT and IEEE:
             pv = tl.dot(p.to(v.dtype), v, input_precision="ieee").to(tl.float32)
         elif USE_DOT:

@@ -113,9 +113,8 @@ def test_combine_skips_slices_without_visible_keys(device) -> None:
 
 @pytest.mark.parametrize("use_dot", [False, True])
 def test_empty_slots_holding_nan_do_not_leak(device, interpreted, use_dot) -> None:
-    """Keys and values are read under the bounds mask only: slots the cache marks empty (-1)
-    may hold anything a fresh allocation holds, NaN included, and must still count for
-    nothing."""
+    """Keys are read under the bounds mask only: slots the cache marks empty (-1) may hold
+    anything a fresh allocation holds, NaN included, and must still count for nothing."""
     if use_dot and interpreted:
         pytest.skip("tl.dot of 16-bit tiles: covered on the GPU")
     dtype = torch.bfloat16 if use_dot else torch.float32
