@@ -19,6 +19,7 @@ import argparse
 import collections
 import json
 import os
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -179,6 +180,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--parts", default="prefetch,gemv_hot,profile")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "profile.json"))
     args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print(f"{ap.prog} needs an NVIDIA GPU (none is visible to torch here)", file=sys.stderr)
+        return 2
     parts = args.parts.split(",")
     res: dict[str, Any] = {"card": torch.cuda.get_device_name(0), "torch": torch.__version__,
                            "triton": triton.__version__}  # fmt: skip

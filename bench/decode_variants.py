@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -81,9 +82,16 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     names = [v for v in args.variants.split(",") if v]
     unknown = [v for v in names if v not in VARIANTS]
-    if unknown:
+    if unknown or not names:
         ap.error(f"unknown variant(s) {unknown}; known: {', '.join(VARIANTS)}")
-    res = run(Path(args.ckpt), [int(d) for d in args.depths.split(",")], names, args.greedy)
+    try:
+        depths = [int(d) for d in args.depths.split(",") if d]
+    except ValueError:
+        ap.error(f"--depths takes comma-separated integers, not {args.depths!r}")
+    if not torch.cuda.is_available():
+        print(f"{ap.prog} needs an NVIDIA GPU (none is visible to torch here)", file=sys.stderr)
+        return 2
+    res = run(Path(args.ckpt), depths, names, args.greedy)
     res["card"] = torch.cuda.get_device_name(0)
     res["torch"] = torch.__version__
     Path(args.out).write_text(json.dumps(res, indent=1))
