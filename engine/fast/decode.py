@@ -1,11 +1,14 @@
-"""The decode step with fused kernels: the same function as Gemma4Model.decode_step, in ~14
+"""The decode step with fused kernels: the same function as Gemma4Model.decode_step, in 12
 launches per layer instead of ~95.
 
-Per layer: one GEMV for q|k|v (fused at load), one kernel for the q/k/v norms + RoPE + cache
-write, the split-cache attention (2), the o GEMV, one residual+norm kernel (post-attention norm,
-residual, pre-FFN norm), one GEMV for gate|up, one GELU*up kernel, the down GEMV, and the
-per-layer-input block (residual+norm, gate GEMV, GELU*input, projection GEMV, residual+norm+
-scalar+next layer's input norm). Every intermediate is rounded to the compute dtype where the
+Per layer (the default arrangement): one GEMV for q|k|v (fused at load), one kernel for the
+q/k/v norms + RoPE + cache write, the split-cache attention (2), the o GEMV, one residual+norm
+kernel (post-attention norm, residual, pre-FFN norm), one GEMV over the interleaved gate|up rows
+that applies GELU(gate)*up itself, the down GEMV, a residual+norm kernel, and the per-layer-input
+block (a gate GEMV that applies GELU*input itself, the projection GEMV, residual+norm+scalar+next
+layer's input norm). GPURIG_EPILOGUES and GPURIG_FUSE_QKV_ATTN rearrange it (residual+norm in
+the GEMVs' last program; the q/k/v work inside the attention): measured, neither was faster on
+the H200 (bench/NOTES.md). Every intermediate is rounded to the compute dtype where the
 reference rounds it, so the logits equal the reference's up to summation order.
 
 Shapes it covers: one token, one KV head per layer, power-of-two head widths, packed linears
