@@ -186,7 +186,6 @@ def run_capped(ckpt: Path) -> dict[str, Any]:
     res: dict[str, Any] = {"cap_mib": CAP_MIB}
     try:
         eng = engine.load(ckpt, device="cuda:0", max_context=131072, memory_cap_mib=CAP_MIB)
-        _shim_hooks(eng)
         res["prefill_chunk"] = eng.prefill_chunk
         res["loaded_mib"] = torch.cuda.memory_allocated() / 2**20
         r = decode_rate(eng, 131072 - 80, steps=32)
@@ -282,51 +281,6 @@ def _subprocess(name: str, args: list[str], timeout: float) -> dict[str, Any]:
     return res
 
 
-def _hooks_present() -> bool:
-    import inspect
-
-    from engine import generate, ops
-
-    return "fast" in inspect.getsource(ops.linear4) and "decoder_for" in inspect.getsource(generate)
-
-
-def _shim_hooks(eng) -> None:
-    """Until engine/ops.py and generate.py carry the fast-path branches, route the same calls
-    through engine.fast here (a bench-only stand-in with the same behaviour)."""
-    import engine.fast as fast
-    from engine import ops
-    from engine.fast import ops_fast
-
-    if _hooks_present():
-        return
-    eng.prefill_chunk = fast.prefill_chunk_for(eng.device, eng.memory_cap_mib)
-    for name in ("linear4", "embed4_rows", "attention_decode"):
-        if getattr(getattr(ops, name), "_gpurig_shim", False):
-            continue
-        ref = getattr(ops, name)
-        fn = getattr(ops_fast, name)
-
-        def wrapped(*a, _ref=ref, _fn=fn, **k):
-            t = a[0]
-            if fast.fast_enabled(t.device):
-                y = _fn(*a, **k)
-                if y is not None:
-                    return y
-            return _ref(*a, **k)
-
-        wrapped._gpurig_shim = True
-        setattr(ops, name, wrapped)
-    model = eng.model
-    original = model.decode_step
-
-    def decode_step(token, position, cache):
-        if fast.fast_enabled(model.device):
-            return fast.decoder_for(model, cache)(token, position)
-        return original(token, position, cache)
-
-    model.decode_step = decode_step
-
-
 def run_all(read_bps: float, save_cb=None, partial: dict | None = None,
             budget_s: float = 480.0) -> dict[str, Any]:  # fmt: skip
     """Everything, in order of importance, inside `budget_s` seconds."""
@@ -358,7 +312,6 @@ def run_all(read_bps: float, save_cb=None, partial: dict | None = None,
         out = {}
         for dt in (torch.float32, torch.bfloat16):
             eng = engine.load(TINY_DIR, device="cuda", dtype=dt, max_context=1024)
-            _shim_hooks(eng)
             prompt = [2] + list(range(10, 60))
             out[str(dt)] = greedy_pair(eng, prompt, 48)
         return out
@@ -366,8 +319,6 @@ def run_all(read_bps: float, save_cb=None, partial: dict | None = None,
     step("tiny_greedy", tiny)
     step("make_e2b", make, E2B_DIR)
     eng = engine.load(E2B_DIR, device="cuda")
-    _shim_hooks(eng)
-    res["hooks_in_engine"] = _hooks_present()
     res["load"] = {"prefill_chunk": eng.prefill_chunk,
                    "memory_report": eng.memory_report().model_dump(),
                    "decode_weight_bytes": eng.model.decode_weight_bytes()}  # fmt: skip
