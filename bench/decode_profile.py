@@ -174,23 +174,31 @@ def prefetch_effect() -> dict[str, Any]:
             "after_read_us": timed("read")}  # fmt: skip
 
 
+PARTS = ("prefetch", "gemv_hot", "profile")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--ckpt", default=str(E2B_DIR))
-    ap.add_argument("--parts", default="prefetch,gemv_hot,profile")
+    ap.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated: {', '.join(PARTS)}")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "profile.json"))
     args = ap.parse_args(argv)
+    parts = [p for p in args.parts.split(",") if p]
+    unknown = [p for p in parts if p not in PARTS]
+    if unknown or not parts:
+        ap.error(f"unknown part(s) {unknown}; known: {', '.join(PARTS)}")
     if not torch.cuda.is_available():
         print(f"{ap.prog} needs an NVIDIA GPU (none is visible to torch here)", file=sys.stderr)
         return 2
-    parts = args.parts.split(",")
     res: dict[str, Any] = {"card": torch.cuda.get_device_name(0), "torch": torch.__version__,
                            "triton": triton.__version__}  # fmt: skip
 
     def save() -> None:
         Path(args.out).write_text(json.dumps(res, indent=1))
 
-    if "prefetch" in parts:
+    if "prefetch" in parts and torch.cuda.get_device_capability(0)[0] < 9:
+        res["prefetch"] = {"skipped": "cp.async.bulk.prefetch needs compute capability 9.0+"}
+    elif "prefetch" in parts:
         res["prefetch"] = prefetch_effect()
         print(json.dumps(res["prefetch"]), flush=True)
         save()

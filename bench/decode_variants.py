@@ -2,10 +2,12 @@
 
     python3 -m bench.decode_variants --ckpt /tmp/gpurig_e2b_emb4 --out $OUT/variants.json
 
-The same weights, cache and tuned tiles; only GPURIG_PDL (programmatic dependent launch) and
-GPURIG_PREFETCH (L2 prefetch of each program's weight slice) change, so the differences are
-what those two buy. Each variant gets its own captured CUDA graph. Also checks that every
-variant's logits are bit-identical to the plain one's (neither switch may change a result).
+The same weights, cache and tuned tiles; only the switches of VARIANTS change (by default
+GPURIG_PDL, programmatic dependent launch, and GPURIG_PREFETCH, L2 prefetch of each program's
+weight slice), so the differences are what those buy. Each variant gets its own captured CUDA
+graph. Also reports whether each variant's logits are bit-identical to the first variant's:
+PDL and the prefetch may not change a result; the exact GEMV and the other arrangements round
+or sum otherwise and may.
 """
 
 from __future__ import annotations
@@ -87,7 +89,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         depths = [int(d) for d in args.depths.split(",") if d]
     except ValueError:
-        ap.error(f"--depths takes comma-separated integers, not {args.depths!r}")
+        depths = []
+    if not depths or min(depths) < 0:
+        ap.error(f"--depths takes comma-separated integers >= 0, not {args.depths!r}")
+    if args.greedy < 0:
+        ap.error(f"--greedy takes a count >= 0, not {args.greedy}")
     if not torch.cuda.is_available():
         print(f"{ap.prog} needs an NVIDIA GPU (none is visible to torch here)", file=sys.stderr)
         return 2
