@@ -132,7 +132,8 @@ def attention_from_qkv(
     k, v = cache.k, cache.v
     if k.dim() != 3 or k.shape[1] != 1 or d & (d - 1) or d < 16 or k.dtype != v.dtype:
         return None
-    if not qkv.is_contiguous() or qkv.numel() < hq * d + (2 * d if own_kv else 0):
+    kv_width = (d if v_from_k else 2 * d) if own_kv else 0  # k_eq_v layers carry no v
+    if not qkv.is_contiguous() or qkv.numel() < hq * d + kv_width:
         return None
     if k.stride(0) != d or v.stride(0) != d or k.stride(-1) != 1 or v.stride(-1) != 1:
         return None

@@ -58,6 +58,42 @@ def test_fused_decode_step_matches_the_reference_step(tiny_engine, monkeypatch, 
         )
 
 
+def test_qkv_in_attention_covers_layers_whose_values_are_their_keys(tmp_path, monkeypatch):
+    """attention_k_eq_v: the full layers carry no v projection (q|k only); with
+    GPURIG_FUSE_QKV_ATTN=1 their value still comes from the key inside the split kernel: no
+    layer may fall back to qkv_rope, and the step and cache equal the reference's."""
+    from engine.fast import decode
+
+    make_checkpoint(tmp_path, preset="tiny", seed=3, emb4=True,
+                    overrides={"attention_k_eq_v": True})  # fmt: skip
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    eng = engine.load(tmp_path, device=dev, dtype=torch.float32, max_context=256)
+    model = eng.model
+    assert any(w.k is not None and w.v is None for w in model.layers)
+    monkeypatch.setenv("GPURIG_FUSE_QKV_ATTN", "1")
+
+    def no_fallback(*a, **k):
+        raise AssertionError("a layer fell back to qkv_rope")
+
+    monkeypatch.setattr(decode, "qkv_rope", no_fallback)
+    prompt = [2] + list(range(10, 50))  # 40 > window 16: the rings wrap
+    logits = prefill(model, eng.cache, prompt, 16)
+    fused_cache = copy.deepcopy(eng.cache)
+    decoder = FusedDecoder(model, fused_cache)
+    tok = logits.argmax().view(1)
+    pos = torch.tensor([len(prompt)], device=model.device)
+    for _ in range(3):
+        ref = model.decode_step(tok, pos, eng.cache)[0]
+        fast = decoder.step(tok, pos)[0]
+        assert (ref - fast).abs().max().item() < 1e-4
+        tok, pos = ref.argmax().view(1), pos + 1
+    for i, layer in eng.cache.layers.items():
+        other = fused_cache.layers[i]
+        assert torch.equal(layer.pos, other.pos), i
+        assert torch.allclose(layer.k, other.k, atol=1e-5), i
+        assert torch.allclose(layer.v, other.v, atol=1e-5), i
+
+
 def test_fusion_keeps_one_copy_and_the_same_products(tiny_engine) -> None:
     model = tiny_engine.model
     fused = fuse_projections(model)
