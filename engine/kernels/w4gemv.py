@@ -502,7 +502,7 @@ def w4_gemv_glu(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> 
     (row 2i = gate_i, row 2i+1 = up_i): [..., N/2], rounded as the reference rounds."""
     x2, n, k = _prepare(x, packed, scales)
     cfg = dict(config_for(n, k, x.dtype, x2.shape[0], x.device, epi=1))
-    if cfg["BLOCK_N"] % 2:  # a default tiling (no tuning): whole row pairs
+    if cfg["BLOCK_N"] % 2:  # a one-row tiling tuned for the plain GEMV: whole row pairs
         cfg["BLOCK_N"] = 2
     y = torch.empty(x2.shape[0], n // 2, device=x.device, dtype=x.dtype)
     _launch(x2, packed.contiguous(), scales.contiguous(), y, cfg, epi=1)
