@@ -10,6 +10,7 @@
 | GPURIG_KERNEL_AUTOTUNE | "0": no first-use kernel tuning (stored or default tilings) | on |
 | GPURIG_FAST / GPURIG_CUDA_GRAPH / GPURIG_DECODE / GPURIG_EPILOGUES | the engine's CUDA fast path and its parts (engine/fast/__init__.py) | on / on / fused / glu |
 | GPURIG_GEMV_H2 / GPURIG_PDL / GPURIG_PREFETCH | half2 GEMV for 16-bit models; launch switches for sm_90 (engine/kernels/pdl.py) | on / off / off |
+| GPURIG_FUSE_QKV_ATTN | "1": q/k/v norms, RoPE and cache write inside the decode attention (engine/fast/decode.py) | off |
 
 Every CLI flag that names one of these (`--python`) wins over the variable.
 """
