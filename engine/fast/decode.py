@@ -102,8 +102,9 @@ class FusedDecoder:
         return h, ple
 
     def _rest_fused(self, i, w, fl, attn, h, ple, nxt):
-        """After attention, with the GEMV epilogues: o (+residual, norms), gate|up (+GELU*up),
-        down (+residual, norms), per-layer gate (+GELU*input), projection (+residual, norms)."""
+        """After attention, with the GEMV epilogues: o, gate|up (+GELU*up), down, per-layer
+        gate (+GELU*input), projection; each of o, down and projection followed by its
+        residual+norm kernel, or doing that work in its last program (GPURIG_EPILOGUES=all)."""
         eps = self.model.cfg.rms_norm_eps
 
         def resid(x, lin, w_post, scalar=None, w_next=None):
