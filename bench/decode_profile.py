@@ -66,7 +66,7 @@ def profile_decode(eng, depth: int, replays: int = 3) -> dict[str, Any]:
     os.unlink(trace)
     if not ks:
         return {"error": "no kernel events in the trace"}
-    # one replay = the kernels between consecutive lm_head-sized gaps; split evenly by count
+    # every replay launches the same kernels: the last 1/replays of the records is one replay
     per = len(ks) // replays
     step = ks[-per:]
     wall = step[-1]["ts"] + step[-1]["dur"] - step[0]["ts"]
