@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels.fused import _round, _write_new_kv
-from engine.kernels.pdl import launch_options, pdl_enter, pdl_on, prefetch_l2, prefetch_on
+from engine.kernels.pdl import pdl_enter, pdl_kwargs, prefetch_l2, prefetch_on
 
 # The combine: BLOCK_D head_dim columns per program (8 heads x 256 / 32 = 64 programs) and at
 # most COMBINE_TILE fp32 partial outputs in registers at a time (64 a thread at 4 warps), so up
@@ -54,6 +54,18 @@ def _span(pos, S, window, RING: tl.constexpr):
         lo = tl.where(window > 0, tl.maximum(pos - window + 1, 0), 0)
         hi = tl.minimum(pos + 1, S)
     return lo, hi
+
+
+@triton.jit
+def _my_slice(pos_ptr, S, window, BLOCK_S: tl.constexpr, RING: tl.constexpr):
+    """(position, first slot, one past the last slot) of this program's slice of the live
+    range. The position is filled by the host before the step: safe to read before the PDL
+    wait."""
+    pos = tl.load(pos_ptr).to(tl.int32)
+    lo, hi = _span(pos, S, window, RING)
+    chunk = tl.cdiv(tl.cdiv(hi - lo, tl.num_programs(0)), BLOCK_S) * BLOCK_S
+    start = lo + tl.program_id(0) * chunk
+    return pos, start, tl.minimum(start + chunk, hi)
 
 
 @triton.jit
@@ -129,12 +141,7 @@ def _attn_split_kernel(
     PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False,
 ):  # fmt: skip
     pid = tl.program_id(0)
-    P = tl.num_programs(0)
-    pos = tl.load(pos_ptr).to(tl.int32)  # filled by the host before the step: safe before the wait
-    lo, hi = _span(pos, S, window, RING)
-    chunk = tl.cdiv(tl.cdiv(hi - lo, P), BLOCK_S) * BLOCK_S
-    start = lo + pid * chunk
-    end = tl.minimum(start + chunk, hi)
+    pos, start, end = _my_slice(pos_ptr, S, window, BLOCK_S, RING)
     if PREFETCH:  # noqa: SIM102 - a constexpr branch around a run-time one
         if end > start:  # the first rows of this slice into L2 while the previous kernel runs
             EB: tl.constexpr = k_ptr.dtype.element_ty.primitive_bitwidth // 8
@@ -171,12 +178,7 @@ def _attn_split_qkv_kernel(
     _qkv_rope_kernel (the same helpers)."""
     DTA: tl.constexpr = qkv_ptr.dtype.element_ty
     pid = tl.program_id(0)
-    P = tl.num_programs(0)
-    pos = tl.load(pos_ptr).to(tl.int32)
-    lo, hi = _span(pos, S, window, RING)
-    chunk = tl.cdiv(tl.cdiv(hi - lo, P), BLOCK_S) * BLOCK_S
-    start = lo + pid * chunk
-    end = tl.minimum(start + chunk, hi)
+    pos, start, end = _my_slice(pos_ptr, S, window, BLOCK_S, RING)
     pdl_enter(PDL)
     rh = tl.arange(0, HP)
     rd = tl.arange(0, D)
@@ -346,7 +348,7 @@ class DecodeAttention:
             out = torch.empty(h, d, device=q.device, dtype=q.dtype)
         o2 = out.view(h, d)
         num_warps = 4 if self.use_dot else 8
-        pdl = pdl_on(q2)
+        pdl = pdl_kwargs(q2)
         _attn_split_kernel[(self.splits,)](
             q2, k_cache, v_cache, pos, slot_pos if slot_pos is not None else pos,
             self.partial_o, self.partial_m, self.partial_l,
@@ -354,12 +356,12 @@ class DecodeAttention:
             v_cache.stride(0),
             H=h, HP=self.heads_padded, D=d, BLOCK_S=self.block_s, RING=self.ring,
             USE_DOT=self.use_dot, HAS_KPOS=slot_pos is not None, num_warps=num_warps,
-            num_stages=2, PDL=pdl, PREFETCH=prefetch_on(q2), **launch_options(pdl),
+            num_stages=2, PREFETCH=prefetch_on(q2), **pdl,
         )  # fmt: skip
         self._combine(pos, o2, pdl)
         return out.view(q.shape)
 
-    def _combine(self, pos: torch.Tensor, o2: torch.Tensor, pdl: bool) -> None:
+    def _combine(self, pos: torch.Tensor, o2: torch.Tensor, pdl: dict[str, bool]) -> None:
         h, d = self.num_heads, self.head_dim
         block_d = min(d, COMBINE_BLOCK_D)
         block_p = triton.next_power_of_2(self.splits)
@@ -368,7 +370,7 @@ class DecodeAttention:
             self.splits, o2.stride(0),
             H=h, D=d, BLOCK_D=block_d, BLOCK_S=self.block_s, BLOCK_P=block_p,
             CHUNK_P=min(block_p, COMBINE_TILE // block_d), RING=self.ring, num_warps=4,
-            PDL=pdl, **launch_options(pdl),
+            **pdl,
         )  # fmt: skip
 
     def from_qkv(
@@ -401,7 +403,7 @@ class DecodeAttention:
         if out is None:
             out = torch.empty(h, d, device=qkv.device, dtype=qkv.dtype)
         o2 = out.view(h, d)
-        pdl = pdl_on(qkv)
+        pdl = pdl_kwargs(qkv)
         _attn_split_qkv_kernel[(self.splits,)](
             qkv, q_norm, k_norm if k_norm is not None else q_norm, cos, sin, eps,
             k_cache, v_cache, pos, slot_pos, self.partial_o, self.partial_m, self.partial_l,
@@ -409,7 +411,7 @@ class DecodeAttention:
             H=h, HP=self.heads_padded, D=d, BLOCK_S=self.block_s, RING=self.ring,
             USE_DOT=self.use_dot, HAS_KPOS=True, OWN_KV=own_kv, V_FROM_K=v_from_k,
             WRITE_RING=write_ring, num_warps=4 if self.use_dot else 8, num_stages=2,
-            PDL=pdl, **launch_options(pdl),
+            **pdl,
         )  # fmt: skip
         self._combine(pos, o2, pdl)
         return out

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.pdl import launch_options, pdl_enter, pdl_on
+from engine.kernels.pdl import pdl_enter, pdl_kwargs
 
 
 @triton.jit
@@ -201,12 +201,6 @@ def _block(n: int) -> int:
     return triton.next_power_of_2(max(n, 16))
 
 
-def _pdl(t: torch.Tensor) -> dict:
-    """The PDL constexpr and launch option for a kernel working on t (see engine/kernels/pdl.py)."""
-    on = pdl_on(t)
-    return {"PDL": on, **launch_options(on)}
-
-
 def _warps(n: int) -> int:
     return 8 if n >= 4096 else 4 if n >= 1024 else 2 if n >= 256 else 1
 
@@ -219,7 +213,7 @@ def rmsnorm_rows(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
     out = torch.empty_like(x2) if out is None else out.view(-1, d)
     _rmsnorm_rows_kernel[(x2.shape[0],)](
         x2, weight if weight is not None else x2, out, d, x2.stride(0), out.stride(0), eps,
-        HAS_W=weight is not None, BLOCK=_block(d), num_warps=_warps(d), **_pdl(x2),
+        HAS_W=weight is not None, BLOCK=_block(d), num_warps=_warps(d), **pdl_kwargs(x2),
     )  # fmt: skip
     return out.view(x.shape)
 
@@ -242,7 +236,7 @@ def residual_norm(
         h, y, w_post, scalar if scalar is not None else w_post,
         w_next if w_next is not None else w_post, h_out, x_out if x_out is not None else h_out,
         d, eps, HAS_SCALAR=scalar is not None, HAS_NEXT=w_next is not None,
-        BLOCK=_block(d), num_warps=_warps(d), **_pdl(h),
+        BLOCK=_block(d), num_warps=_warps(d), **pdl_kwargs(h),
     )  # fmt: skip
     return h_out, x_out
 
@@ -252,7 +246,9 @@ def gelu_mul(g: torch.Tensor, u: torch.Tensor, out: torch.Tensor | None = None) 
     n = g.numel()
     out = torch.empty_like(g) if out is None else out
     block = 1024
-    _gelu_mul_kernel[(triton.cdiv(n, block),)](g, u, out, n, BLOCK=block, num_warps=4, **_pdl(g))
+    _gelu_mul_kernel[(triton.cdiv(n, block),)](
+        g, u, out, n, BLOCK=block, num_warps=4, **pdl_kwargs(g)
+    )
     return out
 
 
@@ -280,7 +276,7 @@ def qkv_rope(
         cache.k if own else q_out, cache.v if own else q_out, cache.pos if own else position,
         position, cache.slots if own else 1, eps,
         HQ=num_heads, D=head_dim, OWN_KV=own, V_FROM_K=v_from_k,
-        RING=bool(own and cache.window is not None), num_warps=_warps(head_dim), **_pdl(qkv),
+        RING=bool(own and cache.window is not None), num_warps=_warps(head_dim), **pdl_kwargs(qkv),
     )  # fmt: skip
     return q_out
 
@@ -299,6 +295,6 @@ def ple_mix(
     out = torch.empty(layers, width, device=proj.device, dtype=proj.dtype)
     _ple_mix_kernel[(layers,)](
         proj, tok, weight, out, width, eps, c_proj, c_mix, BLOCK=_block(width),
-        num_warps=_warps(width), **_pdl(proj),
+        num_warps=_warps(width), **pdl_kwargs(proj),
     )  # fmt: skip
     return out

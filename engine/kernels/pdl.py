@@ -73,6 +73,12 @@ def launch_options(pdl: bool) -> dict[str, bool]:
     return {"launch_pdl": True} if pdl else {}
 
 
+def pdl_kwargs(t: torch.Tensor) -> dict[str, bool]:
+    """The `PDL` constexpr and the launch option of a kernel working on t, together."""
+    on = pdl_on(t)
+    return {"PDL": on, **launch_options(on)}
+
+
 @triton.jit
 def pdl_enter(PDL: tl.constexpr):
     """Wait until the previous kernel's writes are visible, then let the next kernel start."""

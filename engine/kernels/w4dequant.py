@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.pdl import launch_options, pdl_enter, pdl_on
+from engine.kernels.pdl import pdl_enter, pdl_kwargs
 
 
 @triton.jit
@@ -70,12 +70,11 @@ def _launch(ids, packed, scales, out, mul=None) -> None:
     kw = k // 8
     block_kw = min(256, triton.next_power_of_2(max(kw, 16)))
     grid = (rows, triton.cdiv(kw, block_kw))
-    pdl = pdl_on(out)
     _w4_rows_kernel[grid](
         ids if ids is not None else packed, packed, scales, out,
         mul if mul is not None else scales, k, out.stride(0),
         HAS_IDS=ids is not None, BLOCK_KW=block_kw, HAS_MUL=mul is not None, num_warps=4,
-        PDL=pdl, **launch_options(pdl),
+        **pdl_kwargs(out),
     )  # fmt: skip
 
 

@@ -32,7 +32,7 @@ import triton.language as tl
 
 from engine.kernels import tuning
 from engine.kernels.fused import _gelu_tanh, _rms, _round
-from engine.kernels.pdl import launch_options, pdl_enter, pdl_on, prefetch_l2, prefetch_on
+from engine.kernels.pdl import pdl_enter, pdl_kwargs, prefetch_l2, prefetch_on
 
 KERNEL_NAME = "w4gemv"
 _MAGIC = 0x4B000000
@@ -299,9 +299,13 @@ _ASM = {"ok": True}  # cleared if the inline-PTX variant ever fails to build on 
 
 def _use_asm(t: torch.Tensor) -> bool:
     """The inline-PTX lop3 runs on NVIDIA GPUs only (not in the CPU interpreter)."""
+    return _asm_on(t.device)
+
+
+def _asm_on(device: torch.device) -> bool:
     return (
         _ASM["ok"]
-        and t.is_cuda
+        and device.type == "cuda"
         and torch.version.hip is None
         and os.environ.get("TRITON_INTERPRET") != "1"
     )
@@ -314,9 +318,13 @@ def use_h2(t: torch.Tensor) -> bool:
     """Half2 arithmetic for 16-bit activations on NVIDIA GPUs (GPURIG_GEMV_H2=0 turns it off).
     fp32 models keep the exact fp32 unpack: their fast path equals the reference token for
     token."""
+    return _h2_on(t.dtype, t.device)
+
+
+def _h2_on(dtype: torch.dtype, device: torch.device) -> bool:
     return (
-        t.dtype in (torch.float16, torch.bfloat16)
-        and _use_asm(t)
+        dtype in (torch.float16, torch.bfloat16)
+        and _asm_on(device)
         and os.environ.get(H2_ENV, "1") != "0"
     )
 
@@ -339,7 +347,6 @@ def _launch(x2, packed, scales, y, cfg: dict[str, Any], epi: int = 0, aux=None, 
     n = packed.shape[0]
     kw = k // 8
     grid = (triton.cdiv(n, cfg["BLOCK_N"]), m)
-    pdl = pdl_on(x2)
     _w4_gemv_kernel[grid](
         x2, packed, scales, y, n, k, k // 8, k // 32, x2.stride(0), y.stride(0),
         aux if aux is not None else y, h if h is not None else y,
@@ -349,8 +356,8 @@ def _launch(x2, packed, scales, y, cfg: dict[str, Any], epi: int = 0, aux=None, 
         BLOCK_N=cfg["BLOCK_N"], BLOCK_KW=cfg["BLOCK_KW"], EVEN_K=(kw % cfg["BLOCK_KW"] == 0),
         USE_ASM=_use_asm(x2), EPI=epi, HAS_SCALAR=scalar is not None, H2=use_h2(x2),
         HAS_NEXT=w_next is not None, BLOCK_H=triton.next_power_of_2(max(n, 16)) if epi == 3 else 16,
-        PDL=pdl, PREFETCH=prefetch_on(x2), num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"], **launch_options(pdl),
+        PREFETCH=prefetch_on(x2), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        **pdl_kwargs(x2),
     )  # fmt: skip
 
 
@@ -433,8 +440,7 @@ def config_for(
     if epi in (1, 2):
         epi = 0
     gpu = tuning.gpu_key(device)
-    probe = torch.empty(0, device=device, dtype=dtype)
-    key = _shape_key(n, k, dtype, m, epi, use_h2(probe))
+    key = _shape_key(n, k, dtype, m, epi, _h2_on(dtype, device))
     cfg = tuning.lookup(KERNEL_NAME, key, gpu)
     if cfg is not None:
         return cfg
