@@ -18,6 +18,9 @@ limit, so each code costs one logic instruction and two float ones:
   Every step is exact in fp32 (powers of two), so the result is the true dot product.
 * one program owns BLOCK_N whole rows and walks K; no split-K, no atomics, no second pass:
   small BLOCK_N gives the parallelism instead. The tiling is chosen per (N, K) on the device.
+* PIPE: each K step's words, scales and activations are requested before the previous step's
+  arithmetic (held in registers, a software pipeline), so a program waits on memory once, not
+  once per step; Triton's own pipeliner only stages loads that feed a tl.dot.
 """
 
 from __future__ import annotations
@@ -85,10 +88,10 @@ _CANDIDATE_TILES = [
 
 
 @triton.jit
-def _nibble_dot(w, x_ptrs, k_mask, MASK: tl.constexpr, OFFSET: tl.constexpr,
-                XSCALE: tl.constexpr, USE_ASM: tl.constexpr):  # fmt: skip
+def _nibble_dot(w, xj, MASK: tl.constexpr, OFFSET: tl.constexpr, XSCALE: tl.constexpr,
+                USE_ASM: tl.constexpr):  # fmt: skip
     """(code_j - 8) * x_j for one nibble position j of every word in the tile (exact)."""
-    xj = tl.load(x_ptrs, mask=k_mask, other=0.0).to(tl.float32) * XSCALE
+    xj = xj * XSCALE
     if USE_ASM:  # (w & MASK) | 2^23 in ONE lop3 (ptxas emits two LOP3s for the plain form)
         bits = tl.inline_asm_elementwise(
             "lop3.b32 $0, $1, $2, $3, 0xEA;", "=r,r,r,r",
@@ -128,7 +131,44 @@ def _pack_h2(lo, hi):
 
 
 @triton.jit
-def _h2_tile_dot(w, x_ptrs, k_mask):
+def _tile_loads(w_ptrs, s_ptrs, x_ptrs, rk, kw0, KW, BLOCK_KW: tl.constexpr,
+                EVEN_K: tl.constexpr):  # fmt: skip
+    """One K step's operands: the tile's words and scales and its 8 x BLOCK_KW activations
+    (as fp32). Returned as values so the caller decides when they are requested (PIPE: one
+    step ahead of the arithmetic).
+
+    EVEN_K (BLOCK_KW divides KW): no masks. Otherwise columns at or past KW are masked to
+    zero."""
+    if EVEN_K:
+        w = tl.load(w_ptrs + kw0)
+        s = tl.load(s_ptrs + kw0 // 4).to(tl.float32)
+        xp = x_ptrs + kw0 * 8
+        x0 = tl.load(xp + 0).to(tl.float32)
+        x1 = tl.load(xp + 1).to(tl.float32)
+        x2 = tl.load(xp + 2).to(tl.float32)
+        x3 = tl.load(xp + 3).to(tl.float32)
+        x4 = tl.load(xp + 4).to(tl.float32)
+        x5 = tl.load(xp + 5).to(tl.float32)
+        x6 = tl.load(xp + 6).to(tl.float32)
+        x7 = tl.load(xp + 7).to(tl.float32)
+    else:
+        m = (kw0 + rk) < KW
+        w = tl.load(w_ptrs + kw0, mask=m[None, :], other=0)
+        s = tl.load(s_ptrs + kw0 // 4, mask=m[None, :], other=0.0).to(tl.float32)
+        xp = x_ptrs + kw0 * 8
+        x0 = tl.load(xp + 0, mask=m, other=0.0).to(tl.float32)
+        x1 = tl.load(xp + 1, mask=m, other=0.0).to(tl.float32)
+        x2 = tl.load(xp + 2, mask=m, other=0.0).to(tl.float32)
+        x3 = tl.load(xp + 3, mask=m, other=0.0).to(tl.float32)
+        x4 = tl.load(xp + 4, mask=m, other=0.0).to(tl.float32)
+        x5 = tl.load(xp + 5, mask=m, other=0.0).to(tl.float32)
+        x6 = tl.load(xp + 6, mask=m, other=0.0).to(tl.float32)
+        x7 = tl.load(xp + 7, mask=m, other=0.0).to(tl.float32)
+    return w, s, x0, x1, x2, x3, x4, x5, x6, x7
+
+
+@triton.jit
+def _h2_tile_dot(w, x0, x1, x2, x3, x4, x5, x6, x7):
     """sum_j (code_j - 8) * x_j for every word of the tile, the products and the sum of each
     word's 8 terms in half2 arithmetic (2 codes per instruction): (w [BN, BKW] int32) ->
     (fp32 [BN, BKW], fp32 [BKW] factor to multiply it by).
@@ -136,14 +176,6 @@ def _h2_tile_dot(w, x_ptrs, k_mask):
     fp16 range: each column's 8 activations are scaled by a power of two that puts their
     largest magnitude in [512, 1024), so no product (|c - 8| <= 8) or 4-term sum can overflow
     whatever the activations' range (bf16 spans far more than fp16); the factor undoes it."""
-    x0 = tl.load(x_ptrs + 0, mask=k_mask, other=0.0).to(tl.float32)
-    x1 = tl.load(x_ptrs + 1, mask=k_mask, other=0.0).to(tl.float32)
-    x2 = tl.load(x_ptrs + 2, mask=k_mask, other=0.0).to(tl.float32)
-    x3 = tl.load(x_ptrs + 3, mask=k_mask, other=0.0).to(tl.float32)
-    x4 = tl.load(x_ptrs + 4, mask=k_mask, other=0.0).to(tl.float32)
-    x5 = tl.load(x_ptrs + 5, mask=k_mask, other=0.0).to(tl.float32)
-    x6 = tl.load(x_ptrs + 6, mask=k_mask, other=0.0).to(tl.float32)
-    x7 = tl.load(x_ptrs + 7, mask=k_mask, other=0.0).to(tl.float32)
     mx = tl.maximum(tl.maximum(tl.maximum(tl.abs(x0), tl.abs(x1)), tl.maximum(tl.abs(x2), tl.abs(x3))),
                     tl.maximum(tl.maximum(tl.abs(x4), tl.abs(x5)), tl.maximum(tl.abs(x6), tl.abs(x7))))  # fmt: skip
     e = (mx.to(tl.int32, bitcast=True) >> 23) & 0xFF  # biased exponent of the largest
@@ -164,6 +196,27 @@ def _h2_tile_dot(w, x_ptrs, k_mask):
 
 
 @triton.jit
+def _tile_step(acc, w, s, x0, x1, x2, x3, x4, x5, x6, x7, H2: tl.constexpr,
+               USE_ASM: tl.constexpr):  # fmt: skip
+    """acc + every word's dot with its 8 activations, times its group scale."""
+    if H2:  # half2 arithmetic: ~2 instructions per code instead of ~4.4
+        part, inv = _h2_tile_dot(w, x0, x1, x2, x3, x4, x5, x6, x7)
+        acc += part * (s * inv[None, :])
+    else:
+        part = _nibble_dot(w, x0, 0xF, 8388616.0, 1.0, USE_ASM)
+        part += _nibble_dot(w, x1, 0xF0, 8388736.0, 0.0625, USE_ASM)
+        part += _nibble_dot(w, x2, 0xF00, 8390656.0, 0.00390625, USE_ASM)
+        part += _nibble_dot(w, x3, 0xF000, 8421376.0, 0.000244140625, USE_ASM)
+        part += _nibble_dot(w, x4, 0xF0000, 8912896.0, 0.0000152587890625, USE_ASM)
+        wh = w >> 20
+        part += _nibble_dot(wh, x5, 0xF, 8388616.0, 1.0, USE_ASM)
+        part += _nibble_dot(wh, x6, 0xF0, 8388736.0, 0.0625, USE_ASM)
+        part += _nibble_dot(wh, x7, 0xF00, 8390656.0, 0.00390625, USE_ASM)
+        acc += part * s
+    return acc
+
+
+@triton.jit
 def _w4_gemv_kernel(
     x_ptr, w_ptr, s_ptr, y_ptr,
     N, K, KW, G, stride_xm, stride_ym,
@@ -172,6 +225,7 @@ def _w4_gemv_kernel(
     USE_ASM: tl.constexpr = False, EPI: tl.constexpr = 0, HAS_SCALAR: tl.constexpr = False,
     HAS_NEXT: tl.constexpr = False, BLOCK_H: tl.constexpr = 16,
     PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False, H2: tl.constexpr = False,
+    PIPE: tl.constexpr = True,
 ):  # fmt: skip
     """EPI 0: y = x W^T. 1: GLU over interleaved (gate, up) rows -> gelu(gate) * up, N/2 wide.
     2: gelu(y) * aux[row]. 3: y, then the LAST program to finish adds rms_norm(y) * w_post to
@@ -201,34 +255,22 @@ def _w4_gemv_kernel(
     s_ptrs = s_ptr + rn_safe[:, None] * G + rk[None, :] // 4
     x_ptrs = x_ptr + pid_m * stride_xm + rk * 8
     acc = tl.zeros([BLOCK_N, BLOCK_KW], dtype=tl.float32)
-    for kw0 in range(0, KW, BLOCK_KW):
-        if EVEN_K:
-            k_mask = rk < BLOCK_KW
-            w = tl.load(w_ptrs)
-            s = tl.load(s_ptrs).to(tl.float32)
+    w, s, x0, x1, x2, x3, x4, x5, x6, x7 = _tile_loads(w_ptrs, s_ptrs, x_ptrs, rk, 0, KW,
+                                                       BLOCK_KW, EVEN_K)  # fmt: skip
+    for kn in range(BLOCK_KW, KW, BLOCK_KW):  # kn: the NEXT step's first word
+        # PIPE: the next step's operands are requested before this step's arithmetic, so the
+        # memory latency of step i+1 overlaps the unpacking of step i (one wait per kernel,
+        # not per step); else after it
+        if PIPE:
+            nw, ns, n0, n1, n2, n3, n4, n5, n6, n7 = _tile_loads(
+                w_ptrs, s_ptrs, x_ptrs, rk, kn, KW, BLOCK_KW, EVEN_K)  # fmt: skip
+            acc = _tile_step(acc, w, s, x0, x1, x2, x3, x4, x5, x6, x7, H2, USE_ASM)
         else:
-            k_mask = (kw0 + rk) < KW
-            w = tl.load(w_ptrs, mask=k_mask[None, :], other=0)
-            s = tl.load(s_ptrs, mask=k_mask[None, :], other=0.0).to(tl.float32)
-        if H2:  # half2 arithmetic: ~2 instructions per code instead of ~4.4
-            part, inv = _h2_tile_dot(w, x_ptrs, k_mask)
-            acc += part * (s * inv[None, :])
-        else:
-            part = _nibble_dot(w, x_ptrs + 0, k_mask, 0xF, 8388616.0, 1.0, USE_ASM)
-            part += _nibble_dot(w, x_ptrs + 1, k_mask, 0xF0, 8388736.0, 0.0625, USE_ASM)
-            part += _nibble_dot(w, x_ptrs + 2, k_mask, 0xF00, 8390656.0, 0.00390625, USE_ASM)
-            part += _nibble_dot(w, x_ptrs + 3, k_mask, 0xF000, 8421376.0, 0.000244140625,
-                                USE_ASM)  # fmt: skip
-            part += _nibble_dot(w, x_ptrs + 4, k_mask, 0xF0000, 8912896.0, 0.0000152587890625,
-                                USE_ASM)  # fmt: skip
-            wh = w >> 20
-            part += _nibble_dot(wh, x_ptrs + 5, k_mask, 0xF, 8388616.0, 1.0, USE_ASM)
-            part += _nibble_dot(wh, x_ptrs + 6, k_mask, 0xF0, 8388736.0, 0.0625, USE_ASM)
-            part += _nibble_dot(wh, x_ptrs + 7, k_mask, 0xF00, 8390656.0, 0.00390625, USE_ASM)
-            acc += part * s
-        w_ptrs += BLOCK_KW
-        s_ptrs += BLOCK_KW // 4
-        x_ptrs += BLOCK_KW * 8
+            acc = _tile_step(acc, w, s, x0, x1, x2, x3, x4, x5, x6, x7, H2, USE_ASM)
+            nw, ns, n0, n1, n2, n3, n4, n5, n6, n7 = _tile_loads(
+                w_ptrs, s_ptrs, x_ptrs, rk, kn, KW, BLOCK_KW, EVEN_K)  # fmt: skip
+        w, s, x0, x1, x2, x3, x4, x5, x6, x7 = nw, ns, n0, n1, n2, n3, n4, n5, n6, n7
+    acc = _tile_step(acc, w, s, x0, x1, x2, x3, x4, x5, x6, x7, H2, USE_ASM)  # the last step
     y = tl.sum(acc, axis=1)
     DT: tl.constexpr = y_ptr.dtype.element_ty
     if EPI == 1:
@@ -281,12 +323,12 @@ def _default_config(n: int, k: int) -> dict[str, Any]:
     """A reasonable tiling when nothing is tuned (CPU interpreter, capture, tuning off)."""
     kw = k // 8
     if n >= 4096 and kw >= 64:  # several rows per thread: the activations are reused
-        return {"BLOCK_N": 8, "BLOCK_KW": 64, "num_warps": 2, "num_stages": 2}
+        return {"BLOCK_N": 8, "BLOCK_KW": 64, "num_warps": 2, "num_stages": 2, "PIPE": True}
     block_kw = 256 if kw >= 256 else triton.next_power_of_2(max(kw, 16))
-    return {"BLOCK_N": 4, "BLOCK_KW": block_kw, "num_warps": 4, "num_stages": 2}
+    return {"BLOCK_N": 4, "BLOCK_KW": block_kw, "num_warps": 4, "num_stages": 2, "PIPE": True}
 
 
-KERNEL_VERSION = 3  # bump when the kernel changes: stored tilings of older versions are ignored
+KERNEL_VERSION = 4  # bump when the kernel changes: stored tilings of older versions are ignored
 
 
 def _shape_key(n: int, k: int, dtype: torch.dtype, m: int, epi: int = 0, h2: bool = False) -> str:
@@ -345,7 +387,6 @@ def _launch(x2, packed, scales, y, cfg: dict[str, Any], epi: int = 0, aux=None, 
             eps: float = 1e-6) -> None:  # fmt: skip
     m, k = x2.shape
     n = packed.shape[0]
-    kw = k // 8
     grid = (triton.cdiv(n, cfg["BLOCK_N"]), m)
     _w4_gemv_kernel[grid](
         x2, packed, scales, y, n, k, k // 8, k // 32, x2.stride(0), y.stride(0),
@@ -353,7 +394,8 @@ def _launch(x2, packed, scales, y, cfg: dict[str, Any], epi: int = 0, aux=None, 
         w_post if w_post is not None else y, scalar if scalar is not None else y,
         w_next if w_next is not None else y, h_out if h_out is not None else y,
         x_out if x_out is not None else y, _counter(x2.device) if epi == 3 else y, eps,
-        BLOCK_N=cfg["BLOCK_N"], BLOCK_KW=cfg["BLOCK_KW"], EVEN_K=(kw % cfg["BLOCK_KW"] == 0),
+        BLOCK_N=cfg["BLOCK_N"], BLOCK_KW=cfg["BLOCK_KW"], PIPE=cfg.get("PIPE", True),
+        EVEN_K=(k // 8) % cfg["BLOCK_KW"] == 0,
         USE_ASM=_use_asm(x2), EPI=epi, HAS_SCALAR=scalar is not None, H2=use_h2(x2),
         HAS_NEXT=w_next is not None, BLOCK_H=triton.next_power_of_2(max(n, 16)) if epi == 3 else 16,
         PREFETCH=prefetch_on(x2), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
@@ -369,7 +411,10 @@ def candidate_configs(n: int, k: int, epi: int = 0) -> list[dict[str, Any]]:
     for bn, bkw, warps, stages in _CANDIDATE_TILES:
         if bkw > max(32, triton.next_power_of_2(kw)) or (epi == 1 and bn % 2):
             continue
-        out.append({"BLOCK_N": bn, "BLOCK_KW": bkw, "num_warps": warps, "num_stages": stages})
+        tile = {"BLOCK_N": bn, "BLOCK_KW": bkw, "num_warps": warps, "num_stages": stages}
+        out.append(dict(tile, PIPE=True))
+        if kw > bkw:  # several K steps: loading after the arithmetic is the other choice
+            out.append(dict(tile, PIPE=False))
     return out
 
 
@@ -421,7 +466,7 @@ def tune(
     return best, us, results
 
 
-_TILES_ONLY = ("BLOCK_N", "BLOCK_KW", "num_warps", "num_stages")
+_TILES_ONLY = ("BLOCK_N", "BLOCK_KW", "num_warps", "num_stages", "PIPE")
 
 
 def config_for(
@@ -463,6 +508,9 @@ def config_for(
     if epi == 0:
         _RANKED[key] = [c for c, _ in sorted(results, key=lambda r: r[1])]
     best = dict(best, us=round(us, 3))
+    no_pipe = [t for c, t in results if not c.get("PIPE", True)]
+    if no_pipe:  # kept beside the choice: what the software pipeline gained on this shape
+        best["us_no_pipe"] = round(min(no_pipe), 3)
     tuning.store(KERNEL_NAME, key, gpu, best)
     return best
 

@@ -52,7 +52,10 @@ def test_w4_gemv_matches_reference(device, dtype, m, n, k) -> None:
     [
         {"BLOCK_N": 1, "BLOCK_KW": 32, "num_warps": 1, "num_stages": 1},  # K not a multiple
         {"BLOCK_N": 16, "BLOCK_KW": 64, "num_warps": 4, "num_stages": 2},  # rows masked
-        {"BLOCK_N": 4, "BLOCK_KW": 16, "num_warps": 2, "num_stages": 3},  # even K loop
+        {"BLOCK_N": 4, "BLOCK_KW": 16, "num_warps": 2, "num_stages": 3},  # 3 K steps, pipelined
+        # the same without the software pipeline (operands loaded after each step's arithmetic)
+        {"BLOCK_N": 1, "BLOCK_KW": 32, "num_warps": 1, "num_stages": 1, "PIPE": False},
+        {"BLOCK_N": 4, "BLOCK_KW": 16, "num_warps": 2, "num_stages": 3, "PIPE": False},
     ],
 )
 def test_every_tiling_computes_the_same_function(device, cfg) -> None:
