@@ -27,7 +27,12 @@ from engine.fast import ops_fast
 from engine.fast.fuse import fuse_projections
 from engine.kernels.fused import gelu_mul, ple_mix, qkv_rope, residual_norm, rmsnorm_rows
 from engine.kernels.w4dequant import w4_gather_rows
-from engine.kernels.w4gemv import w4_gemv_gelu_mul, w4_gemv_glu, w4_gemv_residual
+from engine.kernels.w4gemv import (
+    w4_gemv_after_residual,
+    w4_gemv_gelu_mul,
+    w4_gemv_glu,
+    w4_gemv_residual,
+)
 
 
 def _epilogues_on() -> bool:
@@ -49,6 +54,13 @@ def _residual_epilogues_on() -> bool:
     H200 that serial tail cost ~2.6 us per GEMV, and one separate residual+norm kernel was 2%
     faster end to end (bench/NOTES.md)."""
     return os.environ.get("GPURIG_EPILOGUES", "glu") in ("1", "all")
+
+
+def _prologue_on() -> bool:
+    """GPURIG_PROLOGUE=1: the residual+norm before the per-layer gate and before the next
+    layer's q|k|v is made in that GEMV's prologue: 10 launches per layer instead of 12. Off
+    until measured on a GPU (bench/NOTES.md)."""
+    return os.environ.get("GPURIG_PROLOGUE", "0") == "1"
 
 
 def _packed(w) -> bool:
@@ -80,6 +92,17 @@ class FusedDecoder:
         self.model = model
         self.cache = cache
         self.fused = fuse_projections(model)
+        m = model
+        # the one matrix each layer's q|k|v GEMV reads (kv-shared layers: q alone)
+        self.qkv_lin = [
+            fl.qkv if fl.qkv is not None else w.q if w.k is None and w.v is None else None
+            for fl, w in zip(self.fused, m.layers, strict=True)
+        ]
+        self.prologue_ok = (
+            all(q is not None and _packed(q) for q in self.qkv_lin)
+            and all(fl.gate_up is not None and _packed(fl.gate_up) for fl in self.fused)
+            and all(_packed(w.ple_gate) for w in m.layers if m.ple_table is not None)
+        )
 
     def _embed(self, token: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         m, cfg = self.model, self.model.cfg
@@ -129,11 +152,85 @@ class FusedDecoder:
             a2 = gelu_mul(_lin(h, w.ple_gate).contiguous(), ple[i])
         return h, resid(a2, w.ple_proj, w.ple_norm, scalar=w.layer_scalar, w_next=nxt)
 
+    def _attention(self, i, w, qkv, position, rope):
+        """q/k/v norms + RoPE + cache write, then the split-cache attention: [1, hq * hd]."""
+        cfg, cache = self.model.cfg, self.cache
+        hq, hd, eps = cfg.num_attention_heads, cfg.layer_head_dims[i], cfg.rms_norm_eps
+        window = cfg.sliding_window if cfg.is_sliding(i) else None
+        cos, sin = rope[cfg.layer_types[i]]
+        own = w.k is not None
+        src = cache.layers[cfg.kv_producer(i)]
+        if _fuse_qkv_attention():
+            attn = ops_fast.attention_from_qkv(
+                qkv.reshape(-1), w.q_norm, w.k_norm, cos, sin, eps, hq, hd, position, src,
+                own_kv=own, v_from_k=own and w.v is None, window=window,
+            )  # fmt: skip
+            if attn is not None:
+                return attn.reshape(1, hq * hd)
+        q = qkv_rope(qkv, w.q_norm, w.k_norm, cos, sin, hq, hd, eps, position,
+                     cache=cache.layers[i] if own else None, v_from_k=own and w.v is None)  # fmt: skip
+        q3 = q.view(1, hq, hd)
+        attn = ops_fast.attention_decode(q3, src.k, src.v, src.pos, position, window)
+        if attn is None:
+            attn = ops.attention_decode(q3, src.k, src.v, src.pos, position, window)
+        return attn.reshape(1, hq * hd)
+
+    def _step_prologue(self, token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        """The step with the residual+norm before the per-layer gate and before the next
+        layer's q|k|v made in that GEMV's prologue (10 launches per layer instead of 12).
+
+        Only GEMVs of few programs take a prologue: every program recomputes the two norms over
+        the whole vector, which the q|k|v (~300 programs) and per-layer gate (64) GEMVs absorb,
+        but gate|up (1,536 one-warp programs) and lm_head (8,192) would pay ~30% more
+        instructions (SASS here). The residual alternates between two buffers: a prologue
+        reads one while its program 0 writes the other."""
+        m, cfg = self.model, self.model.cfg
+        eps = cfg.rms_norm_eps
+        h, ple = self._embed(token)
+        h = h.contiguous()
+        spare = torch.empty_like(h)
+        rope = m._rope(position)
+        layers = m.layers
+
+        def after(y, w_post, lin, scalar=None, w_next=None, epi=0, aux=None):
+            nonlocal h, spare
+            out = w4_gemv_after_residual(y, h, w_post, eps, lin.packed, lin.scales, spare,
+                                         scalar=scalar, w_next=w_next, epi=epi,
+                                         aux=aux)  # fmt: skip
+            h, spare = spare, h
+            return out
+
+        pending = None  # (y, w_post, scalar) of the residual+norm the next q|k|v GEMV makes
+        for i, w in enumerate(layers):
+            fl = self.fused[i]
+            if pending is None:
+                qkv = _lin(rmsnorm_rows(h, w.input_norm, eps), self.qkv_lin[i])
+            else:
+                y, w_post, scalar = pending
+                qkv = after(y, w_post, self.qkv_lin[i], scalar=scalar, w_next=w.input_norm)
+            attn = self._attention(i, w, qkv, position, rope)
+            _, x2 = residual_norm(h, _lin(attn, w.o), w.post_attn_norm, eps,
+                                  w_next=w.pre_ffn_norm, h_out=h)  # fmt: skip
+            d = _lin(w4_gemv_glu(x2, fl.gate_up.packed, fl.gate_up.scales), w.down)
+            if ple is None:
+                pending = (d, w.post_ffn_norm, w.layer_scalar)
+                continue
+            a2 = after(d, w.post_ffn_norm, w.ple_gate, epi=2, aux=ple[i])
+            pending = (_lin(a2, w.ple_proj), w.ple_norm, w.layer_scalar)
+        y, w_post, scalar = pending
+        _, x = residual_norm(h, y, w_post, eps, scalar=scalar, w_next=m.final_norm, h_out=h)
+        out = _lin(x, m.lm_head)
+        cap = cfg.final_logit_softcapping
+        if cap:
+            out = torch.tanh(out / cap) * cap
+        return out
+
     @torch.inference_mode()
     def step(self, token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
-        m, cfg, cache = self.model, self.model.cfg, self.cache
+        if self.prologue_ok and _prologue_on() and _epilogues_on():
+            return self._step_prologue(token, position)
+        m, cfg = self.model, self.model.cfg
         eps = cfg.rms_norm_eps
-        hq = cfg.num_attention_heads
         h, ple = self._embed(token)
         h = h.contiguous()
         rope = m._rope(position)
@@ -141,34 +238,16 @@ class FusedDecoder:
         x = rmsnorm_rows(h, layers[0].input_norm, eps)
         for i, w in enumerate(layers):
             fl = self.fused[i]
-            hd = cfg.layer_head_dims[i]
-            window = cfg.sliding_window if cfg.is_sliding(i) else None
-            cos, sin = rope[cfg.layer_types[i]]
-            own = w.k is not None
             if fl.qkv is not None:
                 qkv = _lin(x, fl.qkv)
             else:
                 qkv = torch.cat([_lin(x, p) for p in (w.q, w.k, w.v) if p is not None], dim=-1)
-            src = cache.layers[cfg.kv_producer(i)]
-            attn = None
-            if _fuse_qkv_attention():  # norms + RoPE + cache write inside the split kernel
-                attn = ops_fast.attention_from_qkv(
-                    qkv.reshape(-1), w.q_norm, w.k_norm, cos, sin, eps, hq, hd, position, src,
-                    own_kv=own, v_from_k=own and w.v is None, window=window,
-                )  # fmt: skip
-            if attn is None:
-                q = qkv_rope(qkv, w.q_norm, w.k_norm, cos, sin, hq, hd, eps, position,
-                             cache=cache.layers[i] if own else None,
-                             v_from_k=own and w.v is None)  # fmt: skip
-                q3 = q.view(1, hq, hd)
-                attn = ops_fast.attention_decode(q3, src.k, src.v, src.pos, position, window)
-                if attn is None:
-                    attn = ops.attention_decode(q3, src.k, src.v, src.pos, position, window)
+            attn = self._attention(i, w, qkv, position, rope)
             nxt = layers[i + 1].input_norm if i + 1 < len(layers) else m.final_norm
             if _epilogues_on():
-                h, x = self._rest_fused(i, w, fl, attn.reshape(1, hq * hd), h, ple, nxt)
+                h, x = self._rest_fused(i, w, fl, attn, h, ple, nxt)
                 continue
-            o = _lin(attn.reshape(1, hq * hd), w.o)
+            o = _lin(attn, w.o)
             h, x2 = residual_norm(h, o, w.post_attn_norm, eps, w_next=w.pre_ffn_norm, h_out=h)
             if fl.gate_up is not None:  # interleaved rows: gate at even, up at odd outputs
                 gu = _lin(x2, fl.gate_up)

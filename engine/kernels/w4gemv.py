@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels import tuning
-from engine.kernels.fused import _gelu_tanh, _rms, _round
+from engine.kernels.fused import _gelu_tanh, _inv_rms, _rms, _round, _scale_w
 from engine.kernels.pdl import pdl_enter, pdl_kwargs, prefetch_l2, prefetch_on
 
 KERNEL_NAME = "w4gemv"
@@ -131,40 +131,107 @@ def _pack_h2(lo, hi):
 
 
 @triton.jit
-def _tile_loads(w_ptrs, s_ptrs, x_ptrs, rk, kw0, KW, BLOCK_KW: tl.constexpr,
-                EVEN_K: tl.constexpr):  # fmt: skip
+def _x_at(x_ptr, off, m, EVEN_K: tl.constexpr, PRO: tl.constexpr, py_ptr, ph_ptr, pwp_ptr,
+          pwn_ptr, inv1, inv2, sc, PRO_SCALAR: tl.constexpr, PRO_NEXT: tl.constexpr,
+          DT: tl.constexpr):  # fmt: skip
+    """Activations at element offsets `off` (fp32). PRO: not read but made here, exactly as
+    the residual+norm kernel makes them: h' = round(h + rms(y) * w_post) [* scalar], then
+    rms(h') * w_next (inv1, inv2: the two norms' factors, from the prologue)."""
+    if PRO:
+        y = tl.load(py_ptr + off, mask=m, other=0.0).to(tl.float32)
+        h = tl.load(ph_ptr + off, mask=m, other=0.0).to(tl.float32)
+        h = _round(h + _scale_w(y, inv1, pwp_ptr, off, m, True, DT), DT)
+        if PRO_SCALAR:
+            h = _round(h * sc, DT)
+        if PRO_NEXT:
+            h = _scale_w(h, inv2, pwn_ptr, off, m, True, DT)
+        return h
+    elif EVEN_K:
+        return tl.load(x_ptr + off).to(tl.float32)
+    else:
+        return tl.load(x_ptr + off, mask=m, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _tile_loads(w_ptrs, s_ptrs, x_ptr, rk, kw0, KW, BLOCK_KW: tl.constexpr, EVEN_K: tl.constexpr,
+                PRO: tl.constexpr, py_ptr, ph_ptr, pwp_ptr, pwn_ptr, inv1, inv2, sc,
+                PRO_SCALAR: tl.constexpr, PRO_NEXT: tl.constexpr, DT: tl.constexpr):  # fmt: skip
     """One K step's operands: the tile's words and scales and its 8 x BLOCK_KW activations
     (as fp32). Returned as values so the caller decides when they are requested (PIPE: one
     step ahead of the arithmetic).
 
     EVEN_K (BLOCK_KW divides KW): no masks. Otherwise columns at or past KW are masked to
     zero."""
+    w, s = _ws_loads(w_ptrs, s_ptrs, rk, kw0, KW, EVEN_K)
+    x0, x1, x2, x3, x4, x5, x6, x7 = _x_loads(x_ptr, rk, kw0, KW, EVEN_K, PRO, py_ptr, ph_ptr,
+                                              pwp_ptr, pwn_ptr, inv1, inv2, sc, PRO_SCALAR,
+                                              PRO_NEXT, DT)  # fmt: skip
+    return w, s, x0, x1, x2, x3, x4, x5, x6, x7
+
+
+@triton.jit
+def _ws_loads(w_ptrs, s_ptrs, rk, kw0, KW, EVEN_K: tl.constexpr):
+    """One K step's words and scales."""
     if EVEN_K:
         w = tl.load(w_ptrs + kw0)
         s = tl.load(s_ptrs + kw0 // 4).to(tl.float32)
-        xp = x_ptrs + kw0 * 8
-        x0 = tl.load(xp + 0).to(tl.float32)
-        x1 = tl.load(xp + 1).to(tl.float32)
-        x2 = tl.load(xp + 2).to(tl.float32)
-        x3 = tl.load(xp + 3).to(tl.float32)
-        x4 = tl.load(xp + 4).to(tl.float32)
-        x5 = tl.load(xp + 5).to(tl.float32)
-        x6 = tl.load(xp + 6).to(tl.float32)
-        x7 = tl.load(xp + 7).to(tl.float32)
     else:
         m = (kw0 + rk) < KW
         w = tl.load(w_ptrs + kw0, mask=m[None, :], other=0)
         s = tl.load(s_ptrs + kw0 // 4, mask=m[None, :], other=0.0).to(tl.float32)
-        xp = x_ptrs + kw0 * 8
-        x0 = tl.load(xp + 0, mask=m, other=0.0).to(tl.float32)
-        x1 = tl.load(xp + 1, mask=m, other=0.0).to(tl.float32)
-        x2 = tl.load(xp + 2, mask=m, other=0.0).to(tl.float32)
-        x3 = tl.load(xp + 3, mask=m, other=0.0).to(tl.float32)
-        x4 = tl.load(xp + 4, mask=m, other=0.0).to(tl.float32)
-        x5 = tl.load(xp + 5, mask=m, other=0.0).to(tl.float32)
-        x6 = tl.load(xp + 6, mask=m, other=0.0).to(tl.float32)
-        x7 = tl.load(xp + 7, mask=m, other=0.0).to(tl.float32)
-    return w, s, x0, x1, x2, x3, x4, x5, x6, x7
+    return w, s
+
+
+@triton.jit
+def _x_loads(x_ptr, rk, kw0, KW, EVEN_K: tl.constexpr, PRO: tl.constexpr, py_ptr, ph_ptr,
+             pwp_ptr, pwn_ptr, inv1, inv2, sc, PRO_SCALAR: tl.constexpr,
+             PRO_NEXT: tl.constexpr, DT: tl.constexpr):  # fmt: skip
+    """One K step's activations, as 8 vectors: nibble position j of every word."""
+    m = (kw0 + rk) < KW
+    off = (kw0 + rk) * 8
+    x0 = _x_at(x_ptr, off + 0, m, EVEN_K, PRO, py_ptr, ph_ptr, pwp_ptr, pwn_ptr, inv1, inv2, sc,
+               PRO_SCALAR, PRO_NEXT, DT)  # fmt: skip
+    x1 = _x_at(x_ptr, off + 1, m, EVEN_K, PRO, py_ptr, ph_ptr, pwp_ptr, pwn_ptr, inv1, inv2, sc,
+               PRO_SCALAR, PRO_NEXT, DT)  # fmt: skip
+    x2 = _x_at(x_ptr, off + 2, m, EVEN_K, PRO, py_ptr, ph_ptr, pwp_ptr, pwn_ptr, inv1, inv2, sc,
+               PRO_SCALAR, PRO_NEXT, DT)  # fmt: skip
+    x3 = _x_at(x_ptr, off + 3, m, EVEN_K, PRO, py_ptr, ph_ptr, pwp_ptr, pwn_ptr, inv1, inv2, sc,
+               PRO_SCALAR, PRO_NEXT, DT)  # fmt: skip
+    x4 = _x_at(x_ptr, off + 4, m, EVEN_K, PRO, py_ptr, ph_ptr, pwp_ptr, pwn_ptr, inv1, inv2, sc,
+               PRO_SCALAR, PRO_NEXT, DT)  # fmt: skip
+    x5 = _x_at(x_ptr, off + 5, m, EVEN_K, PRO, py_ptr, ph_ptr, pwp_ptr, pwn_ptr, inv1, inv2, sc,
+               PRO_SCALAR, PRO_NEXT, DT)  # fmt: skip
+    x6 = _x_at(x_ptr, off + 6, m, EVEN_K, PRO, py_ptr, ph_ptr, pwp_ptr, pwn_ptr, inv1, inv2, sc,
+               PRO_SCALAR, PRO_NEXT, DT)  # fmt: skip
+    x7 = _x_at(x_ptr, off + 7, m, EVEN_K, PRO, py_ptr, ph_ptr, pwp_ptr, pwn_ptr, inv1, inv2, sc,
+               PRO_SCALAR, PRO_NEXT, DT)  # fmt: skip
+    return x0, x1, x2, x3, x4, x5, x6, x7
+
+
+@triton.jit
+def _prologue(py_ptr, ph_ptr, pwp_ptr, psc_ptr, ph_out_ptr, K, eps, write,
+              BLOCK_P: tl.constexpr, PRO_SCALAR: tl.constexpr, PRO_NEXT: tl.constexpr,
+              DT: tl.constexpr):  # fmt: skip
+    """The residual+norm that precedes this GEMV, done by every program over the whole vector
+    (K values, from L2) instead of by a kernel of its own: returns the two norms' factors and
+    the layer scalar; the program told to `write` stores h' for the kernels after this one."""
+    offs = tl.arange(0, BLOCK_P)
+    m = offs < K
+    y = tl.load(py_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    inv1 = _inv_rms(y, m, K, eps)
+    h = tl.load(ph_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    h = _round(h + _scale_w(y, inv1, pwp_ptr, offs, m, True, DT), DT)
+    if PRO_SCALAR:
+        sc = tl.load(psc_ptr).to(tl.float32)
+        h = _round(h * sc, DT)
+    else:
+        sc = 1.0
+    tl.store(ph_out_ptr + offs, h.to(ph_out_ptr.dtype.element_ty), mask=m & write)
+    if PRO_NEXT:  # noqa: SIM108 - a constexpr branch
+        inv2 = _inv_rms(h, m, K, eps)
+    else:
+        inv2 = 1.0
+    return inv1, inv2, sc
 
 
 @triton.jit
@@ -221,17 +288,24 @@ def _w4_gemv_kernel(
     x_ptr, w_ptr, s_ptr, y_ptr,
     N, K, KW, G, stride_xm, stride_ym,
     aux_ptr, h_ptr, w_post_ptr, scalar_ptr, w_next_ptr, h_out_ptr, x_out_ptr, counter_ptr, eps,
+    py_ptr, ph_ptr, pwp_ptr, psc_ptr, pwn_ptr, ph_out_ptr,
     BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr, EVEN_K: tl.constexpr,
     USE_ASM: tl.constexpr = False, EPI: tl.constexpr = 0, HAS_SCALAR: tl.constexpr = False,
     HAS_NEXT: tl.constexpr = False, BLOCK_H: tl.constexpr = 16,
     PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False, H2: tl.constexpr = False,
-    PIPE: tl.constexpr = True,
+    PIPE: tl.constexpr = True, PRO: tl.constexpr = False, PRO_SCALAR: tl.constexpr = False,
+    PRO_NEXT: tl.constexpr = False, BLOCK_P: tl.constexpr = 16,
 ):  # fmt: skip
     """EPI 0: y = x W^T. 1: GLU over interleaved (gate, up) rows -> gelu(gate) * up, N/2 wide.
     2: gelu(y) * aux[row]. 3: y, then the LAST program to finish adds rms_norm(y) * w_post to
     the residual h (times a scalar), and writes rms_norm(h) * w_next: one launch instead of a
     GEMV plus a norm kernel (programs count themselves on an atomic counter, which the last one
     resets for the next call / graph replay). Intermediates round where the reference rounds.
+
+    PRO (one token): the activations are not read from x but made from the previous GEMV's
+    output y (py), the residual h (ph) and the norm weights, as `residual_norm` makes them;
+    every program computes the two norms itself and program 0 writes h' (ph_out, never ph:
+    the other programs still read it). One launch fewer per residual+norm in the decode step.
 
     PREFETCH: the program's rows (codes and scales, contiguous) are pulled into L2 first, so all
     of a matrix is requested at once instead of a tile per loop step. PDL: that happens while
@@ -253,22 +327,36 @@ def _w4_gemv_kernel(
     rn_safe = tl.where(n_mask, rn, 0).to(tl.int64)
     w_ptrs = w_ptr + rn_safe[:, None] * KW + rk[None, :]
     s_ptrs = s_ptr + rn_safe[:, None] * G + rk[None, :] // 4
-    x_ptrs = x_ptr + pid_m * stride_xm + rk * 8
+    xm_ptr = x_ptr + pid_m * stride_xm
+    DTA: tl.constexpr = x_ptr.dtype.element_ty
+    # the first step's weights are requested before the prologue's reductions: its latency
+    # hides behind the weight loads
+    w, s = _ws_loads(w_ptrs, s_ptrs, rk, 0, KW, EVEN_K)
+    if PRO:
+        inv1, inv2, sc = _prologue(py_ptr, ph_ptr, pwp_ptr, psc_ptr, ph_out_ptr, K, eps,
+                                   pid_n == 0, BLOCK_P, PRO_SCALAR, PRO_NEXT, DTA)  # fmt: skip
+    else:
+        inv1 = 1.0
+        inv2 = 1.0
+        sc = 1.0
     acc = tl.zeros([BLOCK_N, BLOCK_KW], dtype=tl.float32)
-    w, s, x0, x1, x2, x3, x4, x5, x6, x7 = _tile_loads(w_ptrs, s_ptrs, x_ptrs, rk, 0, KW,
-                                                       BLOCK_KW, EVEN_K)  # fmt: skip
+    x0, x1, x2, x3, x4, x5, x6, x7 = _x_loads(xm_ptr, rk, 0, KW, EVEN_K, PRO, py_ptr, ph_ptr,
+                                              pwp_ptr, pwn_ptr, inv1, inv2, sc, PRO_SCALAR,
+                                              PRO_NEXT, DTA)  # fmt: skip
     for kn in range(BLOCK_KW, KW, BLOCK_KW):  # kn: the NEXT step's first word
         # PIPE: the next step's operands are requested before this step's arithmetic, so the
         # memory latency of step i+1 overlaps the unpacking of step i (one wait per kernel,
         # not per step); else after it
         if PIPE:
             nw, ns, n0, n1, n2, n3, n4, n5, n6, n7 = _tile_loads(
-                w_ptrs, s_ptrs, x_ptrs, rk, kn, KW, BLOCK_KW, EVEN_K)  # fmt: skip
+                w_ptrs, s_ptrs, xm_ptr, rk, kn, KW, BLOCK_KW, EVEN_K, PRO, py_ptr, ph_ptr, pwp_ptr,
+                pwn_ptr, inv1, inv2, sc, PRO_SCALAR, PRO_NEXT, DTA)  # fmt: skip
             acc = _tile_step(acc, w, s, x0, x1, x2, x3, x4, x5, x6, x7, H2, USE_ASM)
         else:
             acc = _tile_step(acc, w, s, x0, x1, x2, x3, x4, x5, x6, x7, H2, USE_ASM)
             nw, ns, n0, n1, n2, n3, n4, n5, n6, n7 = _tile_loads(
-                w_ptrs, s_ptrs, x_ptrs, rk, kn, KW, BLOCK_KW, EVEN_K)  # fmt: skip
+                w_ptrs, s_ptrs, xm_ptr, rk, kn, KW, BLOCK_KW, EVEN_K, PRO, py_ptr, ph_ptr, pwp_ptr,
+                pwn_ptr, inv1, inv2, sc, PRO_SCALAR, PRO_NEXT, DTA)  # fmt: skip
         w, s, x0, x1, x2, x3, x4, x5, x6, x7 = nw, ns, n0, n1, n2, n3, n4, n5, n6, n7
     acc = _tile_step(acc, w, s, x0, x1, x2, x3, x4, x5, x6, x7, H2, USE_ASM)  # the last step
     y = tl.sum(acc, axis=1)
@@ -384,16 +472,22 @@ def _counter(device: torch.device) -> torch.Tensor:
 
 def _launch(x2, packed, scales, y, cfg: dict[str, Any], epi: int = 0, aux=None, h=None,
             w_post=None, scalar=None, w_next=None, h_out=None, x_out=None,
-            eps: float = 1e-6) -> None:  # fmt: skip
+            eps: float = 1e-6, pro: tuple | None = None) -> None:  # fmt: skip
     m, k = x2.shape
     n = packed.shape[0]
     grid = (triton.cdiv(n, cfg["BLOCK_N"]), m)
+    # pro: (y, h, w_post, scalar, w_next, h_out) of the residual+norm made in the prologue
+    py, ph, pwp, psc, pwn, ph_out = pro if pro is not None else (y,) * 6
     _w4_gemv_kernel[grid](
         x2, packed, scales, y, n, k, k // 8, k // 32, x2.stride(0), y.stride(0),
         aux if aux is not None else y, h if h is not None else y,
         w_post if w_post is not None else y, scalar if scalar is not None else y,
         w_next if w_next is not None else y, h_out if h_out is not None else y,
         x_out if x_out is not None else y, _counter(x2.device) if epi == 3 else y, eps,
+        py, ph, pwp, psc if psc is not None else py, pwn if pwn is not None else py, ph_out,
+        PRO=pro is not None, PRO_SCALAR=psc is not None and pro is not None,
+        PRO_NEXT=pwn is not None and pro is not None,
+        BLOCK_P=triton.next_power_of_2(max(k, 16)) if pro is not None else 16,
         BLOCK_N=cfg["BLOCK_N"], BLOCK_KW=cfg["BLOCK_KW"], PIPE=cfg.get("PIPE", True),
         EVEN_K=(k // 8) % cfg["BLOCK_KW"] == 0,
         USE_ASM=_use_asm(x2), EPI=epi, HAS_SCALAR=scalar is not None, H2=use_h2(x2),
@@ -594,3 +688,40 @@ def w4_gemv_residual(
     _launch(x2, packed.contiguous(), scales.contiguous(), y, cfg, epi=3, h=h, w_post=w_post,
             scalar=scalar, w_next=w_next, h_out=h, x_out=x_out, eps=eps)  # fmt: skip
     return x_out
+
+
+def w4_gemv_after_residual(
+    y: torch.Tensor,
+    h: torch.Tensor,
+    w_post: torch.Tensor,
+    eps: float,
+    packed: torch.Tensor,
+    scales: torch.Tensor,
+    h_out: torch.Tensor,
+    scalar: torch.Tensor | None = None,
+    w_next: torch.Tensor | None = None,
+    epi: int = 0,
+    aux: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One token: `residual_norm(h, y, w_post, eps, scalar, w_next)` and the GEMV that reads
+    its output, in ONE launch. h' = h + rms_norm(y, w_post) [* scalar] goes to h_out (a buffer
+    other than h: every program reads h while one writes h'); the GEMV reads
+    x = rms_norm(h', w_next), or h' itself without w_next. epi 1: GLU over interleaved gate|up
+    rows ([1, N/2]); epi 2: gelu(.) * aux; 0: plain."""
+    k = h.numel()
+    n = packed.shape[0]
+    if (y.numel() != k or packed.shape[1] * 8 != k or scales.shape != (n, k // 32)
+            or h_out.data_ptr() == h.data_ptr()):  # fmt: skip
+        raise ValueError(
+            "w4_gemv_after_residual: y, h and the GEMV's K must agree (one token), and h_out "
+            "must be a buffer other than h"
+        )
+    y2 = y.reshape(1, k)
+    cfg = dict(config_for(n, k, y.dtype, 1, y.device, epi=epi))
+    if epi == 1 and cfg["BLOCK_N"] % 2:
+        cfg["BLOCK_N"] = 2
+    out = torch.empty(1, n // 2 if epi == 1 else n, device=y.device, dtype=y.dtype)
+    _launch(y2, packed.contiguous(), scales.contiguous(), out, cfg, epi=epi,
+            aux=aux.contiguous() if aux is not None else None, eps=eps,
+            pro=(y2, h.reshape(-1), w_post, scalar, w_next, h_out.reshape(-1)))  # fmt: skip
+    return out

@@ -27,12 +27,14 @@ def tiny_engine(tmp_path_factory):
 
 
 @pytest.mark.parametrize(
-    ("epilogues", "fuse_qkv"), [("all", "1"), ("glu", "1"), ("0", "1"), ("glu", "0")]
-)
+    ("epilogues", "fuse_qkv", "prologue"),
+    [("all", "1", "0"), ("glu", "1", "0"), ("0", "1", "0"), ("glu", "0", "0"), ("glu", "0", "1")],
+)  # fmt: skip
 def test_fused_decode_step_matches_the_reference_step(tiny_engine, monkeypatch, epilogues,
-                                                      fuse_qkv):  # fmt: skip
+                                                      fuse_qkv, prologue):  # fmt: skip
     monkeypatch.setenv("GPURIG_EPILOGUES", epilogues)  # GEMV epilogues, or separate kernels
     monkeypatch.setenv("GPURIG_FUSE_QKV_ATTN", fuse_qkv)  # q/k/v norms inside the attention
+    monkeypatch.setenv("GPURIG_PROLOGUE", prologue)  # residual+norm inside the next GEMV
     eng = tiny_engine
     model = eng.model
     assert supported(model)
@@ -41,6 +43,7 @@ def test_fused_decode_step_matches_the_reference_step(tiny_engine, monkeypatch, 
     eng.cache.__dict__.pop("_gpurig_decoders", None)  # copy the buffers, not a decoder
     fused_cache = copy.deepcopy(eng.cache)
     decoder = FusedDecoder(model, fused_cache)
+    assert decoder.prologue_ok  # every matrix the prologue path needs is packed
     tok_ref = tok_fast = logits.argmax().view(1)
     pos = torch.tensor([len(prompt)], device=model.device)
     for _ in range(8):

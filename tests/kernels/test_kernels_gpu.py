@@ -115,3 +115,32 @@ def test_w4_gemv_pipelined_and_plain_loops_agree_bit_for_bit(n, k) -> None:
         assert torch.equal(a, b)
         ref = x.double() @ dequantize_reference(packed, scales).double().T
         assert ((a.double() - ref).norm() / ref.norm()).item() < 8e-3
+
+
+@pytest.mark.parametrize(("n", "epi", "with_next"), [(2560, 0, True), (256, 2, False)])
+def test_residual_norm_in_the_gemv_prologue_at_e2b_shape(n, epi, with_next) -> None:
+    """The q|k|v and per-layer-gate GEMVs with the preceding residual+norm in their prologue,
+    against residual_norm + the plain GEMV (bf16, K = 1536)."""
+    from engine.kernels.fused import gelu_mul, residual_norm
+    from engine.kernels.w4gemv import w4_gemv_after_residual
+
+    k, dt = 1536, torch.bfloat16
+    packed = torch.randint(-(2**31), 2**31 - 1, (n, k // 8), dtype=torch.int32, device="cuda")
+    scales = (torch.rand(n, k // 32, device="cuda") * 0.02 + 0.002).to(dt)
+    y = torch.randn(1, k, device="cuda").to(dt)
+    h = (torch.randn(1, k, device="cuda") * 4).to(dt)
+    w_post = (torch.rand(k, device="cuda") + 0.5).to(dt)
+    w_next = (torch.rand(k, device="cuda") + 0.5).to(dt) if with_next else None
+    scalar = torch.tensor([0.75], device="cuda").to(dt) if with_next else None
+    aux = torch.randn(n, device="cuda").to(dt) if epi == 2 else None
+    h_ref, x_ref = residual_norm(h.clone(), y, w_post, 1e-6, scalar=scalar, w_next=w_next)
+    plain = w4_gemv(x_ref if with_next else h_ref, packed, scales)
+    want = gelu_mul(plain, aux) if epi == 2 else plain
+    h_out = torch.full_like(h, float("nan"))
+    got = w4_gemv_after_residual(y, h, w_post, 1e-6, packed, scales, h_out, scalar=scalar,
+                                 w_next=w_next, epi=epi, aux=aux)  # fmt: skip
+    assert (
+        h_out.float() - h_ref.float()
+    ).abs().max().item() <= 2 * h_ref.float().abs().max() * 2**-8
+    err = ((got.double() - want.double()).norm() / want.double().norm()).item()
+    assert err < 1e-2, err

@@ -130,3 +130,48 @@ def test_gemv_epilogues_match_their_unfused_form(device) -> None:
         x_next = w4_gemv_residual(x, packed, scales, h, w_post, 1e-6, scalar=scalar,
                                   w_next=w_next)  # fmt: skip
         assert torch.allclose(h, h_ref, atol=1e-5) and torch.allclose(x_next, x_ref, atol=1e-5)
+
+
+@pytest.mark.parametrize(("epi", "with_scalar", "with_next"), [(0, True, True), (1, False, True),
+                                                               (2, False, False)])  # fmt: skip
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_residual_norm_made_in_the_gemv_prologue_equals_the_two_kernels(
+    device, epi, with_scalar, with_next, dtype
+) -> None:
+    """The fused launch must give what residual_norm + the GEMV give: the same h' (written to
+    h_out, h untouched) and the GEMV of the same activations, over several K steps."""
+    from engine.kernels.fused import gelu_mul, residual_norm
+    from engine.kernels.w4gemv import w4_gemv_after_residual
+
+    n, k = 64, 512
+    packed, scales = _random_layer(n, k, dtype, device)
+    y = torch.randn(1, k, device=device).to(dtype)
+    h = (torch.randn(1, k, device=device) * 4).to(dtype)
+    h_keep = h.clone()
+    w_post = (torch.rand(k, device=device) + 0.5).to(dtype)
+    w_next = (torch.rand(k, device=device) + 0.5).to(dtype) if with_next else None
+    scalar = torch.tensor([0.75], device=device).to(dtype) if with_scalar else None
+    aux = torch.randn(n, device=device).to(dtype) if epi == 2 else None
+    h_ref, x_ref = residual_norm(h.clone(), y, w_post, 1e-6, scalar=scalar, w_next=w_next)
+    x_ref = x_ref if with_next else h_ref
+    cfg = {"BLOCK_N": 16, "BLOCK_KW": 16, "num_warps": 2, "num_stages": 2}  # 4 K steps
+    plain = w4_gemv(x_ref, packed, scales, config=cfg).float()
+    if epi == 1:
+        want = gelu_mul(
+            plain[:, 0::2].contiguous().to(dtype), plain[:, 1::2].contiguous().to(dtype)
+        )
+    elif epi == 2:
+        want = gelu_mul(plain.to(dtype), aux)
+    else:
+        want = plain.to(dtype)
+    h_out = torch.full_like(h, float("nan"))
+    got = w4_gemv_after_residual(y, h, w_post, 1e-6, packed, scales, h_out, scalar=scalar,
+                                 w_next=w_next, epi=epi, aux=aux)  # fmt: skip
+    assert torch.equal(h, h_keep)
+    assert torch.allclose(
+        h_out.float(), h_ref.float(), rtol=1e-2 if dtype != torch.float32 else 1e-6
+    )
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert torch.allclose(got.float(), want.float(), rtol=tol, atol=tol), (got - want).abs().max()
+    with pytest.raises(ValueError, match="h_out"):
+        w4_gemv_after_residual(y, h, w_post, 1e-6, packed, scales, h, w_next=w_next)
