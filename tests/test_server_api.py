@@ -271,6 +271,13 @@ def test_error_shapes(client, server):
         )
     assert exc.value.body["param"] == "presence_penalty"
     assert exc.value.body["code"] == "unsupported_parameter"
+    with pytest.raises(openai.BadRequestError) as exc:  # stream_options without stream
+        client.chat.completions.create(model=MODEL, messages=ok["messages"], max_tokens=1,
+                                       stream_options={"include_usage": True})  # fmt: skip
+    assert exc.value.body["param"] == "stream_options"
+    r = httpx.post(server.base + "/v1/completions",
+                   json={"prompt": "x", "stream": False, "stream_options": {}})  # fmt: skip
+    assert r.status_code == 400 and _error(r)["param"] == "stream_options"
 
     r = httpx.get(server.base + "/v1/nothing")
     assert r.status_code == 404 and _error(r)["code"] == "not_found"

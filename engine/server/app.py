@@ -202,6 +202,13 @@ async def _parse_body(request: Request, model: type[M]) -> M:
             param=name,
             code="unsupported_parameter",
         )
+    if parsed.stream_options is not None and not parsed.stream:  # as OpenAI refuses it
+        raise ApiError(
+            400,
+            "The 'stream_options' parameter is only allowed when 'stream' is enabled.",
+            param="stream_options",
+            code="invalid_value",
+        )
     return parsed
 
 
