@@ -168,9 +168,11 @@ def test_residual_norm_made_in_the_gemv_prologue_equals_the_two_kernels(
     got = w4_gemv_after_residual(y, h, w_post, 1e-6, packed, scales, h_out, scalar=scalar,
                                  w_next=w_next, epi=epi, aux=aux)  # fmt: skip
     assert torch.equal(h, h_keep)
-    assert torch.allclose(
-        h_out.float(), h_ref.float(), rtol=1e-2 if dtype != torch.float32 else 1e-6
-    )
+    # the prologue's norm sums in another order than residual_norm's kernel (on a GPU: other
+    # warps): an inv_rms one ulp off moves h' by ~1e-7 absolute, which fails any rtol where
+    # h + rms(y) * w_post nearly cancels; an absolute term covers it
+    h_tol = (1e-6, 1e-5) if dtype == torch.float32 else (1e-2, 2e-2)
+    assert torch.allclose(h_out.float(), h_ref.float(), rtol=h_tol[0], atol=h_tol[1])
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     assert torch.allclose(got.float(), want.float(), rtol=tol, atol=tol), (got - want).abs().max()
     with pytest.raises(ValueError, match="h_out"):
