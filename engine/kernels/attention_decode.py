@@ -21,7 +21,11 @@ Two cache shapes:
 
 Two inner loops: `tl.dot` (tensor cores; 8 heads padded to 16 rows) and a multiply-and-sum
 without `tl.dot`, picked by compute capability: on a Turing TU117 (no tensor cores) Triton's
-16-bit dot ran at 24 GB/s against 65 GB/s for the multiply-and-sum.
+16-bit dot ran at 24 GB/s against 65 GB/s for the multiply-and-sum. Triton lowers a 16-bit dot
+to tensor-core `mma` only from Ampere (sm_80) on; for Turing and Volta it compiles an FMA loop
+staged through shared memory that needs 80-96 KB per program at these tiles (compiled here for
+sm_75), more than a T4's 64 KB: those cards take the multiply-and-sum
+(tests/kernels/test_kernels_attention.py compiles both for each target and checks).
 """
 
 from __future__ import annotations
@@ -272,12 +276,22 @@ def _attn_combine_kernel(
 
 @functools.cache
 def use_tensor_core_dot(device_index: int) -> bool:
-    """tl.dot pays only where tensor cores exist (Volta sm_70+, but not the TU117's GTX 16xx)."""
-    major, minor = torch.cuda.get_device_capability(device_index)
-    name = torch.cuda.get_device_name(device_index)
-    if "GTX 16" in name or "MX" in name:
-        return False
-    return major >= 8 or (major, minor) in ((7, 0), (7, 2), (7, 5))
+    """tl.dot for this GPU? See `dot_for_capability`."""
+    return dot_for_capability(torch.cuda.get_device_capability(device_index))
+
+
+def dot_for_capability(capability: tuple[int, int]) -> bool:
+    """tl.dot only where Triton turns it into tensor-core instructions: sm_80 and newer. On
+    Volta and Turing (a T4, a GTX 16xx) it would be an FMA loop through more shared memory than
+    a Turing block may use; the multiply-and-sum is both faster and fits there."""
+    return capability[0] >= 8
+
+
+def split_tiling(head_dim: int, num_heads: int, use_dot: bool) -> tuple[int, int, int]:
+    """(BLOCK_S cache slots per step, heads padded to, warps) of the split kernel."""
+    if use_dot:  # the dot wants 16 rows: the 8 query heads padded
+        return (64 if head_dim <= 256 else 32), max(16, triton.next_power_of_2(num_heads)), 4
+    return (8 if head_dim <= 256 else 4), triton.next_power_of_2(num_heads), 8
 
 
 def default_splits(slots: int, device: torch.device) -> int:
@@ -314,11 +328,9 @@ class DecodeAttention:
         if use_dot is None:
             use_dot = device.type == "cuda" and use_tensor_core_dot(device.index or 0)
         self.use_dot = use_dot
-        self.heads_padded = max(16, triton.next_power_of_2(num_heads)) if use_dot else (
-            triton.next_power_of_2(num_heads))  # fmt: skip
-        if block_s is None:
-            block_s = (64 if head_dim <= 256 else 32) if use_dot else (8 if head_dim <= 256 else 4)
-        self.block_s = block_s
+        default_block_s, self.heads_padded, self.num_warps = split_tiling(head_dim, num_heads,
+                                                                          use_dot)  # fmt: skip
+        self.block_s = block_s or default_block_s
         self.partial_o = torch.empty(self.splits, num_heads, head_dim, device=device,
                                      dtype=torch.float32)  # fmt: skip
         self.partial_m = torch.empty(self.splits, num_heads, device=device, dtype=torch.float32)
@@ -347,7 +359,7 @@ class DecodeAttention:
         if out is None:
             out = torch.empty(h, d, device=q.device, dtype=q.dtype)
         o2 = out.view(h, d)
-        num_warps = 4 if self.use_dot else 8
+        num_warps = self.num_warps
         pdl = pdl_kwargs(q2)
         _attn_split_kernel[(self.splits,)](
             q2, k_cache, v_cache, pos, slot_pos if slot_pos is not None else pos,
@@ -410,7 +422,7 @@ class DecodeAttention:
             self.slots, self.window, self.scale, k_cache.stride(0), v_cache.stride(0),
             H=h, HP=self.heads_padded, D=d, BLOCK_S=self.block_s, RING=self.ring,
             USE_DOT=self.use_dot, HAS_KPOS=True, OWN_KV=own_kv, V_FROM_K=v_from_k,
-            WRITE_RING=write_ring, num_warps=4 if self.use_dot else 8, num_stages=2,
+            WRITE_RING=write_ring, num_warps=self.num_warps, num_stages=2,
             **pdl,
         )  # fmt: skip
         self._combine(pos, o2, pdl)

@@ -157,3 +157,31 @@ def test_cache_rows_may_be_strided(device) -> None:
 def test_head_dim_must_be_power_of_two(device) -> None:
     with pytest.raises(ValueError, match="power of two"):
         DecodeAttention(8, 96, 16, device, ring=False)
+
+
+# per-block shared memory a kernel may use (opt-in maximum): T4 / A100 / RTX 30xx / H100
+_SMEM_LIMIT = {75: 64 * 1024, 80: 163 * 1024, 86: 99 * 1024, 90: 227 * 1024}
+
+
+def test_the_split_kernel_chosen_for_each_gpu_fits_it_and_uses_its_tensor_cores() -> None:
+    """Compiled for each target as DecodeAttention configures it there: it must fit the
+    target's shared memory (Triton's dot on Turing is an FMA loop needing ~96 KB, more than a
+    T4 block has), and where the dot is chosen it must become tensor-core mma."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    script = Path(__file__).with_name("_compile_for_target.py")
+    proc = subprocess.run([sys.executable, str(script), *map(str, _SMEM_LIMIT)], env=env,
+                          capture_output=True, text=True, timeout=600, check=False)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert len(rows) == 2 * len(_SMEM_LIMIT)
+    for row in rows:
+        assert row["shared"] <= _SMEM_LIMIT[row["sm"]], row
+        assert row["use_dot"] == (row["sm"] >= 80), row
+        if row["use_dot"]:
+            assert row["mma"], row
