@@ -169,3 +169,28 @@ def test_engine_picks_the_fast_path_through_the_ops_dispatch(tiny_engine, monkey
     fast = eng.generate(prompt, 10, stop_ids=[])
     assert calls["gemv"] > 0  # the dispatch really went through the Triton branches
     assert fast == ref
+
+
+def test_prologue_step_of_a_model_without_per_layer_inputs(tmp_path, monkeypatch) -> None:
+    """GPURIG_PROLOGUE=1 on a model with no per-layer inputs: the down GEMV's residual+norm
+    (with the layer scalar) goes into the next layer's q|k|v prologue."""
+    overrides = {"hidden_size_per_layer_input": 0, "num_kv_shared_layers": 0,
+                 "use_double_wide_mlp": False}  # fmt: skip
+    make_checkpoint(tmp_path, preset="tiny", seed=5, emb4=True, overrides=overrides)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    eng = engine.load(tmp_path, device=dev, dtype=torch.float32, max_context=256)
+    model = eng.model
+    assert model.ple_table is None and supported(model)
+    monkeypatch.setenv("GPURIG_PROLOGUE", "1")
+    prompt = [2] + list(range(10, 50))
+    logits = prefill(model, eng.cache, prompt, 16)
+    fused_cache = copy.deepcopy(eng.cache)
+    decoder = FusedDecoder(model, fused_cache)
+    assert decoder.prologue_ok
+    tok = logits.argmax().view(1)
+    pos = torch.tensor([len(prompt)], device=model.device)
+    for _ in range(3):
+        ref = model.decode_step(tok, pos, eng.cache)[0]
+        fast = decoder.step(tok, pos)[0]
+        assert (ref - fast).abs().max().item() < 1e-4
+        tok, pos = ref.argmax().view(1), pos + 1

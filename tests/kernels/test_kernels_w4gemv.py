@@ -177,3 +177,36 @@ def test_residual_norm_made_in_the_gemv_prologue_equals_the_two_kernels(
     assert torch.allclose(got.float(), want.float(), rtol=tol, atol=tol), (got - want).abs().max()
     with pytest.raises(ValueError, match="h_out"):
         w4_gemv_after_residual(y, h, w_post, 1e-6, packed, scales, h, w_next=w_next)
+
+
+@pytest.mark.parametrize(
+    ("k", "cfg"),
+    [
+        (160, {"BLOCK_N": 16, "BLOCK_KW": 16, "num_warps": 2, "num_stages": 2}),  # K not even
+        (384, {"BLOCK_N": 16, "BLOCK_KW": 16, "num_warps": 2, "num_stages": 2}),  # 3 even steps
+        (160, {"BLOCK_N": 16, "BLOCK_KW": 32, "num_warps": 2, "num_stages": 2}),  # one masked
+        (384, {"BLOCK_N": 8, "BLOCK_KW": 16, "num_warps": 2, "num_stages": 2, "PIPE": False}),
+    ],
+)
+def test_gemv_prologue_over_several_programs_and_k_steps(device, monkeypatch, k, cfg) -> None:
+    """The prologue under the tilings a GPU picks (the CPU default is one program, one K step):
+    rows over several programs (only program 0 writes h'), K steps pipelined or not, a last
+    step that is masked."""
+    from engine.kernels import w4gemv
+    from engine.kernels.fused import residual_norm
+
+    n, dtype = 40, torch.float32
+    packed, scales = _random_layer(n, k, dtype, device)
+    y = torch.randn(1, k, device=device)
+    h = torch.randn(1, k, device=device) * 4
+    w_post = torch.rand(k, device=device) + 0.5
+    w_next = torch.rand(k, device=device) + 0.5
+    scalar = torch.tensor([0.75], device=device)
+    h_ref, x_ref = residual_norm(h.clone(), y, w_post, 1e-6, scalar=scalar, w_next=w_next)
+    want = w4_gemv(x_ref, packed, scales, config=cfg)
+    monkeypatch.setattr(w4gemv, "config_for", lambda *a, **kw: dict(cfg))
+    h_out = torch.full_like(h, float("nan"))
+    got = w4gemv.w4_gemv_after_residual(y, h, w_post, 1e-6, packed, scales, h_out,
+                                        scalar=scalar, w_next=w_next)  # fmt: skip
+    assert torch.allclose(h_out, h_ref, rtol=1e-6, atol=1e-6)
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-5), (got - want).abs().max()
