@@ -711,10 +711,11 @@ def w4_gemv_after_residual(
     k = h.numel()
     n = packed.shape[0]
     if (y.numel() != k or packed.shape[1] * 8 != k or scales.shape != (n, k // 32)
-            or h_out.data_ptr() == h.data_ptr()):  # fmt: skip
+            or h_out.numel() != k or h_out.data_ptr() in (h.data_ptr(), y.data_ptr())
+            or not y.dtype == h.dtype == h_out.dtype):  # fmt: skip
         raise ValueError(
-            "w4_gemv_after_residual: y, h and the GEMV's K must agree (one token), and h_out "
-            "must be a buffer other than h"
+            "w4_gemv_after_residual: y, h, h_out and the GEMV's K must agree (one token, one "
+            "dtype), and h_out must be a buffer other than h and y"
         )
     y2 = y.reshape(1, k)
     cfg = dict(config_for(n, k, y.dtype, 1, y.device, epi=epi))
