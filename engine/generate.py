@@ -136,6 +136,30 @@ def prefill(model: Gemma4Model, cache: KVCache, prompt: list[int], chunk: int) -
     return logits
 
 
+class _TokenReader:
+    """Brings a 1-element device tensor to the host without waiting for work queued after it:
+    on CUDA an async copy into pinned memory and an event recorded right behind it."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.host = torch.empty(1, dtype=torch.int64, pin_memory=self.cuda)
+        self.event = torch.cuda.Event() if self.cuda else None
+        self.pending: torch.Tensor | None = None
+
+    def request(self, token: torch.Tensor) -> None:
+        if self.cuda:
+            self.host.copy_(token.reshape(1), non_blocking=True)
+            self.event.record()
+        else:
+            self.pending = token
+
+    def value(self) -> int:
+        if self.cuda:
+            self.event.synchronize()
+            return int(self.host[0])
+        return int(self.pending.item())
+
+
 def decode_step_for(
     model: Gemma4Model, cache: KVCache
 ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
@@ -177,18 +201,26 @@ def generate_stream(
     token = sampler(logits)  # [1] int64 on the device
     position = torch.tensor([len(prompt)], dtype=torch.int64, device=model.device)
     next_pos = len(prompt)
+    reader = _TokenReader(model.device)
     while True:
-        tok = int(token.item())
+        # The step that reads `token` is launched before `token` reaches the host, so the GPU
+        # decodes token n+1 while the host checks, yields and streams token n. Had the token
+        # been a stop id, that step is wasted: it wrote one cache slot past the sequence, inside
+        # the context, which the next sequence overwrites (a cache is reset per sequence).
+        more = state.new_tokens + 1 < max_new_tokens and next_pos < cache.max_context
+        reader.request(token)
+        if more:
+            following = sampler(step(token, position)[0])
+            position += 1
+        tok = reader.value()
         if tok in stop_ids:
             state.finish_reason = "stop"
             return
         state.new_tokens += 1
-        if state.new_tokens >= max_new_tokens or next_pos >= cache.max_context:
+        if not more:
             state.finish_reason = "length"
             yield tok
             return
         yield tok
-        logits = step(token, position)[0]
-        token = sampler(logits)
-        position += 1
+        token = following
         next_pos += 1
