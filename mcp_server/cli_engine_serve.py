@@ -104,6 +104,11 @@ def _serve(args: argparse.Namespace) -> int:
         import time
 
         t0 = time.perf_counter()
+        if eng.device.type == "cuda":
+            sys.stderr.write(
+                "gpurig engine: warming up (on a GPU without shipped tiles the first run also "
+                "tunes every GEMV shape, a few minutes once; cached per GPU name)\n"
+            )
         eng.generate([eng.bos_id if eng.bos_id is not None else 2], 2, stop_ids=[])
         sys.stderr.write(f"gpurig engine: warmed up in {time.perf_counter() - t0:.2f} s\n")
     name = args.model_name or eng.model_name

@@ -25,6 +25,7 @@ limit, so each code costs one logic instruction and two float ones:
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from typing import Any
@@ -38,6 +39,7 @@ from engine.kernels.fused import _gelu_tanh, _inv_rms, _rms, _round, _scale_w
 from engine.kernels.pdl import pdl_enter, pdl_kwargs, prefetch_l2, prefetch_on
 
 KERNEL_NAME = "w4gemv"
+_log = logging.getLogger(__name__)
 _MAGIC = 0x4B000000
 _TWO23 = 8388608.0
 
@@ -602,6 +604,8 @@ def config_for(
     if epi == 0:
         _RANKED[key] = [c for c, _ in sorted(results, key=lambda r: r[1])]
     best = dict(best, us=round(us, 3))
+    _log.info("w4gemv: tuned N=%d K=%d %s on %s: %s (%.2f us)", n, k, dtype, gpu,
+              {t: best[t] for t in _TILES_ONLY if t in best}, us)  # fmt: skip
     no_pipe = [t for c, t in results if not c.get("PIPE", True)]
     if no_pipe:  # kept beside the choice: what the software pipeline gained on this shape
         best["us_no_pipe"] = round(min(no_pipe), 3)
