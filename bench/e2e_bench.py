@@ -413,9 +413,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ckpt", default=str(E2B_DIR))
     ap.add_argument("--mode", default="eager")
     ap.add_argument("--json", default=None)
-    ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "e2e.json"))
+    ap.add_argument("--out", default=None,
+                    help="where the JSON goes (default $OUT/e2e[_capped|_peer_MODE].json)")  # fmt: skip
     args = ap.parse_args(argv)
     ckpt = Path(args.ckpt)
+    suffix = {"all": "", "capped": "_capped", "peer": f"_peer_{args.mode}"}.get(args.what)
+    if suffix is not None:  # every measurement is kept, not only printed
+        out = args.out or os.path.join(os.environ.get("OUT", "."), f"e2e{suffix}.json")
+        args.json = args.json or out
     if args.what == "make":
         res = make(ckpt)
     elif args.what == "capped":
@@ -424,7 +429,6 @@ def main(argv: list[str] | None = None) -> int:
         res = run_peer(ckpt, args.mode)
     else:
         res = run_all(4.1e12)
-        args.json = args.json or args.out
     text = json.dumps(res, indent=1, default=str)
     if args.json:
         Path(args.json).write_text(text)
