@@ -152,6 +152,12 @@ class FusedDecoder:
             a2 = gelu_mul(_lin(h, w.ple_gate).contiguous(), ple[i])
         return h, resid(a2, w.ple_proj, w.ple_norm, scalar=w.layer_scalar, w_next=nxt)
 
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        """lm_head of the final-normed hidden state, soft-capped as the model caps it."""
+        out = _lin(x, self.model.lm_head)
+        cap = self.model.cfg.final_logit_softcapping
+        return torch.tanh(out / cap) * cap if cap else out
+
     def _attention(self, i, w, qkv, position, rope):
         """q/k/v norms + RoPE + cache write, then the split-cache attention: [1, hq * hd]."""
         cfg, cache = self.model.cfg, self.cache
@@ -219,11 +225,7 @@ class FusedDecoder:
             pending = (_lin(a2, w.ple_proj), w.ple_norm, w.layer_scalar)
         y, w_post, scalar = pending
         _, x = residual_norm(h, y, w_post, eps, scalar=scalar, w_next=m.final_norm, h_out=h)
-        out = _lin(x, m.lm_head)
-        cap = cfg.final_logit_softcapping
-        if cap:
-            out = torch.tanh(out / cap) * cap
-        return out
+        return self._logits(x)
 
     @torch.inference_mode()
     def step(self, token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
@@ -265,8 +267,4 @@ class FusedDecoder:
             else:
                 h, x = residual_norm(h, d, w.post_ffn_norm, eps, scalar=w.layer_scalar,
                                      w_next=nxt, h_out=h)  # fmt: skip
-        out = _lin(x, m.lm_head)
-        cap = cfg.final_logit_softcapping
-        if cap:
-            out = torch.tanh(out / cap) * cap
-        return out
+        return self._logits(x)

@@ -18,6 +18,17 @@ from engine.fast.fuse import fuse_projections
 from engine.generate import prefill
 
 
+def _three_steps_match_the_reference(model, cache, decoder, logits, n_prompt) -> None:
+    """Three greedy steps of `decoder` against the model's reference step on `cache`."""
+    tok = logits.argmax().view(1)
+    pos = torch.tensor([n_prompt], device=model.device)
+    for _ in range(3):
+        ref = model.decode_step(tok, pos, cache)[0]
+        fast = decoder.step(tok, pos)[0]
+        assert (ref - fast).abs().max().item() < 1e-4
+        tok, pos = ref.argmax().view(1), pos + 1
+
+
 @pytest.fixture(scope="module")
 def tiny_engine(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny_emb4")
@@ -83,13 +94,7 @@ def test_qkv_in_attention_covers_layers_whose_values_are_their_keys(tmp_path, mo
     logits = prefill(model, eng.cache, prompt, 16)
     fused_cache = copy.deepcopy(eng.cache)
     decoder = FusedDecoder(model, fused_cache)
-    tok = logits.argmax().view(1)
-    pos = torch.tensor([len(prompt)], device=model.device)
-    for _ in range(3):
-        ref = model.decode_step(tok, pos, eng.cache)[0]
-        fast = decoder.step(tok, pos)[0]
-        assert (ref - fast).abs().max().item() < 1e-4
-        tok, pos = ref.argmax().view(1), pos + 1
+    _three_steps_match_the_reference(model, eng.cache, decoder, logits, len(prompt))
     for i, layer in eng.cache.layers.items():
         other = fused_cache.layers[i]
         assert torch.equal(layer.pos, other.pos), i
@@ -187,10 +192,4 @@ def test_prologue_step_of_a_model_without_per_layer_inputs(tmp_path, monkeypatch
     fused_cache = copy.deepcopy(eng.cache)
     decoder = FusedDecoder(model, fused_cache)
     assert decoder.prologue_ok
-    tok = logits.argmax().view(1)
-    pos = torch.tensor([len(prompt)], device=model.device)
-    for _ in range(3):
-        ref = model.decode_step(tok, pos, eng.cache)[0]
-        fast = decoder.step(tok, pos)[0]
-        assert (ref - fast).abs().max().item() < 1e-4
-        tok, pos = ref.argmax().view(1), pos + 1
+    _three_steps_match_the_reference(model, eng.cache, decoder, logits, len(prompt))
