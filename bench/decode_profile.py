@@ -182,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ckpt", default=str(E2B_DIR))
     ap.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated: {', '.join(PARTS)}")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "profile.json"))
+    ap.add_argument("--with-pdl", action="store_true", help="profile with PDL + prefetch too")
     args = ap.parse_args(argv)
     parts = [p for p in args.parts.split(",") if p]
     unknown = [p for p in parts if p not in PARTS]
@@ -211,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
         make(Path(args.ckpt))
         eng = engine.load(Path(args.ckpt), device="cuda")
         res["profile"] = {}
-        for flags in ("1", "0"):
+        for flags in ("1", "0") if args.with_pdl else ("0",):
             with _env(GPURIG_PDL=flags, GPURIG_PREFETCH=flags):
                 for depth in (0, 32768):
                     key = f"{'pdl' if flags == '1' else 'plain'}_depth_{depth}"

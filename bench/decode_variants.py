@@ -34,7 +34,9 @@ VARIANTS = {
     "residual_kernels": {"GPURIG_EPILOGUES": "glu"},  # residual+norm its own kernel (default)
     "residual_in_gemv": {"GPURIG_EPILOGUES": "all"},  # ... in the GEMV's last program
     "qkv_in_attention": {"GPURIG_FUSE_QKV_ATTN": "1"},  # norms + RoPE + cache write fused
-    "prologue": {"GPURIG_PROLOGUE": "1"},  # residual+norm in the next GEMV's prologue
+    "no_prologue": {"GPURIG_PROLOGUE": "0"},  # every residual+norm its own kernel
+    "prologue": {"GPURIG_PROLOGUE": "1"},  # residual+norm in the next GEMV's prologue (default)
+    "prologue_all": {"GPURIG_PROLOGUE": "all"},  # ... and in gate|up's too
 }
 
 

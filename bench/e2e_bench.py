@@ -335,6 +335,7 @@ def run_all(read_bps: float, save_cb=None, partial: dict | None = None,
     if save_cb:
         save_cb()
     for name, env in (  # the same step arranged otherwise, at depth 0
+        ("decode_without_prologue", {"GPURIG_PROLOGUE": "0"}),
         ("decode_residual_in_gemv_tail", {"GPURIG_EPILOGUES": "all"}),
         ("decode_without_gemv_epilogues", {"GPURIG_EPILOGUES": "0"}),
         ("decode_exact_fp32_unpack_gemv", {"GPURIG_GEMV_H2": "0"}),

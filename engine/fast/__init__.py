@@ -17,7 +17,8 @@ CUDA-graph replayer on CUDA and the model's plain decode_step elsewhere.
 | GPURIG_PREFETCH       | "1": L2 prefetch of weight slices first (sm_90+ only)     | off     |
 | GPURIG_GEMV_H2        | "0": exact fp32-unpack GEMV instead of half2 (16-bit)     | on      |
 | GPURIG_FUSE_QKV_ATTN  | "1": q/k/v norms + RoPE + cache write in the attention    | off     |
-| GPURIG_PROLOGUE       | "1": residual+norm in the next GEMV's prologue (2 of 3)   | off     |
+| GPURIG_PROLOGUE       | "1": residual+norm in the next GEMV's prologue (2 of 3); | 1       |
+|                       | "all": 3 of 3; "0": each residual+norm its own kernel     |         |
 
 GPURIG_FAST=force runs the fast path on any device Triton runs on (the CPU interpreter, for
 tests).
@@ -64,7 +65,7 @@ def decoder_for(model, cache) -> Callable[[torch.Tensor, torch.Tensor], torch.Te
            fast_enabled(model.device),
            os.environ.get("GPURIG_EPILOGUES", "glu"), os.environ.get("GPURIG_PDL", "0"),
            os.environ.get("GPURIG_PREFETCH", "0"), os.environ.get("GPURIG_GEMV_H2", "1"),
-           os.environ.get("GPURIG_FUSE_QKV_ATTN", "0"), os.environ.get("GPURIG_PROLOGUE", "0"))  # fmt: skip
+           os.environ.get("GPURIG_FUSE_QKV_ATTN", "0"), os.environ.get("GPURIG_PROLOGUE", "1"))  # fmt: skip
     dec = per_model.get(key)
     if dec is None:
         step = _step_fn(model, cache)

@@ -1,7 +1,11 @@
-"""The decode step with fused kernels: the same function as Gemma4Model.decode_step, in 12
+"""The decode step with fused kernels: the same function as Gemma4Model.decode_step, in 10
 launches per layer instead of ~95.
 
-Per layer (the default arrangement): one GEMV for q|k|v (fused at load), one kernel for the
+By default (GPURIG_PROLOGUE=1, `_step_prologue`) the residual+norm before the per-layer gate
+and before the next layer's q|k|v runs in that GEMV's prologue, which makes 10 launches of the
+12 below (H200: 611 vs 576 tok/s, bit-identical logits; bench/NOTES.md v7).
+
+Per layer (the arrangement without prologues): one GEMV for q|k|v (fused at load), one kernel for the
 q/k/v norms + RoPE + cache write, the split-cache attention (2), the o GEMV, one residual+norm
 kernel (post-attention norm, residual, pre-FFN norm), one GEMV over the interleaved gate|up rows
 that applies GELU(gate)*up itself, the down GEMV, a residual+norm kernel, and the per-layer-input
@@ -56,11 +60,13 @@ def _residual_epilogues_on() -> bool:
     return os.environ.get("GPURIG_EPILOGUES", "glu") in ("1", "all")
 
 
-def _prologue_on() -> bool:
-    """GPURIG_PROLOGUE=1: the residual+norm before the per-layer gate and before the next
-    layer's q|k|v is made in that GEMV's prologue: 10 launches per layer instead of 12. Off
-    until measured on a GPU (bench/NOTES.md)."""
-    return os.environ.get("GPURIG_PROLOGUE", "0") == "1"
+def _prologue_mode() -> str:
+    """GPURIG_PROLOGUE: where a residual+norm is made in the prologue of the GEMV that reads it.
+    "1" (default): before the per-layer gate and before the next layer's q|k|v, 10 launches per
+    layer instead of 12 (H200: 610 vs 576 tok/s, logits bit-identical, bench/NOTES.md v7).
+    "all": also before gate|up (9 launches). "0": every residual+norm is its own kernel."""
+    mode = os.environ.get("GPURIG_PROLOGUE", "1")
+    return mode if mode in ("0", "1", "all") else "1"
 
 
 def _packed(w) -> bool:
@@ -197,6 +203,7 @@ class FusedDecoder:
         spare = torch.empty_like(h)
         rope = m._rope(position)
         layers = m.layers
+        gate_up_too = _prologue_mode() == "all"
 
         def after(y, w_post, lin, scalar=None, w_next=None, epi=0, aux=None):
             nonlocal h, spare
@@ -215,9 +222,14 @@ class FusedDecoder:
                 y, w_post, scalar = pending
                 qkv = after(y, w_post, self.qkv_lin[i], scalar=scalar, w_next=w.input_norm)
             attn = self._attention(i, w, qkv, position, rope)
-            _, x2 = residual_norm(h, _lin(attn, w.o), w.post_attn_norm, eps,
-                                  w_next=w.pre_ffn_norm, h_out=h)  # fmt: skip
-            d = _lin(w4_gemv_glu(x2, fl.gate_up.packed, fl.gate_up.scales), w.down)
+            o = _lin(attn, w.o)
+            if gate_up_too:
+                act = after(o, w.post_attn_norm, fl.gate_up, w_next=w.pre_ffn_norm, epi=1)
+            else:
+                _, x2 = residual_norm(h, o, w.post_attn_norm, eps, w_next=w.pre_ffn_norm,
+                                      h_out=h)  # fmt: skip
+                act = w4_gemv_glu(x2, fl.gate_up.packed, fl.gate_up.scales)
+            d = _lin(act, w.down)
             if ple is None:
                 pending = (d, w.post_ffn_norm, w.layer_scalar)
                 continue
@@ -229,7 +241,12 @@ class FusedDecoder:
 
     @torch.inference_mode()
     def step(self, token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
-        if self.prologue_ok and _prologue_on() and _epilogues_on():
+        if (
+            self.prologue_ok
+            and _prologue_mode() != "0"
+            and _epilogues_on()
+            and not _residual_epilogues_on()
+        ):
             return self._step_prologue(token, position)
         m, cfg = self.model, self.model.cfg
         eps = cfg.rms_norm_eps

@@ -39,7 +39,8 @@ def tiny_engine(tmp_path_factory):
 
 @pytest.mark.parametrize(
     ("epilogues", "fuse_qkv", "prologue"),
-    [("all", "1", "0"), ("glu", "1", "0"), ("0", "1", "0"), ("glu", "0", "0"), ("glu", "0", "1")],
+    [("all", "1", "0"), ("glu", "1", "0"), ("0", "1", "0"), ("glu", "0", "0"), ("glu", "0", "1"),
+     ("glu", "0", "all")],
 )  # fmt: skip
 def test_fused_decode_step_matches_the_reference_step(tiny_engine, monkeypatch, epilogues,
                                                       fuse_qkv, prologue):  # fmt: skip
