@@ -21,6 +21,7 @@ import json
 import os
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -91,6 +92,37 @@ def profile_decode(eng, depth: int, replays: int = 3) -> dict[str, Any]:
     return {"depth": depth, "kernels_per_token": len(step), "wall_us": wall, "kernel_us": busy,
             "covered_us": covered, "gap_us": wall - covered, "by_kernel": table,
             "first_60": seq}  # fmt: skip
+
+
+def profile_prompt(eng, n: int, whole: bool) -> dict[str, Any]:
+    """Reading an n-token prompt under the profiler: wall time against the GPU's kernel time
+    (the rest is the host launching ops one by one), kernels launched, the costliest ops."""
+    from engine.generate import prefill, read_prompt
+
+    prompt = [int(t) for t in torch.randint(3, eng.config.vocab_size, (n,))]
+    read = prefill if whole else read_prompt
+    for _ in range(2):
+        read(eng.model, eng.cache, prompt, eng.prefill_chunk)
+    torch.cuda.synchronize()
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:
+        t0 = time.perf_counter()
+        read(eng.model, eng.cache, prompt, eng.prefill_chunk)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+        trace = f.name
+    prof.export_chrome_trace(trace)
+    ks = _kernels_of_trace(trace)
+    os.unlink(trace)
+    by: dict[str, list[float]] = collections.defaultdict(list)
+    for e in ks:
+        by[_short(e["name"])].append(e["dur"])
+    table = sorted(({"kernel": k, "count": len(v), "total_us": round(sum(v), 1)}
+                    for k, v in by.items()), key=lambda r: -r["total_us"])[:20]  # fmt: skip
+    return {"tokens": n, "whole": whole, "wall_us_under_profiler": round(wall * 1e6),
+            "kernels": len(ks), "kernel_us": round(sum(e["dur"] for e in ks)),
+            "by_kernel": table}  # fmt: skip
 
 
 def gemv_hot_cold() -> list[dict[str, Any]]:
@@ -174,7 +206,7 @@ def prefetch_effect() -> dict[str, Any]:
             "after_read_us": timed("read")}  # fmt: skip
 
 
-PARTS = ("prefetch", "gemv_hot", "profile")
+PARTS = ("prefetch", "gemv_hot", "profile", "prompt")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -223,6 +255,19 @@ def main(argv: list[str] | None = None) -> int:
                         print(f"   {row['kernel']:<40} x{row['count']:<4} "
                               f"{row['total_us']:8.1f} us  mean {row['mean_us']:6.2f}")  # fmt: skip
                     save()
+    if "prompt" in parts:
+        import engine
+
+        make(Path(args.ckpt))
+        eng = engine.load(Path(args.ckpt), device="cuda")
+        res["prompt"] = []
+        for n, whole in ((32, True), (32, False), (512, False), (4096, False)):
+            r = profile_prompt(eng, n, whole)
+            res["prompt"].append(r)
+            print({k: v for k, v in r.items() if k != "by_kernel"}, flush=True)
+            for row in r["by_kernel"][:8]:
+                print(f"   {row['kernel']:<50} x{row['count']:<5} {row['total_us']:9.1f} us")
+            save()
     save()
     return 0
 

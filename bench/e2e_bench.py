@@ -153,20 +153,24 @@ def decode_rate(eng, depth: int, steps: int = 64) -> dict[str, Any]:
             "tok_per_s_with_sync": 1000 / host_ms}  # fmt: skip
 
 
-def prefill_rate(eng, n: int, repeats: int = 3) -> dict[str, Any]:
-    from engine.generate import prefill
+def prefill_rate(eng, n: int, repeats: int = 3, whole: bool = False) -> dict[str, Any]:
+    """Seconds from a prompt to its last token's logits, as `generate` reads it (the last token
+    through the decode step) or, with `whole`, every token through `prefill`'s chunks."""
+    from engine.generate import prefill, read_prompt
 
     prompt = [int(t) for t in torch.randint(3, eng.config.vocab_size, (n,))]
-    prefill(eng.model, eng.cache, prompt, eng.prefill_chunk)  # warm-up (tuning, cuBLAS plans)
+    read = prefill if whole else read_prompt
+    read(eng.model, eng.cache, prompt, eng.prefill_chunk)  # warm-up (tuning, cuBLAS plans)
     _sync()
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        prefill(eng.model, eng.cache, prompt, eng.prefill_chunk)
+        read(eng.model, eng.cache, prompt, eng.prefill_chunk)
         _sync()
         times.append(time.perf_counter() - t0)
     best = min(times)
-    return {"tokens": n, "chunk": eng.prefill_chunk, "seconds": best, "tok_per_s": n / best}
+    return {"tokens": n, "chunk": eng.prefill_chunk, "seconds": best, "tok_per_s": n / best,
+            "last_token_by": "prefill" if whole else "decode step"}  # fmt: skip
 
 
 def generate_rate(eng, prompt_len: int = 32, new: int = 128) -> dict[str, Any]:
@@ -346,8 +350,12 @@ def run_all(read_bps: float, save_cb=None, partial: dict | None = None,
             except Exception as exc:  # noqa: BLE001
                 res[name] = {"error": repr(exc)[:800]}
     step("generate_short", generate_rate, eng)
+    step("prefill_32", prefill_rate, eng, 32)
     step("prefill_512", prefill_rate, eng, 512)
     step("prefill_4096", prefill_rate, eng, 4096)
+    step("prefill_32_whole", prefill_rate, eng, 32, whole=True)
+    step("prefill_512_whole", prefill_rate, eng, 512, whole=True)
+    step("prefill_4096_whole", prefill_rate, eng, 4096, whole=True)
     res["peak_mib"] = torch.cuda.max_memory_allocated() / 2**20
     # bound: weights + 7 passes over the full-attention cache per token
     wb = res["load"]["decode_weight_bytes"]
@@ -387,7 +395,7 @@ def _summary(res: dict[str, Any]) -> dict[str, Any]:
             s[f"decode_tok_s_depth_{r['depth']}"] = round(r["tok_per_s_gpu"], 1)
             s[f"decode_tok_s_with_sync_depth_{r['depth']}"] = round(r["tok_per_s_with_sync"], 1)
             s[f"pct_of_bound_depth_{r['depth']}"] = round(r.get("pct_of_bound", 0), 1)
-    for k in ("prefill_512", "prefill_4096"):
+    for k in ("prefill_32", "prefill_512", "prefill_4096"):
         if "tok_per_s" in res.get(k, {}):
             s[f"{k}_tok_s"] = round(res[k]["tok_per_s"])
     s["peak_mib"] = round(res.get("peak_mib", 0))

@@ -12,7 +12,7 @@ import engine
 from engine import ops
 from engine.checkpoint_maker import make_checkpoint
 from engine.errors import ContextLengthError, EngineError, GenerationError
-from engine.generate import prefill
+from engine.generate import prefill, read_prompt
 
 PROMPT = [2] + list(range(40, 80))
 
@@ -61,6 +61,31 @@ def test_sampling_is_seeded_and_bounded(eng):
         logits.append(eng.model.decode_step(torch.tensor([tok]), pos, eng.cache)[0])
     for tok, row in zip(out, logits, strict=True):
         assert tok in row.topk(3).indices.tolist()
+
+
+@pytest.mark.parametrize("prompt_len", [1, 2, 34, 41])  # 1: no chunk at all; 34: 33 + 1
+def test_reading_the_last_prompt_token_with_the_decode_step_equals_prefill(eng, prompt_len):
+    """read_prompt with a step: the body through chunks that skip the KV-shared layers, the last
+    token through the decode step. Same logits and the same cache as the full prefill."""
+    model, cache = eng.model, eng.cache
+    prompt = PROMPT[:prompt_len]
+    want = prefill(model, cache, prompt, 33).clone()
+    want_cache = {i: (c.k.clone(), c.v.clone(), c.pos.clone()) for i, c in cache.layers.items()}
+    for c in cache.layers.values():  # stale state the reset must clear
+        c.k.normal_(), c.v.normal_(), c.pos.fill_(7)
+
+    def step(token, position):
+        return model.decode_step(token, position, cache)
+
+    got = read_prompt(model, cache, prompt, 33, step)
+    assert got.shape == want.shape and torch.allclose(got, want, atol=1e-4, rtol=0)
+    assert got.argmax() == want.argmax()
+    for i, c in cache.layers.items():
+        k, v, pos = want_cache[i]
+        assert torch.equal(c.pos, pos), i
+        filled = pos >= 0
+        assert torch.allclose(c.k[filled], k[filled], atol=1e-5)
+        assert torch.allclose(c.v[filled], v[filled], atol=1e-5)
 
 
 def test_stop_ids_end_without_the_stop_token(eng):
