@@ -173,6 +173,37 @@ def prefill_rate(eng, n: int, repeats: int = 3, whole: bool = False) -> dict[str
             "last_token_by": "prefill" if whole else "decode step"}  # fmt: skip
 
 
+PROMPT_MODES = {  # how a prompt reaches its first logits
+    "fused": ({}, False),  # fused chunks + the last token by the decode step (the default)
+    "unfused": ({"GPURIG_FAST_PREFILL": "0"}, False),  # the model's layer code + decode step
+    "whole": ({}, True),  # every token through prefill's chunks, KV-shared layers included
+}
+
+
+def prompt_rates(eng, lengths=(32, 512, 4096)) -> dict[str, Any]:
+    """Prompt to first logits for each length and mode, and how far the modes' logits are
+    apart (the same prompt; bf16 rounding and matmul order differ, the function does not)."""
+    from engine.generate import prefill, read_prompt
+
+    out: dict[str, Any] = {}
+    for n in lengths:
+        logits = {}
+        for mode, (env, whole) in PROMPT_MODES.items():
+            with _env(**env):
+                out[f"{n}_{mode}"] = prefill_rate(eng, n, whole=whole)
+                torch.manual_seed(n)
+                prompt = [int(t) for t in torch.randint(3, eng.config.vocab_size, (n,))]
+                read = prefill if whole else read_prompt
+                logits[mode] = read(eng.model, eng.cache, prompt, eng.prefill_chunk).float()
+        ref = logits["whole"]
+        for mode in ("fused", "unfused"):
+            out[f"{n}_{mode}"]["max_abs_logit_diff_vs_whole"] = float(
+                (logits[mode] - ref).abs().max()
+            )
+            out[f"{n}_{mode}"]["same_argmax_as_whole"] = bool(logits[mode].argmax() == ref.argmax())
+    return out
+
+
 def generate_rate(eng, prompt_len: int = 32, new: int = 128) -> dict[str, Any]:
     prompt = [2] + [int(t) for t in torch.randint(3, eng.config.vocab_size, (prompt_len - 1,))]
     eng.generate(prompt, 8, stop_ids=[])  # warm-up: capture
@@ -350,12 +381,9 @@ def run_all(read_bps: float, save_cb=None, partial: dict | None = None,
             except Exception as exc:  # noqa: BLE001
                 res[name] = {"error": repr(exc)[:800]}
     step("generate_short", generate_rate, eng)
-    step("prefill_32", prefill_rate, eng, 32)
-    step("prefill_512", prefill_rate, eng, 512)
-    step("prefill_4096", prefill_rate, eng, 4096)
-    step("prefill_32_whole", prefill_rate, eng, 32, whole=True)
-    step("prefill_512_whole", prefill_rate, eng, 512, whole=True)
-    step("prefill_4096_whole", prefill_rate, eng, 4096, whole=True)
+    step("prompt", prompt_rates, eng)
+    for n in (32, 512, 4096):
+        res[f"prefill_{n}"] = res["prompt"].get(f"{n}_fused", {})
     res["peak_mib"] = torch.cuda.max_memory_allocated() / 2**20
     # bound: weights + 7 passes over the full-attention cache per token
     wb = res["load"]["decode_weight_bytes"]
@@ -418,7 +446,7 @@ def _summary(res: dict[str, Any]) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("what", choices=["all", "make", "capped", "peer"])
+    ap.add_argument("what", choices=["all", "make", "capped", "peer", "prompt"])
     ap.add_argument("--ckpt", default=str(E2B_DIR))
     ap.add_argument("--mode", default="eager")
     ap.add_argument("--json", default=None)
@@ -426,7 +454,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="where the JSON goes (default $OUT/e2e[_capped|_peer_MODE].json)")  # fmt: skip
     args = ap.parse_args(argv)
     ckpt = Path(args.ckpt)
-    suffix = {"all": "", "capped": "_capped", "peer": f"_peer_{args.mode}"}.get(args.what)
+    suffix = {"all": "", "capped": "_capped", "peer": f"_peer_{args.mode}",
+              "prompt": "_prompt"}.get(args.what)  # fmt: skip
     if suffix is not None:  # every measurement is kept, not only printed
         out = args.out or os.path.join(os.environ.get("OUT", "."), f"e2e{suffix}.json")
         args.json = args.json or out
@@ -436,6 +465,13 @@ def main(argv: list[str] | None = None) -> int:
         res = run_capped(ckpt)
     elif args.what == "peer":
         res = run_peer(ckpt, args.mode)
+    elif args.what == "prompt":
+        import engine
+
+        make(ckpt)
+        res = prompt_rates(engine.load(ckpt, device="cuda"))
+        for key, row in res.items():
+            print(key, {k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()})
     else:
         res = run_all(4.1e12)
     text = json.dumps(res, indent=1, default=str)

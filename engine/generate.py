@@ -144,6 +144,14 @@ def _last_token_by_step(model: Gemma4Model) -> bool:
     return fast_enabled(model.device)
 
 
+def _prefill_body_for(model: Gemma4Model, cache: KVCache) -> Callable[[torch.Tensor, int], None]:
+    try:
+        from engine.fast import prefill_body_for
+    except ImportError:
+        return lambda ids, start: model.prefill_chunk(ids, start, cache, last=False)
+    return prefill_body_for(model, cache)
+
+
 def read_prompt(
     model: Gemma4Model,
     cache: KVCache,
@@ -157,16 +165,18 @@ def read_prompt(
     the KV-shared layers (only the last token needs them, and they keep no cache), and the last
     token goes through the decode step: one CUDA-graph replay instead of those ~20 layers run
     as eager ops on a single row, which cost ~30 ms of host time on the H200 whatever the
-    prompt's length. The logits are the same function either way (the decode step is the
-    reference's decode_step, tested to equal prefill). Elsewhere `prefill` reads it all."""
+    prompt's length. The chunks themselves run engine.fast's fused prefill where it applies.
+    The logits are the same function either way (the decode step is the reference's
+    decode_step, tested to equal prefill). Elsewhere `prefill` reads it all."""
     if step is None and not _last_token_by_step(model):
         return prefill(model, cache, prompt, chunk)
     step = step or decode_step_for(model, cache)
     cache.reset()
     ids = torch.tensor(prompt, dtype=torch.int64, device=model.device)
     body = len(prompt) - 1
+    read_chunk = _prefill_body_for(model, cache)
     for start in range(0, body, chunk):
-        model.prefill_chunk(ids[start : min(start + chunk, body)], start, cache, last=False)
+        read_chunk(ids[start : min(start + chunk, body)], start)
     position = torch.tensor([body], dtype=torch.int64, device=model.device)
     return step(ids[body:], position)[0]
 

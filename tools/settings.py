@@ -8,7 +8,7 @@
 | GPURIG_TEST_WHEELS | tests only: cache of the vLLM wheels the Turing-patch network tests download | ~/.cache/gpurig-tests/vllm-wheels |
 | GPURIG_KERNEL_CACHE | per-GPU tuned GEMV tilings (engine/kernels/tuning.py) | ~/.cache/gpurig/kernels |
 | GPURIG_KERNEL_AUTOTUNE | "0": no first-use kernel tuning (stored or default tilings) | on |
-| GPURIG_FAST / GPURIG_CUDA_GRAPH / GPURIG_DECODE / GPURIG_EPILOGUES | the engine's CUDA fast path and its parts (engine/fast/__init__.py) | on / on / fused / glu |
+| GPURIG_FAST / GPURIG_CUDA_GRAPH / GPURIG_DECODE / GPURIG_EPILOGUES / GPURIG_FAST_PREFILL | the engine's CUDA fast path and its parts (engine/fast/__init__.py) | on / on / fused / glu / on |
 | GPURIG_GEMV_H2 / GPURIG_PDL / GPURIG_PREFETCH | half2 GEMV for 16-bit models; launch switches for sm_90 (engine/kernels/pdl.py) | on / off / off |
 | GPURIG_FUSE_QKV_ATTN | "1": q/k/v norms, RoPE and cache write inside the decode attention (engine/fast/decode.py) | off |
 | GPURIG_PROLOGUE | "1": the residual+norms before the per-layer gate and the next q/k/v GEMV made in that GEMV's prologue; "all": before gate/up too; "0": separate kernels (engine/fast/decode.py) | 1 |

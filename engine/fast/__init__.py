@@ -17,6 +17,7 @@ CUDA-graph replayer on CUDA and the model's plain decode_step elsewhere.
 | GPURIG_PREFETCH       | "1": L2 prefetch of weight slices first (sm_90+ only)     | off     |
 | GPURIG_GEMV_H2        | "0": exact fp32-unpack GEMV instead of half2 (16-bit)     | on      |
 | GPURIG_FUSE_QKV_ATTN  | "1": q/k/v norms + RoPE + cache write in the attention    | off     |
+| GPURIG_FAST_PREFILL   | "0": prompt chunks through the model's own layer code     | on      |
 | GPURIG_PROLOGUE       | "1": residual+norm in the next GEMV's prologue (2 of 3); | 1       |
 |                       | "all": 3 of 3; "0": each residual+norm its own kernel     |         |
 
@@ -77,6 +78,19 @@ def decoder_for(model, cache) -> Callable[[torch.Tensor, torch.Tensor], torch.Te
             dec = step
         per_model[key] = dec
     return dec
+
+
+def prefill_body_for(model, cache) -> Callable[[torch.Tensor, int], None]:
+    """`chunk(ids, start)`: a prompt chunk into the KV-producing layers' caches, as
+    `model.prefill_chunk(ids, start, cache, last=False)` does; with the fused kernels where the
+    fast path runs and the model qualifies (GPURIG_FAST_PREFILL=0: the model's own)."""
+    if fast_enabled(model.device) and os.environ.get("GPURIG_FAST_PREFILL", "1") != "0":
+        from engine.fast import prefill
+
+        if prefill.supported(model):
+            fused = prefill.FusedPrefill(model)
+            return lambda ids, start: fused.chunk(ids, start, cache)
+    return lambda ids, start: model.prefill_chunk(ids, start, cache, last=False)
 
 
 def prefill_chunk_for(device: torch.device, memory_cap_mib: int | None = None) -> int:

@@ -75,9 +75,15 @@ def _residual_norm_kernel(
     HAS_SCALAR: tl.constexpr, HAS_NEXT: tl.constexpr, BLOCK: tl.constexpr,
     PDL: tl.constexpr = False,
 ):  # fmt: skip
-    """h' = round(h + rms(y) * w_post) [* scalar]; x' = rms(h') * w_next (the next norm)."""
+    """h' = round(h + rms(y) * w_post) [* scalar]; x' = rms(h') * w_next (the next norm).
+    One program per row of D contiguous elements (one row when decoding)."""
     pdl_enter(PDL)
     DT: tl.constexpr = h_out_ptr.dtype.element_ty
+    row = tl.program_id(0).to(tl.int64) * D
+    h_ptr = h_ptr + row
+    y_ptr = y_ptr + row
+    h_out_ptr = h_out_ptr + row
+    x_out_ptr = x_out_ptr + row
     offs = tl.arange(0, BLOCK)
     mask = offs < D
     h = tl.load(h_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -91,14 +97,15 @@ def _residual_norm_kernel(
 
 
 @triton.jit
-def _gelu_mul_kernel(g_ptr, u_ptr, out_ptr, n, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
-    """round(round(gelu_tanh(g)) * u)."""
+def _gelu_mul_kernel(g_ptr, u_ptr, out_ptr, n, BLOCK: tl.constexpr, STRIDE: tl.constexpr = 1,
+                     PDL: tl.constexpr = False):  # fmt: skip
+    """round(round(gelu_tanh(g)) * u); g and u read every STRIDE-th element (2: pairs)."""
     pdl_enter(PDL)
     DT: tl.constexpr = out_ptr.dtype.element_ty
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
-    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(u_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + offs * STRIDE, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + offs * STRIDE, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + offs, _round(_round(_gelu_tanh(g), DT) * u, DT), mask=mask)
 
 
@@ -228,11 +235,14 @@ def residual_norm(
     h_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """h' = h + rms_norm(y, w_post) [then * scalar]; also rms_norm(h', w_next) when given.
-    h_out may be h itself (one program reads every element before it writes)."""
+    Row by row over [..., D] (contiguous). h_out may be h itself (each row's program reads its
+    row before it writes)."""
     d = h.shape[-1]
+    if not (h.is_contiguous() and y.is_contiguous() and y.numel() == h.numel()):
+        raise ValueError("residual_norm: h and y must be contiguous and of the same size")
     h_out = torch.empty_like(h) if h_out is None else h_out
     x_out = torch.empty_like(h) if w_next is not None else None
-    _residual_norm_kernel[(1,)](
+    _residual_norm_kernel[(h.numel() // d,)](
         h, y, w_post, scalar if scalar is not None else w_post,
         w_next if w_next is not None else w_post, h_out, x_out if x_out is not None else h_out,
         d, eps, HAS_SCALAR=scalar is not None, HAS_NEXT=w_next is not None,
@@ -248,6 +258,20 @@ def gelu_mul(g: torch.Tensor, u: torch.Tensor, out: torch.Tensor | None = None) 
     block = 1024
     _gelu_mul_kernel[(triton.cdiv(n, block),)](
         g, u, out, n, BLOCK=block, num_warps=4, **pdl_kwargs(g)
+    )
+    return out
+
+
+def gelu_mul_pairs(gu: torch.Tensor) -> torch.Tensor:
+    """gelu_tanh(gate) * up from interleaved pairs (gate at even, up at odd columns of
+    gu [..., 2F], the fused gate|up matrix's output) -> [..., F], rounded as gelu_mul."""
+    if not gu.is_contiguous() or gu.shape[-1] % 2:
+        raise ValueError("gelu_mul_pairs: gu must be contiguous with an even last dimension")
+    out = torch.empty(*gu.shape[:-1], gu.shape[-1] // 2, device=gu.device, dtype=gu.dtype)
+    n = out.numel()
+    block = 1024
+    _gelu_mul_kernel[(triton.cdiv(n, block),)](
+        gu, gu[..., 1:], out, n, BLOCK=block, STRIDE=2, num_warps=4, **pdl_kwargs(gu)
     )
     return out
 

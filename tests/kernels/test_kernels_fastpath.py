@@ -194,3 +194,54 @@ def test_prologue_step_of_a_model_without_per_layer_inputs(tmp_path, monkeypatch
     decoder = FusedDecoder(model, fused_cache)
     assert decoder.prologue_ok
     _three_steps_match_the_reference(model, eng.cache, decoder, logits, len(prompt))
+
+
+@pytest.mark.parametrize("per_layer_inputs", [True, False])
+def test_fused_prefill_chunks_fill_the_cache_as_the_reference_does(tmp_path, per_layer_inputs):
+    """FusedPrefill.chunk against prefill_chunk(last=False): three 16-token chunks over a
+    window-16 ring (it wraps), with and without per-layer inputs; every cache the same."""
+    from engine.fast import prefill as fast_prefill
+
+    overrides = {} if per_layer_inputs else {"hidden_size_per_layer_input": 0}
+    make_checkpoint(tmp_path, preset="tiny", seed=4, emb4=True, overrides=overrides)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    eng = engine.load(tmp_path, device=dev, dtype=torch.float32, max_context=256)
+    model = eng.model
+    assert fast_prefill.supported(model) and (model.ple_table is not None) == per_layer_inputs
+    ids = torch.tensor([2] + [int(t) for t in torch.randint(3, 500, (47,))], device=dev)
+    ref_cache = eng.cache
+    ref_cache.reset()
+    fast_cache = copy.deepcopy(ref_cache)
+    fused = fast_prefill.FusedPrefill(model)
+    for start in (0, 16, 32):
+        model.prefill_chunk(ids[start : start + 16], start, ref_cache, last=False)
+        fused.chunk(ids[start : start + 16], start, fast_cache)
+    assert len(ref_cache.layers) == model.cfg.first_shared_layer
+    for i, layer in ref_cache.layers.items():
+        other = fast_cache.layers[i]
+        assert torch.equal(layer.pos, other.pos), i
+        assert (layer.pos >= 0).any(), i  # the chunks really wrote
+        assert torch.allclose(layer.k, other.k, atol=1e-5), i
+        assert torch.allclose(layer.v, other.v, atol=1e-5), i
+
+
+def test_generate_reads_prompts_through_the_fused_prefill(tiny_engine, monkeypatch) -> None:
+    """With the fast path forced, generate's prompt goes through FusedPrefill (body) and the
+    decode step (last token); its greedy tokens equal the reference path's."""
+    from engine.fast import prefill as fast_prefill
+
+    calls = {"chunks": 0}
+    real = fast_prefill.FusedPrefill.chunk
+
+    def counted(self, ids, start, cache):
+        calls["chunks"] += 1
+        return real(self, ids, start, cache)
+
+    prompt = [2] + list(range(30, 70))
+    monkeypatch.setenv("GPURIG_FAST", "0")
+    ref = tiny_engine.generate(prompt, 6, stop_ids=[])
+    monkeypatch.setenv("GPURIG_FAST", "force")
+    monkeypatch.setattr(fast_prefill.FusedPrefill, "chunk", counted)
+    fast = tiny_engine.generate(prompt, 6, stop_ids=[])
+    assert calls["chunks"] == -(-(len(prompt) - 1) // tiny_engine.prefill_chunk)
+    assert fast == ref
