@@ -6,10 +6,10 @@ launched 3,507 kernels that ran for 7 ms inside a 92 ms read (bench/NOTES.md, v7
 PyTorch op or Triton launch costs the host ~20 us however little it computes. Here every
 RMSNorm is one kernel instead of seven ops, each residual+norm pair is one kernel that also
 makes the next norm, q|k|v and gate|up are one dequantise + one matmul each (the matrices fused
-at load for decode), and GELU(gate)*up reads the interleaved gate|up output directly. The
+at load for decode), the q/k/v head norms and RoPE are one launch, and GELU(gate)*up reads the interleaved gate|up output directly. The
 attention over the prompt and the cache write stay the reference's ops. Every intermediate is
 rounded where the reference rounds it, so the cache equals the reference's up to the matmuls'
-summation order.
+summation order. The q/k/v head norms and RoPE are one kernel for the whole chunk.
 
 Only the body of a prompt comes here: the last token goes through the decode step
 (engine.generate.read_prompt), so the KV-shared layers never run on a prompt chunk.
@@ -21,7 +21,13 @@ import torch
 
 from engine import ops
 from engine.fast.fuse import fuse_projections
-from engine.kernels.fused import gelu_mul, gelu_mul_pairs, residual_norm, rmsnorm_rows
+from engine.kernels.fused import (
+    gelu_mul,
+    gelu_mul_pairs,
+    qkv_rope_rows,
+    residual_norm,
+    rmsnorm_rows,
+)
 
 
 def supported(model) -> bool:
@@ -32,11 +38,6 @@ def supported(model) -> bool:
         fl.qkv is not None and fl.gate_up is not None and model.layers[i].k is not None
         for i, fl in enumerate(fused[:n])
     )
-
-
-def _norm_heads(x: torch.Tensor, weight: torch.Tensor | None, eps: float, heads: int, d: int):
-    """RMSNorm per head of x [T, heads * d] (a column slice of the q|k|v output) -> [T, heads, d]."""
-    return rmsnorm_rows(x.reshape(-1, heads, d).contiguous(), weight, eps)
 
 
 class FusedPrefill:
@@ -62,12 +63,8 @@ class FusedPrefill:
             hq, kvh, hd = cfg.num_attention_heads, cfg.layer_kv_heads[i], cfg.layer_head_dims[i]
             cos, sin = rope[cfg.layer_types[i]]
             qkv = ops.linear(x, fl.qkv)
-            qe, ke = hq * hd, (hq + kvh) * hd
-            q = ops.apply_rope(_norm_heads(qkv[:, :qe], w.q_norm, eps, hq, hd), cos, sin)
-            k_raw = qkv[:, qe:ke]
-            v_raw = qkv[:, ke:] if w.v is not None else k_raw
-            k = ops.apply_rope(_norm_heads(k_raw, w.k_norm, eps, kvh, hd), cos, sin)
-            v = _norm_heads(v_raw, None, eps, kvh, hd)
+            q, k, v = qkv_rope_rows(qkv, w.q_norm, w.k_norm, cos, sin, hq, kvh, hd, eps,
+                                    v_from_k=w.v is None)  # fmt: skip
             lc = cache.layers[i]
             if lc.window is None:  # full layer: the filled prefix
                 ck, cv, cp = lc.k[:start], lc.v[:start], lc.pos[:start]

@@ -188,6 +188,76 @@ def _qkv_rope_kernel(
 
 
 @triton.jit
+def _qkv_rope_rows_kernel(
+    qkv_ptr, q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr, v_out_ptr,
+    stride_row, eps, HQ: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr,
+    V_FROM_K: tl.constexpr,
+):  # fmt: skip
+    """Prompt rows: program (t, head) norms one head of row t of the q|k|v output (q and k with
+    their weights, v without) and rotates q and k with row t's cos / sin, as qkv_rope does for
+    one token; outputs [T, heads, D] each."""
+    DT: tl.constexpr = q_out_ptr.dtype.element_ty
+    t = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    offs = tl.arange(0, D)
+    half: tl.constexpr = D // 2
+    partner = (offs + half) % D
+    sign = tl.where(offs < half, -1.0, 1.0)
+    mask = offs < D
+    row = qkv_ptr + t * stride_row
+    if head < HQ + KVH:
+        cos = tl.load(cos_ptr + t * D + offs).to(tl.float32)
+        sin = tl.load(sin_ptr + t * D + offs).to(tl.float32)
+        x = tl.load(row + head * D + offs).to(tl.float32)
+        xp = tl.load(row + head * D + partner).to(tl.float32)
+        if head < HQ:
+            out = _norm_rope(x, xp, q_norm_ptr, offs, partner, mask, cos, sin, sign, D, eps, DT)
+            tl.store(q_out_ptr + (t * HQ + head) * D + offs, out)
+        else:
+            out = _norm_rope(x, xp, k_norm_ptr, offs, partner, mask, cos, sin, sign, D, eps, DT)
+            tl.store(k_out_ptr + (t * KVH + head - HQ) * D + offs, out)
+    else:
+        j = head - HQ - KVH
+        if V_FROM_K:  # noqa: SIM108 - a constexpr branch
+            src = row + (HQ + j) * D
+        else:
+            src = row + (HQ + KVH + j) * D
+        x = tl.load(src + offs).to(tl.float32)
+        tl.store(v_out_ptr + (t * KVH + j) * D + offs,
+                 _rms(x, k_norm_ptr, offs, mask, D, eps, False, DT))  # fmt: skip
+
+
+def qkv_rope_rows(
+    qkv: torch.Tensor,
+    q_norm: torch.Tensor,
+    k_norm: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    num_heads: int,
+    kv_heads: int,
+    head_dim: int,
+    eps: float,
+    v_from_k: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A prompt chunk's q [T, HQ, D], k and v [T, KVH, D] from the fused q|k|v output
+    qkv [T, N] (rows may be strided): the reference's per-head RMSNorms and RoPE in one launch
+    instead of ~16 ops. v_from_k: the layer has no v_proj, its values are its raw keys."""
+    t = qkv.shape[0]
+    if qkv.stride(-1) != 1 or cos.shape != (t, head_dim) or not cos.is_contiguous():
+        raise ValueError("qkv_rope_rows: qkv rows must be contiguous inside, cos/sin [T, D]")
+    q = torch.empty(t, num_heads, head_dim, device=qkv.device, dtype=qkv.dtype)
+    k = torch.empty(t, kv_heads, head_dim, device=qkv.device, dtype=qkv.dtype)
+    v = torch.empty_like(k)
+    if t:
+        _qkv_rope_rows_kernel[(t, num_heads + 2 * kv_heads)](
+            qkv, q_norm, k_norm, cos, sin.contiguous(), q, k, v, qkv.stride(0), eps,
+            HQ=num_heads, KVH=kv_heads, D=head_dim, V_FROM_K=v_from_k,
+            num_warps=_warps(head_dim),
+        )  # fmt: skip
+    return q, k, v
+
+
+@triton.jit
 def _ple_mix_kernel(proj_ptr, tok_ptr, w_ptr, out_ptr, P, eps, c_proj, c_mix,
                     BLOCK: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
     """Per layer l: round(round(rms(round(proj*c_proj)) * w + tok) * c_mix) (the PLE input)."""

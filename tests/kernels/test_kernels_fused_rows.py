@@ -56,3 +56,31 @@ def test_gelu_mul_pairs_reads_interleaved_gate_and_up(dtype) -> None:
     assert torch.allclose(got.float(), want.float(), atol=tol, rtol=tol)
     with pytest.raises(ValueError, match="even"):
         gelu_mul_pairs(gu[:, :-1].contiguous())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("v_from_k", [False, True])
+def test_qkv_rope_rows_equals_the_reference_norms_and_rope(dtype, v_from_k) -> None:
+    """Every row's q/k head norms with weights, v norm without, RoPE from that row's position."""
+    from engine.kernels.fused import qkv_rope_rows
+
+    t, hq, kvh, d, eps = 6, 4, 1, 32, 1e-6
+    n = (hq + kvh + (0 if v_from_k else kvh)) * d
+    wide = (torch.randn(t, n + 8, device=DEV) * 2).to(dtype)
+    qkv = wide[:, :n]  # rows strided, as a column slice would be
+    q_norm = (torch.rand(d, device=DEV) + 0.5).to(dtype)
+    k_norm = (torch.rand(d, device=DEV) + 0.5).to(dtype)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, d, 2, device=DEV).float() / d))
+    cos, sin = ops.rope_cos_sin(torch.arange(7, 7 + t, device=DEV), inv_freq, dtype)
+    q, k, v = qkv_rope_rows(qkv, q_norm, k_norm, cos, sin, hq, kvh, d, eps, v_from_k=v_from_k)
+    q_ref = ops.apply_rope(ops.rms_norm(qkv[:, : hq * d].reshape(t, hq, d), q_norm, eps), cos, sin)
+    k_raw = qkv[:, hq * d : (hq + kvh) * d].reshape(t, kvh, d)
+    k_ref = ops.apply_rope(ops.rms_norm(k_raw, k_norm, eps), cos, sin)
+    v_raw = k_raw if v_from_k else qkv[:, (hq + kvh) * d :].reshape(t, kvh, d)
+    v_ref = ops.rms_norm(v_raw, None, eps)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for got, want in ((q, q_ref), (k, k_ref), (v, v_ref)):
+        assert got.shape == want.shape and got.dtype == dtype
+        assert torch.allclose(got.float(), want.float(), atol=tol, rtol=tol)
+    with pytest.raises(ValueError, match="cos/sin"):
+        qkv_rope_rows(qkv, q_norm, k_norm, cos[:2], sin[:2], hq, kvh, d, eps)
