@@ -110,6 +110,15 @@ def _gelu_mul_kernel(g_ptr, u_ptr, out_ptr, n, BLOCK: tl.constexpr, STRIDE: tl.c
 
 
 @triton.jit
+def _rope_lanes(D: tl.constexpr):
+    """A head's lanes, each lane's NeoX partner (the other half), the sign rotate_half gives
+    it, and the all-true mask the norm helpers take."""
+    offs = tl.arange(0, D)
+    half: tl.constexpr = D // 2
+    return offs, (offs + half) % D, tl.where(offs < half, -1.0, 1.0), offs < D
+
+
+@triton.jit
 def _norm_rope(x, xp, w_ptr, offs, partner, mask, cos, sin, sign, D: tl.constexpr, eps,
                DT: tl.constexpr):  # fmt: skip
     """One head: RMSNorm with weights, then RoPE (NeoX half split); xp is x read at the partner
@@ -159,11 +168,7 @@ def _qkv_rope_kernel(
     pdl_enter(PDL)
     DT: tl.constexpr = q_out_ptr.dtype.element_ty
     head = tl.program_id(0)
-    offs = tl.arange(0, D)
-    half: tl.constexpr = D // 2
-    partner = (offs + half) % D
-    sign = tl.where(offs < half, -1.0, 1.0)
-    mask = offs < D
+    offs, partner, sign, mask = _rope_lanes(D)
     pos = tl.load(pos_ptr)
     cos = tl.load(cos_ptr + offs).to(tl.float32)
     sin = tl.load(sin_ptr + offs).to(tl.float32)
@@ -199,11 +204,7 @@ def _qkv_rope_rows_kernel(
     DT: tl.constexpr = q_out_ptr.dtype.element_ty
     t = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
-    offs = tl.arange(0, D)
-    half: tl.constexpr = D // 2
-    partner = (offs + half) % D
-    sign = tl.where(offs < half, -1.0, 1.0)
-    mask = offs < D
+    offs, partner, sign, mask = _rope_lanes(D)
     row = qkv_ptr + t * stride_row
     if head < HQ + KVH:
         cos = tl.load(cos_ptr + t * D + offs).to(tl.float32)
