@@ -31,11 +31,16 @@ from engine.kernels.fused import (
 
 
 def supported(model) -> bool:
-    """True when every KV-producing layer has packed, fusable q|k|v and gate|up (E2B does)."""
+    """True when every KV-producing layer has packed, fusable q|k|v and gate|up and a
+    power-of-two head width (qkv_rope_rows spans a head with tl.arange) (E2B does)."""
     fused = fuse_projections(model)
-    n = model.cfg.first_shared_layer
+    cfg = model.cfg
+    n = cfg.first_shared_layer
     return model.dtype in (torch.bfloat16, torch.float16, torch.float32) and all(
-        fl.qkv is not None and fl.gate_up is not None and model.layers[i].k is not None
+        fl.qkv is not None
+        and fl.gate_up is not None
+        and model.layers[i].k is not None
+        and not cfg.layer_head_dims[i] & (cfg.layer_head_dims[i] - 1)
         for i, fl in enumerate(fused[:n])
     )
 

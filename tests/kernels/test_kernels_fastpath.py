@@ -245,3 +245,22 @@ def test_generate_reads_prompts_through_the_fused_prefill(tiny_engine, monkeypat
     fast = tiny_engine.generate(prompt, 6, stop_ids=[])
     assert calls["chunks"] == -(-(len(prompt) - 1) // tiny_engine.prefill_chunk)
     assert fast == ref
+
+
+def test_fused_prefill_leaves_head_widths_its_kernel_cannot_span_to_the_model(
+    tmp_path, monkeypatch
+) -> None:
+    """qkv_rope_rows spans a head with tl.arange, which takes powers of two only: a model with
+    24/48-wide heads must read its prompt chunks through its own layer code, not crash."""
+    from engine.fast import prefill as fast_prefill
+
+    overrides = {"head_dim": 24, "global_head_dim": 48}
+    make_checkpoint(tmp_path, preset="tiny", seed=6, emb4=True, overrides=overrides)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    eng = engine.load(tmp_path, device=dev, dtype=torch.float32, max_context=256)
+    assert not fast_prefill.supported(eng.model)
+    prompt = [2] + list(range(30, 50))
+    monkeypatch.setenv("GPURIG_FAST", "0")
+    ref = eng.generate(prompt, 3, stop_ids=[])
+    monkeypatch.setenv("GPURIG_FAST", "force")
+    assert eng.generate(prompt, 3, stop_ids=[]) == ref
