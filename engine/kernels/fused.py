@@ -99,10 +99,11 @@ def _residual_norm_kernel(
 @triton.jit
 def _gelu_mul_kernel(g_ptr, u_ptr, out_ptr, n, BLOCK: tl.constexpr, STRIDE: tl.constexpr = 1,
                      PDL: tl.constexpr = False):  # fmt: skip
-    """round(round(gelu_tanh(g)) * u); g and u read every STRIDE-th element (2: pairs)."""
+    """round(round(gelu_tanh(g)) * u); g and u read every STRIDE-th element (2: pairs).
+    Offsets in int64: a prompt chunk's T x 2F pair index passes 2^31 (31B: T ~ 50k)."""
     pdl_enter(PDL)
     DT: tl.constexpr = out_ptr.dtype.element_ty
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     g = tl.load(g_ptr + offs * STRIDE, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(u_ptr + offs * STRIDE, mask=mask, other=0.0).to(tl.float32)
@@ -246,6 +247,14 @@ def qkv_rope_rows(
     t = qkv.shape[0]
     if qkv.stride(-1) != 1 or cos.shape != (t, head_dim) or not cos.is_contiguous():
         raise ValueError("qkv_rope_rows: qkv rows must be contiguous inside, cos/sin [T, D]")
+    if sin.shape != cos.shape:
+        raise ValueError("qkv_rope_rows: cos/sin must both be [T, D]")
+    width = (num_heads + kv_heads * (1 if v_from_k else 2)) * head_dim
+    if qkv.dim() != 2 or qkv.shape[1] != width:  # the kernel reads `width` columns of each row
+        raise ValueError(
+            f"qkv_rope_rows: qkv width {tuple(qkv.shape)[1:]} is not the heads' {width} "
+            f"(v_from_k={v_from_k})"
+        )
     q = torch.empty(t, num_heads, head_dim, device=qkv.device, dtype=qkv.dtype)
     k = torch.empty(t, kv_heads, head_dim, device=qkv.device, dtype=qkv.dtype)
     v = torch.empty_like(k)
@@ -311,6 +320,10 @@ def residual_norm(
     d = h.shape[-1]
     if not (h.is_contiguous() and y.is_contiguous() and y.numel() == h.numel()):
         raise ValueError("residual_norm: h and y must be contiguous and of the same size")
+    if h_out is not None and not (
+        h_out.is_contiguous() and h_out.numel() == h.numel() and h_out.dtype == h.dtype
+    ):  # each row's program writes D elements at row * D of h_out
+        raise ValueError("residual_norm: h_out must be contiguous, of h's size and dtype")
     h_out = torch.empty_like(h) if h_out is None else h_out
     x_out = torch.empty_like(h) if w_next is not None else None
     _residual_norm_kernel[(h.numel() // d,)](

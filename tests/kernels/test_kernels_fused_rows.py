@@ -84,3 +84,37 @@ def test_qkv_rope_rows_equals_the_reference_norms_and_rope(dtype, v_from_k) -> N
         assert torch.allclose(got.float(), want.float(), atol=tol, rtol=tol)
     with pytest.raises(ValueError, match="cos/sin"):
         qkv_rope_rows(qkv, q_norm, k_norm, cos[:2], sin[:2], hq, kvh, d, eps)
+
+
+def test_residual_norm_refuses_an_h_out_it_would_write_past() -> None:
+    """One program per row writes h_out row by row: an h_out of fewer elements, another layout
+    or another dtype than h would be written past its end or wrongly."""
+    h, y = torch.randn(3, 32, device=DEV), torch.randn(3, 32, device=DEV)
+    w = torch.ones(32, device=DEV)
+    big = torch.zeros(3, 32, device=DEV)
+    with pytest.raises(ValueError, match="h_out"):
+        residual_norm(h, y, w, 1e-6, h_out=big[:1])  # rows 1 and 2 would land past it
+    assert not big.any()
+    with pytest.raises(ValueError, match="h_out"):
+        residual_norm(h, y, w, 1e-6, h_out=torch.empty(32, 3, device=DEV).T)
+    with pytest.raises(ValueError, match="h_out"):
+        residual_norm(h, y, w, 1e-6, h_out=torch.empty(3, 32, device=DEV, dtype=torch.float16))
+
+
+def test_qkv_rope_rows_refuses_a_width_that_disagrees_with_the_heads() -> None:
+    """A q|k output read as q|k|v (v_from_k wrong) would read past each row (past the tensor on
+    the last row); q|k|v read as q|k would take the keys as values. sin must be [T, D] too."""
+    from engine.kernels.fused import qkv_rope_rows
+
+    t, hq, kvh, d, eps = 3, 2, 1, 16, 1e-6
+    w = torch.ones(d, device=DEV)
+    cos = sin = torch.ones(t, d, device=DEV)
+    qk = torch.randn(t, (hq + kvh) * d, device=DEV)
+    qkv = torch.randn(t, (hq + 2 * kvh) * d, device=DEV)
+    with pytest.raises(ValueError, match="width"):
+        qkv_rope_rows(qk, w, w, cos, sin, hq, kvh, d, eps, v_from_k=False)
+    with pytest.raises(ValueError, match="width"):
+        qkv_rope_rows(qkv, w, w, cos, sin, hq, kvh, d, eps, v_from_k=True)
+    with pytest.raises(ValueError, match="cos/sin"):
+        qkv_rope_rows(qkv, w, w, cos, sin[:1], hq, kvh, d, eps)
+    qkv_rope_rows(qk, w, w, cos, sin, hq, kvh, d, eps, v_from_k=True)  # the right flag: fine
