@@ -31,7 +31,7 @@ VARIANTS = {
     "pdl+prefetch": {"GPURIG_PDL": "1", "GPURIG_PREFETCH": "1"},
     "exact_gemv": {"GPURIG_GEMV_H2": "0"},  # the fp32-unpack GEMV instead of half2
     "no_epilogues": {"GPURIG_EPILOGUES": "0"},
-    "residual_kernels": {"GPURIG_EPILOGUES": "glu"},  # residual+norm its own kernel (default)
+    "residual_kernels": {"GPURIG_EPILOGUES": "glu", "GPURIG_PROLOGUE": "0"},  # v5's default
     "residual_in_gemv": {"GPURIG_EPILOGUES": "all"},  # ... in the GEMV's last program
     "qkv_in_attention": {"GPURIG_FUSE_QKV_ATTN": "1"},  # norms + RoPE + cache write fused
     "no_prologue": {"GPURIG_PROLOGUE": "0"},  # every residual+norm its own kernel

@@ -178,7 +178,8 @@ def read_prompt(
     for start in range(0, body, chunk):
         read_chunk(ids[start : min(start + chunk, body)], start)
     position = torch.tensor([body], dtype=torch.int64, device=model.device)
-    return step(ids[body:], position)[0]
+    # a copy: on CUDA the step returns its graph's output buffer, which the next step rewrites
+    return step(ids[body:], position)[0].clone()
 
 
 class _TokenReader:

@@ -228,3 +228,19 @@ def test_generate_text_streams_the_same_text(eng):
     res = generate_text(eng, chat="Tell me a story", max_new_tokens=20, on_text=pieces.append)
     assert "".join(pieces) == res.text and res.new_tokens == 20 and len(pieces) > 1
     assert res.prompt_tokens > 10 and res.weight_bytes_per_token == eng.model.decode_weight_bytes()
+
+
+def test_read_prompt_returns_logits_the_next_step_does_not_overwrite(eng):
+    """On CUDA the decode step returns its graph's output buffer; read_prompt's logits must
+    survive the next step (the bench compares prompt modes after further steps)."""
+    model, cache = eng.model, eng.cache
+    out = torch.zeros(1, model.cfg.vocab_size)
+
+    def step(token, position):  # a step that hands out one shared buffer, as a graph does
+        out.copy_(model.decode_step(token, position, cache))
+        return out
+
+    got = read_prompt(model, cache, PROMPT, 33, step)
+    kept = got.clone()
+    step(torch.tensor([5]), torch.tensor([len(PROMPT)]))
+    assert torch.equal(got, kept) and got.data_ptr() != out.data_ptr()
