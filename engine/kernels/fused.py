@@ -337,11 +337,16 @@ def residual_norm(
 
 def gelu_mul(g: torch.Tensor, u: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """gelu_tanh(g) * u, rounded as the reference rounds (g, u: same number of elements)."""
-    n = g.numel()
     out = torch.empty_like(g) if out is None else out
+    return _launch_gelu_mul(g, u, out, stride=1)
+
+
+def _launch_gelu_mul(g: torch.Tensor, u: torch.Tensor, out: torch.Tensor, stride: int):
+    """One launch of _gelu_mul_kernel over out's elements (g, u read every stride-th one)."""
+    n = out.numel()
     block = 1024
     _gelu_mul_kernel[(triton.cdiv(n, block),)](
-        g, u, out, n, BLOCK=block, num_warps=4, **pdl_kwargs(g)
+        g, u, out, n, BLOCK=block, STRIDE=stride, num_warps=4, **pdl_kwargs(g)
     )
     return out
 
@@ -352,12 +357,7 @@ def gelu_mul_pairs(gu: torch.Tensor) -> torch.Tensor:
     if not gu.is_contiguous() or gu.shape[-1] % 2:
         raise ValueError("gelu_mul_pairs: gu must be contiguous with an even last dimension")
     out = torch.empty(*gu.shape[:-1], gu.shape[-1] // 2, device=gu.device, dtype=gu.dtype)
-    n = out.numel()
-    block = 1024
-    _gelu_mul_kernel[(triton.cdiv(n, block),)](
-        gu, gu[..., 1:], out, n, BLOCK=block, STRIDE=2, num_warps=4, **pdl_kwargs(gu)
-    )
-    return out
+    return _launch_gelu_mul(gu, gu[..., 1:], out, stride=2)
 
 
 def qkv_rope(
