@@ -1,0 +1,302 @@
+"""The serving tools: start_vllm_server, stop_vllm_server, server_status, get_server_logs,
+query_model and spot_check. The MCP tools, the CLI (`gpurig serve ...`) and the sweeps call
+these same functions.
+
+A start refuses in seconds what would fail after minutes (preflight.py), then runs the server
+detached under a supervisor (process.py) with a record on disk (state.py), and by default waits
+for GET /health = 200 with the model listed in /v1/models. A server that dies or never gets
+ready comes back with a named cause, its remedy and the log tail (failures.py).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Literal
+
+from tools.errors import InvalidInputError
+from tools.host import MemoryReport
+from tools.serving import command as cmd
+from tools.serving import flags as flagmod
+from tools.serving import observe, preflight, process, state
+from tools.serving.control import (
+    get_server_logs,
+    query_model,
+    server_status,
+    spot_check,
+    stop_vllm_server,
+)
+from tools.serving.models import ServerRecord
+from tools.serving.observe import health, mark_dead, read_log_lines
+from tools.serving.startup_facts import parse_startup_facts
+from tools.settings import resolve_python
+
+Progress = Callable[[float, float | None, str], None]
+POLL_S = 0.25
+
+
+# ---------------------------------------------------------------------------------------------
+# start
+
+
+def _served_name(model: str, backend: str, local: str | None) -> str:
+    if backend == "engine" and local:
+        p = Path(local)
+        hub = p.parent.parent.name
+        if p.parent.name == "snapshots" and hub.startswith("models--"):
+            return hub.removeprefix("models--").replace("--", "/")
+        return p.name
+    return model
+
+
+def _check_inputs(
+    port: int,
+    tp: int,
+    pp: int,
+    util: float,
+    timeout_s: float,
+    extra_args: list[str],
+    env: dict[str, str],
+) -> None:
+    if tp < 1 or pp < 1:
+        raise InvalidInputError(
+            f"tensor_parallel_size {tp} and pipeline_parallel_size {pp} must be at least 1",
+            remedy="pass 1 for one GPU",
+        )
+    if not 0 < util <= 1:
+        raise InvalidInputError(
+            f"gpu_memory_utilization {util} must be in (0, 1]", remedy="pass e.g. 0.9"
+        )
+    if timeout_s <= 0:
+        raise InvalidInputError(
+            f"timeout_s {timeout_s} must be positive",
+            remedy="pass e.g. 900 (first starts compile kernels)",
+        )
+    if not all(isinstance(a, str) for a in extra_args):
+        raise InvalidInputError("extra_args must be strings", remedy='e.g. ["--seed", "0"]')
+    bad = [k for k in env if not k or "=" in k or "\x00" in k]
+    if bad:
+        raise InvalidInputError(
+            f"bad environment variable names {bad}",
+            remedy="pass names like HF_HOME or CUDA_VISIBLE_DEVICES",
+        )
+
+
+def _engine_flags() -> set[str]:
+    """The options `gpurig engine serve` accepts, from its own parser."""
+    from mcp_server.cli import build_parser
+
+    parser = build_parser()
+    found: set[str] = set()
+    for action in parser._subparsers._group_actions:  # noqa: SLF001 - argparse has no API
+        engine = action.choices.get("engine")
+        if engine is None:
+            continue
+        for sub in engine._subparsers._group_actions:  # noqa: SLF001
+            serve = sub.choices.get("serve")
+            if serve is not None:
+                for act in serve._actions:  # noqa: SLF001
+                    found.update(act.option_strings)
+    return found
+
+
+def _refuse_unknown(unknown: list[str], known: list[str], what: str, version: str) -> None:
+    if not unknown:
+        return
+    fs = flagmod.FlagSet(version=version, source="help", flags=known)
+    hints = [
+        f"{u} (did you mean {flagmod.closest(u, fs)}?)" if flagmod.closest(u, fs) else u
+        for u in unknown
+    ]
+    raise InvalidInputError(
+        f"{what} does not accept {', '.join(hints)}",
+        remedy="fix or remove them in extra_args; the accepted flags: "
+        + ("`vllm serve --help=all`" if what.startswith("vLLM") else "gpurig engine serve --help"),
+    )
+
+
+def start_vllm_server(
+    model: str,
+    backend: Literal["vllm", "engine"] = "vllm",
+    name: str | None = None,
+    python_bin: str | None = None,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    dtype: str = "auto",
+    kv_cache_dtype: str = "auto",
+    tensor_parallel_size: int = 1,
+    pipeline_parallel_size: int = 1,
+    gpu_memory_utilization: float = 0.9,
+    max_model_len: int | None = None,
+    max_num_seqs: int | None = None,
+    attention_backend: str | None = None,
+    extra_args: list[str] | None = None,
+    env: dict[str, str] | None = None,
+    timeout_s: float = 900,
+    wait: bool = True,
+    progress: Progress | None = None,
+    device: str | None = None,
+    gpus: preflight.GpuFacts | None = None,
+    memory: MemoryReport | None = None,
+) -> ServerRecord:
+    """Start a server detached and (by default) wait until it serves; see the module docstring.
+
+    `device` is the engine's (cuda, cuda:1, cpu). `gpus` and `memory` replace the measured GPU
+    facts and host memory (tests replay recorded hosts with them)."""
+    extra_args = list(extra_args or [])
+    env = {str(k): str(v) for k, v in (env or {}).items()}
+    if backend not in ("vllm", "engine"):
+        raise InvalidInputError(f"backend {backend!r} is unknown", remedy="use vllm or engine")
+    _check_inputs(
+        port,
+        tensor_parallel_size,
+        pipeline_parallel_size,
+        gpu_memory_utilization,
+        timeout_s,
+        extra_args,
+        env,
+    )
+    name = state.check_name(name or f"{backend}-{port}")
+    full_env = {**os.environ, **env, "PYTHONUNBUFFERED": "1"}
+    local = preflight.check_model(model, backend)
+    weights = preflight.weights_gib(local)
+    vllm_version: str | None = None
+    with state.start_lock():
+        preflight.check_running(state.read_record(name))
+        preflight.check_port(host, port)
+        if backend == "vllm":
+            gpus = gpus or preflight.measure_gpus()
+            preflight.check_gpus(gpus, full_env, tensor_parallel_size, pipeline_parallel_size)
+            python = resolve_python(python_bin)
+            install = cmd.find_vllm(python, full_env)
+            vllm_version = install.version
+            cap = gpus.min_capability
+            if cap is not None and cap[0] < 8:
+                from tools.turing import require_turing_patch
+
+                require_turing_patch(python, cap)
+                if dtype == "auto":
+                    dtype = "float16"  # sm_75 has no bf16; vLLM would refuse the model's dtype
+            preflight.check_memory(weights, memory)
+            command, ours = cmd.vllm_command(
+                install,
+                local or model,
+                host,
+                port,
+                dtype,
+                kv_cache_dtype,
+                tensor_parallel_size,
+                pipeline_parallel_size,
+                gpu_memory_utilization,
+                max_model_len,
+                max_num_seqs,
+                attention_backend,
+                extra_args,
+            )
+            accepted = flagmod.accepted_flags(
+                install.version, cmd.vllm_launcher(install), Path(install.package_dir), full_env
+            )
+            _refuse_unknown(
+                flagmod.unknown_flags(ours + extra_args, accepted),
+                accepted.flags,
+                f"vLLM {install.version}",
+                install.version,
+            )
+        else:
+            python = resolve_python(python_bin) if python_bin else cmd.engine_python()
+            known = _engine_flags()
+            unknown = [a for a in extra_args if a.startswith("-") and a.split("=")[0] not in known]
+            _refuse_unknown(unknown, sorted(known), "gpurig engine serve", "engine")
+            command = cmd.engine_command(
+                python, local or model, host, port, max_model_len, device, extra_args
+            )
+        log = state.log_path(name)
+        if log.exists():  # keep the previous run's log next to it, start a fresh one
+            log.replace(log.with_suffix(".log.1"))
+        exit_file = state.exit_path(name)
+        pid, created = process.spawn(command, full_env, log, exit_file, cwd=os.getcwd())
+        where = process.connect_host(host)
+        record = ServerRecord(
+            name=name,
+            backend=backend,
+            pid=pid,
+            pid_create_time=created,
+            port=port,
+            host=host,
+            base_url=f"http://{'[' + where + ']' if ':' in where else where}:{port}/v1",
+            model=model,
+            served_model_name=_served_name(model, backend, local),
+            state="starting",
+            log_path=str(log),
+            exit_path=str(exit_file),
+            command=command,
+            env=env,
+            python=python,
+            vllm_version=vllm_version,
+            started_at=state.now_iso(),
+        )
+        state.write_record(record)
+    if not wait:
+        return record
+    return wait_ready(
+        record,
+        timeout_s,
+        progress,
+        weights=weights,
+        context={"gpu_memory_utilization": gpu_memory_utilization},
+    )
+
+
+def wait_ready(
+    record: ServerRecord,
+    timeout_s: float,
+    progress: Progress | None = None,
+    weights: float | None = None,
+    context: dict | None = None,
+) -> ServerRecord:
+    """Poll until /health is 200 and the model is listed; a dead process or the deadline ends
+    the wait with a diagnosis (a server that never got ready is stopped: it holds the GPU)."""
+    t0 = time.monotonic()
+    last_line = ""
+    while True:
+        elapsed = time.monotonic() - t0
+        record.server_pid = record.server_pid or process.server_child(record.pid)
+        if not process.is_ours(record.pid, record.pid_create_time):
+            time.sleep(0.1)  # the supervisor writes the exit file just before it ends
+            return mark_dead(record, weights=weights, context=context)
+        answer, _detail, ids = health(record, timeout=1.0)
+        if answer == "ok" and ids:
+            if record.served_model_name not in ids and len(ids) == 1:
+                record.served_model_name = ids[0]
+            if record.served_model_name in ids:
+                record.state = "ready"
+                record.ready_at = state.now_iso()
+                record.ready_seconds = round(observe.elapsed(record), 2)
+                record.startup_facts = parse_startup_facts(read_log_lines(record.log_path))
+                state.write_record(record)
+                if progress:
+                    progress(elapsed, timeout_s, "ready")
+                return record
+        if elapsed >= timeout_s:
+            process.stop_group(record.pid, record.pid_create_time, 10)
+            record = mark_dead(record, timed_out=True, weights=weights, context=context)
+            if record.failure is not None and record.failure.cause != "not_ready_in_time":
+                record.failure.title += f" (and it was not ready after {timeout_s:g} s)"
+            return record
+        lines = read_log_lines(record.log_path, 8192)
+        last_line = lines[-1][-200:] if lines else last_line
+        if progress:
+            progress(round(elapsed, 1), timeout_s, last_line or "starting")
+        time.sleep(POLL_S)
+
+
+__all__ = [
+    "get_server_logs",
+    "query_model",
+    "server_status",
+    "spot_check",
+    "start_vllm_server",
+    "stop_vllm_server",
+]

@@ -1,0 +1,199 @@
+"""The refusals a start makes in seconds, before vLLM spends minutes loading and then dies.
+
+Each raises a GpurigError whose remedy is the command that fixes it. The GPU facts and the host
+memory are parameters (measured by default), so tests replay recorded probe results: a T4, an
+H200, a host with no GPU, the seeds' 7.8 GB host.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+from pydantic import BaseModel, Field
+
+from tools.errors import InvalidInputError, NotFoundError, RefusedError
+from tools.host import (
+    GIB,
+    Facts,
+    MemoryReport,
+    group_filesystems,
+    measure_memory,
+    measure_path,
+    rule_memory_staging,
+)
+from tools.serving import process
+from tools.serving.models import ServerRecord
+
+HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+class GpuDevice(BaseModel):
+    index: int
+    name: str | None = None
+    capability: tuple[int, int] | None = None
+    memory_total_bytes: int | None = None
+
+
+class GpuFacts(BaseModel):
+    """The GPUs a server would see: from NVML (no torch import), or injected by a caller."""
+
+    source: str = Field(description="nvml, or where injected facts came from")
+    devices: list[GpuDevice] = Field(default_factory=list)
+    error: str | None = Field(None, description="why no GPU was found")
+
+    @property
+    def min_capability(self) -> tuple[int, int] | None:
+        caps = [d.capability for d in self.devices if d.capability]
+        return min(caps) if caps else None
+
+
+def measure_gpus() -> GpuFacts:
+    from tools.gpu import read_nvml
+
+    nvml = read_nvml()
+    if not nvml.available:
+        return GpuFacts(source="nvml", error=nvml.error or "NVML is not available")
+    return GpuFacts(
+        source="nvml",
+        devices=[
+            GpuDevice(
+                index=g.index,
+                name=g.name,
+                capability=g.capability,
+                memory_total_bytes=g.memory_total_bytes,
+            )
+            for g in nvml.gpus
+        ],
+    )
+
+
+def visible_gpus(gpus: GpuFacts, env: dict[str, str]) -> list[GpuDevice]:
+    """The devices CUDA_VISIBLE_DEVICES (of the server's environment) leaves visible."""
+    mask = env.get("CUDA_VISIBLE_DEVICES")
+    if mask is None:
+        return list(gpus.devices)
+    picked: list[GpuDevice] = []
+    for part in [p.strip() for p in mask.split(",") if p.strip()]:
+        if not part.isdigit():  # a UUID or MIG id: trust it names one device
+            picked.append(GpuDevice(index=-1, name=part))
+            continue
+        match = [d for d in gpus.devices if d.index == int(part)]
+        if not match:
+            break  # CUDA stops at the first invalid index
+        picked.append(match[0])
+    return picked
+
+
+def is_local_path(model: str) -> bool:
+    """A hub id (`org/name`) is passed on; anything path-like must exist here."""
+    if os.path.exists(os.path.expanduser(model)):
+        return True
+    if model.startswith(("/", "./", "../", "~", ".")):
+        return True
+    return not HUB_ID.match(model)
+
+
+def check_model(model: str, backend: str) -> str | None:
+    """The model's absolute path when local (None for a hub id); refuses a missing path."""
+    if not model or not model.strip():
+        raise InvalidInputError(
+            "no model given",
+            remedy="pass a checkpoint directory or a Hugging Face id such as google/gemma-4-E2B-it",
+        )
+    if backend == "engine" or is_local_path(model):
+        path = Path(os.path.expanduser(model)).absolute()
+        if not path.exists():
+            raise NotFoundError(
+                f"the model path {path} does not exist",
+                remedy="pass an existing checkpoint directory"
+                + (
+                    ", e.g. make one: gpurig engine make-checkpoint --preset tiny --out DIR"
+                    if backend == "engine"
+                    else ", or a Hugging Face id (org/name, e.g. google/gemma-4-E2B-it)"
+                ),
+            )
+        if backend == "engine" and not path.is_dir():
+            raise InvalidInputError(
+                f"{path} is not a directory", remedy="the engine serves a checkpoint directory"
+            )
+        return str(path)
+    return None
+
+
+def weights_gib(model_path: str | None) -> float | None:
+    """The weights' size from the safetensors files' sizes (None for a hub id)."""
+    if model_path is None:
+        return None
+    path = Path(model_path)
+    files = [path] if path.is_file() else list(path.glob("*.safetensors"))
+    total = sum(f.stat().st_size for f in files if f.suffix == ".safetensors")
+    return round(total / GIB, 2) if total else None
+
+
+def check_running(existing: ServerRecord | None) -> None:
+    if existing and process.is_ours(existing.pid, existing.pid_create_time):
+        raise RefusedError(
+            f"a server named {existing.name!r} is still running (pid {existing.pid}, port "
+            f"{existing.port}, model {existing.model})",
+            remedy=f"stop it first: gpurig serve stop {existing.name} (MCP: stop_vllm_server), "
+            "or pass another name",
+        )
+
+
+def check_port(host: str, port: int) -> None:
+    if not 1 <= port <= 65535:
+        raise InvalidInputError(f"port {port} is out of range", remedy="use a port 1-65535")
+    if not process.port_free(host, port):
+        other = process.free_port_near(host, port)
+        raise RefusedError(
+            f"port {port} on {host} is taken",
+            remedy=(f"use a free port, e.g. port={other} (--port {other}), " if other else "")
+            + f"or stop what listens there (gpurig serve status; ss -ltnp 'sport = :{port}')",
+        )
+
+
+def check_gpus(gpus: GpuFacts, env: dict[str, str], tp: int, pp: int) -> list[GpuDevice]:
+    """vLLM needs a GPU; tp x pp GPUs must be visible (that is how a model grows past one)."""
+    visible = visible_gpus(gpus, env)
+    if not visible:
+        why = gpus.error or (
+            "CUDA_VISIBLE_DEVICES hides every GPU"
+            if "CUDA_VISIBLE_DEVICES" in env
+            else "no GPU found"
+        )
+        raise RefusedError(
+            f"no GPU: vLLM cannot serve here ({why})",
+            remedy="run gpurig doctor (MCP: doctor) to see why; on a host without a GPU serve "
+            "with backend='engine' (--backend engine)",
+        )
+    need = tp * pp
+    if need > len(visible):
+        raise RefusedError(
+            f"tensor_parallel_size {tp} x pipeline_parallel_size {pp} = {need} GPUs, but "
+            f"{len(visible)} {'is' if len(visible) == 1 else 'are'} visible",
+            remedy=f"use at most {len(visible)} GPUs in total (e.g. tensor_parallel_size="
+            f"{len(visible)}, pipeline_parallel_size=1), or make more visible "
+            "(CUDA_VISIBLE_DEVICES)",
+        )
+    return visible
+
+
+def check_memory(weights: float | None, memory: MemoryReport | None = None) -> None:
+    """RAM + swap must stage the weights (check_host_capacity's rule, with its swapfile)."""
+    if weights is None:
+        return
+    memory = memory or measure_memory()
+    reports = [measure_path("/"), measure_path("/tmp")]
+    facts = Facts(
+        paths=reports, filesystems=group_filesystems(reports), memory=memory, need_gib=weights
+    )
+    advice = rule_memory_staging(facts)
+    if advice.status == "fail":
+        raise RefusedError(
+            advice.reason,
+            remedy=("; ".join(advice.commands) if advice.commands else "add RAM or swap")
+            + " (then check: gpurig host --need-gib "
+            + f"{weights:g})",
+        )

@@ -1,0 +1,81 @@
+"""Start-up facts read from a server's log: what the weights cost, how big the KV cache came out,
+which kernels were picked. Every log format in docs/vllm.md (0.26-0.27: KV size and concurrency
+on two lines; 0.28-0.29: on one; 0.30+: "%s KV cache size" with a device prefix), plus the
+engine's own "gpurig engine:" lines. Numbers carry thousands separators ("519,568 tokens").
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+from tools.serving.models import StartupFacts
+
+NUM = r"([\d][\d,]*(?:\.\d+)?)"
+
+_PATTERNS: list[tuple[str, re.Pattern[str]]] = [
+    ("version", re.compile(r"vLLM API server version ([\w.+-]+)")),
+    ("version", re.compile(r"\bvLLM version ([\w.+-]+)")),
+    ("loading", re.compile(rf"Model loading took {NUM} GiB(?: memory)? and {NUM} seconds")),
+    ("kv_mem", re.compile(rf"Available KV cache memory: {NUM} GiB")),
+    ("kv_tokens", re.compile(rf"\b\w+ KV cache size: {NUM} tokens")),
+    ("concurrency", re.compile(rf"Maximum concurrency for {NUM} tokens per request: {NUM}x")),
+    ("linear", re.compile(r"Using (\w+LinearKernel) for")),
+    (
+        "attention",
+        re.compile(
+            r"(?:Using|forcing) (?:AttentionBackendEnum\.)?([A-Z][A-Z0-9_]+) (?:attention )?backend"
+        ),
+    ),
+    (
+        "cast",
+        re.compile(
+            r"(Casting torch\.\w+ to torch\.\w+|[^\]]*does not support torch\.bfloat16[^.]*|[^\]]*bfloat16 is (?:only supported|not supported)[^.]*)"
+        ),
+    ),
+    ("warmup", re.compile(rf"gpurig engine: warmed up in {NUM} s")),
+    (
+        "engine_serving",
+        re.compile(r"gpurig engine: serving '([^']*)' on (\S+) \(device ([^,]+), context (\d+)"),
+    ),
+]
+
+
+def _num(text: str) -> float:
+    return float(text.replace(",", ""))
+
+
+def parse_startup_facts(lines: Iterable[str]) -> StartupFacts:
+    """Every fact found in `lines`; the last occurrence wins (a restart in the same log)."""
+    facts = StartupFacts()
+    for line in lines:
+        for key, pattern in _PATTERNS:
+            m = pattern.search(line)
+            if not m:
+                continue
+            if key == "version":
+                facts.vllm_version = m.group(1).rstrip(".")
+            elif key == "loading":
+                facts.weights_gib, facts.load_seconds = _num(m.group(1)), _num(m.group(2))
+                if facts.load_seconds > 0:
+                    facts.load_gib_per_s = round(facts.weights_gib / facts.load_seconds, 3)
+            elif key == "kv_mem":
+                facts.kv_cache_memory_gib = _num(m.group(1))
+            elif key == "kv_tokens":
+                facts.kv_cache_tokens = int(_num(m.group(1)))
+            elif key == "concurrency":
+                facts.max_concurrency_tokens = int(_num(m.group(1)))
+                facts.max_concurrency = _num(m.group(2))
+            elif key == "linear":
+                facts.linear_kernel = m.group(1)
+            elif key == "attention":
+                facts.attention_backend = m.group(1)
+            elif key == "cast":
+                facts.dtype_cast = m.group(1).strip()
+            elif key == "warmup":
+                facts.warmup_seconds = _num(m.group(1))
+            elif key == "engine_serving":
+                facts.serving_url = m.group(2)
+                facts.device = m.group(3).strip()
+                facts.max_context = int(m.group(4))
+    return facts
