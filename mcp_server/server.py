@@ -29,7 +29,7 @@ INSTRUCTIONS = (
 )
 
 # Modules with `register(mcp)`, in the order their tools appear.
-TOOL_MODULES = ["mcp_server.mcp_host", "mcp_server.mcp_patch"]
+TOOL_MODULES = ["mcp_server.mcp_host", "mcp_server.mcp_patch", "mcp_server.mcp_serve"]
 
 mcp: MCPServer = MCPServer("gpurig", instructions=INSTRUCTIONS, log_level="WARNING")
 
