@@ -191,7 +191,8 @@ def test_the_checkpoint_template_decides_about_earlier_reasoning(tokenizer):
     tool-calling turn), content parts joined, nothing else added."""
     from types import SimpleNamespace
 
-    from engine.server.app import ServerState, _chat_prompt
+    from engine.server.chat import chat_prompt
+    from engine.server.state import ServerState
 
     template = (
         "{% for m in messages %}{{ m.role }}:{{ m.content }}/{{ m.reasoning_content }}|{% endfor %}"
@@ -211,7 +212,7 @@ def test_the_checkpoint_template_decides_about_earlier_reasoning(tokenizer):
             ]
         }
     )
-    ids, parse_calls, forced = _chat_prompt(state, req)
+    ids, parse_calls, forced = chat_prompt(state, req)
     assert tokenizer.decode(ids, skip_special_tokens=False) == "user:ab/|assistant:c/think|"
     assert parse_calls is False and forced == ""
 
@@ -219,11 +220,11 @@ def test_the_checkpoint_template_decides_about_earlier_reasoning(tokenizer):
 def test_sampling_defaults_follow_generation_config(tmp_path):
     import json
 
-    from engine.server.app import _sampling_defaults
+    from engine.server.state import sampling_defaults
 
-    assert _sampling_defaults(tmp_path) == {"temperature": 0.0}  # no file: greedy
+    assert sampling_defaults(tmp_path) == {"temperature": 0.0}  # no file: greedy
     path = tmp_path / "generation_config.json"
     path.write_text(json.dumps({"do_sample": True, "top_k": 64, "top_p": 0.95}))
-    assert _sampling_defaults(tmp_path) == {"temperature": 1.0, "top_k": 64, "top_p": 0.95}
+    assert sampling_defaults(tmp_path) == {"temperature": 1.0, "top_k": 64, "top_p": 0.95}
     path.write_text(json.dumps({"do_sample": True, "temperature": 0.7, "top_k": 0, "top_p": 1.0}))
-    assert _sampling_defaults(tmp_path) == {"temperature": 0.7, "top_k": None, "top_p": None}
+    assert sampling_defaults(tmp_path) == {"temperature": 0.7, "top_k": None, "top_p": None}

@@ -1,0 +1,127 @@
+"""POST /v1/completions: a prompt as text or as token ids (exact token counts for sweeps).
+
+Parsing and tokenising run in a worker thread; a token-id list longer than the context is
+refused straight after JSON parsing, before validating two million integers one by one.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from engine.server.body import parse_request, read_body
+from engine.server.chat import usage
+from engine.server.errors import ApiError, context_error
+from engine.server.queue import GenerationRequest, GenerationResult
+from engine.server.schemas import Completion, CompletionChoice, CompletionRequest, Timings, Usage
+from engine.server.sse import SSEResponse, error_payload, first_event_or_error, run_to_end
+from engine.server.state import ServerState, sampling, token_budget
+
+
+def _precheck(state: ServerState, data: dict[str, Any]) -> None:
+    """Refuse a token list that cannot fit the context before any per-item work."""
+    prompt = data.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], list):
+        prompt = prompt[0]
+    if isinstance(prompt, list) and len(prompt) >= state.max_context:
+        raise context_error(state.max_context, len(prompt), None, "prompt")
+
+
+def completion_prompt(state: ServerState, req: CompletionRequest) -> list[int]:
+    """The prompt's token ids. Blocking: run it off the event loop."""
+    prompt: Any = req.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+        if len(prompt) != 1:
+            raise ApiError(
+                400, "Send one prompt per request (batches are not supported).", param="prompt"
+            )
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        ids = state.encode(prompt, add_special_tokens=True, param="prompt")
+    else:
+        ids = [int(i) for i in prompt]
+        bad = next((i for i in ids if not 0 <= i < state.vocab_size), None)
+        if bad is not None:
+            raise ApiError(
+                400,
+                f"Token id {bad} is outside the vocabulary (0..{state.vocab_size - 1}).",
+                param="prompt",
+            )
+    if not ids:
+        raise ApiError(400, "The prompt is empty.", param="prompt")
+    return ids
+
+
+def _prepare(state: ServerState, body: bytes) -> tuple[CompletionRequest, list[int], str]:
+    req = parse_request(body, CompletionRequest, lambda data: _precheck(state, data))
+    state.check_model(req.model)
+    ids = completion_prompt(state, req)
+    echo = state.tokenizer.decode(ids, skip_special_tokens=True) if req.echo else ""
+    return req, ids, echo
+
+
+async def completions(request: Request) -> Response:
+    state: ServerState = request.app.state.server
+    body = await read_body(request, state.limits.body_bytes)
+    req, prompt_ids, echo = await state.off_loop(_prepare, state, body)
+    budget = token_budget(state, len(prompt_ids), req.max_tokens, "prompt")
+    job = state.queue.submit(
+        GenerationRequest(
+            prompt_ids=prompt_ids,
+            max_new_tokens=budget.max_new,
+            stop_ids=[] if req.ignore_eos else state.eos_ids,
+            stop_strings=req.stop_strings(),
+            skip_special_tokens=True,
+            **sampling(state, req),
+        )
+    )
+    completion_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+    capped = {"max_tokens_capped": budget.capped} if budget.capped is not None else {}
+    if not req.stream:
+        result = await run_to_end(request.receive, job)
+        out = Completion(
+            id=completion_id,
+            created=created,
+            model=state.model_name,
+            choices=[CompletionChoice(text=echo + result.text, finish_reason=result.finish_reason)],
+            usage=Usage(**usage(result)),
+            timings=Timings(**result.timings()),
+        )
+        return JSONResponse({**out.model_dump(), **capped}, headers=budget.headers())
+
+    events = await first_event_or_error(request.receive, job)
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+    def chunk(text: str, finish: str | None = None, **extra: Any) -> dict[str, Any]:
+        return {
+            "id": completion_id,
+            "object": "text_completion",
+            "created": created,
+            "model": state.model_name,
+            "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}],
+            **extra,
+        }
+
+    async def payloads() -> AsyncIterator[dict[str, Any]]:
+        if echo:
+            yield chunk(echo)
+        async for event in events:
+            if event.kind == "delta":
+                yield chunk(event.text)
+            elif event.kind == "error":
+                yield error_payload(event.error)
+                return
+            else:
+                result: GenerationResult = event.result
+                use, timings = usage(result), result.timings()
+                yield chunk("", result.finish_reason, usage=use, timings=timings, **capped)
+                if include_usage:
+                    yield {**chunk(""), "choices": [], "usage": use, "timings": timings}
+                return
+
+    return SSEResponse(job, payloads(), budget.headers())

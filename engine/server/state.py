@@ -1,0 +1,175 @@
+"""What every handler shares: the engine's facts, the queue, the metrics, the limits; and the
+small decisions every generation request makes (sampling values, how many tokens to make).
+
+Work that grows with the request (parsing, rendering, tokenising) goes through `off_loop`, a
+worker thread with a small limiter, so the event loop keeps answering /health and feeding
+streams whatever a body holds.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, NamedTuple, TypeVar
+
+import anyio.to_thread
+from anyio import CapacityLimiter
+
+from engine.chat.render import bundled_template, read_template
+from engine.server.errors import ApiError, context_error
+from engine.server.limits import Limits, ServerOptions, compute_limits
+from engine.server.metrics import Metrics
+from engine.server.queue import GenerationQueue
+
+T = TypeVar("T")
+
+# Chat turns end on these even if generation_config.json forgot them.
+CHAT_STOP_TOKENS = ("<eos>", "<turn|>", "<|tool_response>")
+# Below this a temperature is greedy, as in vLLM (_SAMPLING_EPS): dividing logits by 1e-40
+# overflows float32 to inf, and softmax of inf is NaN. The pick is the argmax either way.
+MIN_TEMPERATURE = 1e-5
+PREPARE_THREADS = 4  # requests parsed/rendered/tokenised at once
+CAPPED_HEADER = "x-gpurig-max-tokens-capped"
+
+
+class ServerState:
+    """What every handler needs: the engine's facts, the queue, the metrics, the limits."""
+
+    def __init__(
+        self,
+        engine: Any,
+        model_name: str | None,
+        aliases: tuple[str, ...],
+        options: ServerOptions | None = None,
+    ) -> None:
+        self.engine = engine
+        self.model_name = model_name or str(getattr(engine, "model_name", "model"))
+        self.aliases = {self.model_name, *aliases}
+        self.max_context = int(engine.max_context)
+        self.tokenizer = engine.tokenizer
+        self.options = options or ServerOptions()
+        self.limits: Limits = compute_limits(self.options, self.tokenizer, self.max_context)
+        model_dir = getattr(engine, "model_dir", None)
+        self.template = (
+            getattr(engine, "chat_template", None)
+            or (read_template(model_dir) if model_dir is not None else None)
+            or bundled_template()  # a checkpoint without a template: gpurig's Gemma 4 one
+        )
+        config = getattr(engine, "config", None)
+        self.vocab_size = int(
+            getattr(config, "vocab_size", None) or self.tokenizer.get_vocab_size()
+        )
+        self.created = int(time.time())
+        self.metrics = Metrics(self.model_name)
+        self.queue = GenerationQueue(engine, self.metrics)
+        self.bos_token = self._token_text(getattr(engine, "bos_id", None), "<bos>")
+        self.eos_ids = [int(i) for i in (getattr(engine, "eos_ids", None) or [])]
+        chat_ids = {self.tokenizer.token_to_id(t) for t in CHAT_STOP_TOKENS}
+        self.chat_stop_ids = sorted({*self.eos_ids, *(i for i in chat_ids if i is not None)})
+        self.defaults = sampling_defaults(model_dir)
+        self._limiter: CapacityLimiter | None = None
+
+    def _token_text(self, token_id: int | None, fallback: str) -> str:
+        if token_id is None:
+            return fallback
+        return self.tokenizer.id_to_token(int(token_id)) or fallback
+
+    def check_model(self, requested: str | None) -> None:
+        if requested and requested not in self.aliases:
+            raise ApiError(
+                404,
+                f"The model '{requested}' does not exist. This server serves '{self.model_name}' "
+                "(see GET /v1/models).",
+                param="model",
+                code="model_not_found",
+            )
+
+    async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
+        """fn(*args) in a worker thread (at most PREPARE_THREADS at once)."""
+        if self._limiter is None:  # made on the loop that uses it
+            self._limiter = CapacityLimiter(PREPARE_THREADS)
+        return await anyio.to_thread.run_sync(fn, *args, limiter=self._limiter)
+
+    def encode(self, text: str, add_special_tokens: bool, param: str) -> list[int]:
+        """Token ids for `text`, refusing text too long for the context without tokenising it
+        (see engine/server/limits.py). Blocking."""
+        size = len(text.encode("utf-8"))
+        bound = self.limits.text_bytes
+        if bound is not None and size > bound:
+            at_least = -(-size // (self.limits.bytes_per_token or 1))
+            raise ApiError(
+                400,
+                f"This model's maximum context length is {self.max_context} tokens. However, "
+                f"your prompt is {size} bytes, which makes at least {at_least} tokens. Please "
+                "reduce the length of the prompt.",
+                param=param,
+                code="context_length_exceeded",
+            )
+        batch = getattr(self.tokenizer, "encode_batch", None)
+        if batch is not None:  # the batch call lets go of the GIL while it works
+            return list(batch([text], add_special_tokens=add_special_tokens)[0].ids)
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
+
+
+def sampling_defaults(model_dir: Any) -> dict[str, Any]:
+    """Sampling defaults from generation_config.json, as vLLM does: a checkpoint that samples
+    by default (do_sample) gets its temperature/top_p/top_k; otherwise greedy."""
+    if model_dir is None:
+        return {"temperature": 0.0}
+    path = Path(model_dir) / "generation_config.json"
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {"temperature": 0.0}
+    if not isinstance(config, dict) or not config.get("do_sample"):
+        return {"temperature": 0.0}
+    top_k, top_p = config.get("top_k"), config.get("top_p")
+    return {  # transformers reads top_k 0 and top_p 1.0 as "off"; so do we
+        "temperature": float(config.get("temperature", 1.0)),
+        "top_p": float(top_p) if isinstance(top_p, int | float) and 0 < top_p < 1 else None,
+        "top_k": int(top_k) if isinstance(top_k, int) and top_k > 0 else None,
+    }
+
+
+def sampling(state: ServerState, req: Any) -> dict[str, Any]:
+    """The engine's sampling arguments for a request (its values, else the checkpoint's)."""
+    d = state.defaults
+    temperature = req.temperature if req.temperature is not None else d.get("temperature", 0.0)
+    if temperature < MIN_TEMPERATURE:
+        temperature = 0.0
+    try:
+        logit_bias = req.logit_bias_ids(state.vocab_size)
+    except ValueError as exc:
+        raise ApiError(400, str(exc), param="logit_bias") from None
+    return {
+        "temperature": float(temperature),
+        "top_p": req.top_p if req.top_p is not None else d.get("top_p"),
+        "top_k": req.top_k if req.top_k is not None else d.get("top_k"),
+        "seed": req.seed,
+        "logit_bias": logit_bias,
+    }
+
+
+class Budget(NamedTuple):
+    """How many tokens to make; `capped` is the server's limit when it cut the request down."""
+
+    max_new: int
+    capped: int | None
+
+    def headers(self) -> dict[str, str]:
+        return {CAPPED_HEADER: str(self.capped)} if self.capped is not None else {}
+
+
+def token_budget(state: ServerState, prompt_len: int, asked: int | None, param: str) -> Budget:
+    """A prompt (+ the asked completion) over the context is refused, as OpenAI does; then
+    the server's cap applies to a request that asked for more than it, or for nothing."""
+    limit = state.max_context
+    if prompt_len >= limit or (asked is not None and prompt_len + asked > limit):
+        raise context_error(limit, prompt_len, asked, param)
+    wanted = asked if asked is not None else limit - prompt_len
+    cap = state.limits.max_tokens
+    if cap is not None and wanted > cap:
+        return Budget(cap, cap)
+    return Budget(wanted, None)
