@@ -78,7 +78,7 @@ def _pick(name: str | None, action: str) -> ServerRecord:
             f"{len(live)} servers are running: {_names(live)}",
             remedy=f"name the one to {action}, e.g. gpurig serve {action} {live[0].name}",
         )
-    if action != "stop" and records:
+    if action == "logs" and records:
         return records[-1]  # the most recent, for logs of a dead one
     raise NotFoundError(
         "no server is running",
