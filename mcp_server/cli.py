@@ -24,8 +24,17 @@ ENGINE_MODULES = ["mcp_server.cli_engine", "mcp_server.cli_engine_serve"]
 def _register_mcp(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("mcp", help="serve the MCP tools (stdio by default)")
     p.add_argument("--transport", choices=["stdio", "streamable-http"], default="stdio")
-    p.add_argument("--host", default="127.0.0.1", help="bind address for streamable-http")
+    p.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="bind address for streamable-http (loopback only unless --allow-remote)",
+    )
     p.add_argument("--port", type=_port, default=8765, help="port for streamable-http")
+    p.add_argument(
+        "--allow-remote",
+        action="store_true",
+        help="allow a --host beyond loopback (no authentication: prefer an ssh -L tunnel)",
+    )
     p.set_defaults(func=_run_mcp)
 
 
@@ -43,7 +52,9 @@ def _port(text: str) -> int:
 def _run_mcp(args: argparse.Namespace) -> int:
     from mcp_server.server import serve
 
-    serve(transport=args.transport, host=args.host, port=args.port)
+    serve(
+        transport=args.transport, host=args.host, port=args.port, allow_remote=args.allow_remote
+    )
     return 0
 
 

@@ -1,8 +1,7 @@
 """MCP tools for the host and its GPU: thin wrappers around tools/host.py, gpu.py, doctor.py.
 
-A GpurigError becomes a ToolError carrying its message and remedy (`tool_error`, shared with the
-other areas' tool modules): the SDK hides the text of any other exception from the client, and
-the remedy is what an LLM caller needs most.
+A GpurigError raised by a tool reaches the caller as its message and remedy, in MCP's words:
+mcp_base.GpurigMCP does that for every tool, so the wrappers here only call and return.
 """
 
 from __future__ import annotations
@@ -10,14 +9,13 @@ from __future__ import annotations
 from typing import Annotated
 
 from mcp.server.mcpserver import MCPServer
-from mcp.server.mcpserver.exceptions import ToolError
 from pydantic import Field
 
 from mcp_server.annotations import READ_ONLY
+from mcp_server.mcp_errors import tool_error as tool_error  # older modules import it from here
 from tools import doctor as doctor_mod
 from tools import gpu, host
 from tools.doctor import DoctorReport
-from tools.errors import GpurigError
 from tools.gpu import GpuArchReport
 from tools.host import HostCapacity
 
@@ -38,13 +36,8 @@ PythonBin = Annotated[
 ]
 
 
-def tool_error(err: GpurigError) -> ToolError:
-    """The error result an MCP caller sees: the message, then what to do (every area's tools)."""
-    return ToolError(err.message + (f" What to do: {err.remedy}" if err.remedy else ""))
-
-
 def register(mcp: MCPServer) -> None:
-    @mcp.tool(annotations=READ_ONLY)
+    @mcp.tool(title="Check host capacity", annotations=READ_ONLY)
     def check_host_capacity(
         paths: Annotated[
             list[str] | None,
@@ -65,12 +58,9 @@ def register(mcp: MCPServer) -> None:
         filesystem. Read-only and fast (well under a second). Call it before downloading a
         checkpoint or starting vLLM.
         """
-        try:
-            return host.check_host_capacity(paths=paths, need_gib=need_gib)
-        except GpurigError as err:
-            raise tool_error(err) from err
+        return host.check_host_capacity(paths=paths, need_gib=need_gib)
 
-    @mcp.tool(annotations=READ_ONLY)
+    @mcp.tool(title="Verify the GPU can serve", annotations=READ_ONLY)
     def verify_gpu_arch(
         python_bin: PythonBin = None,
         timeout_s: Annotated[
@@ -89,12 +79,9 @@ def register(mcp: MCPServer) -> None:
         need for --dtype float16 and the Turing patch (apply_turing_patch). `verdict` is
         ok/warn/fail; `serve_flags` lists vLLM flags this GPU needs. Takes a few seconds.
         """
-        try:
-            return gpu.verify_gpu_arch(python_bin=python_bin, timeout_s=timeout_s)
-        except GpurigError as err:
-            raise tool_error(err) from err
+        return gpu.verify_gpu_arch(python_bin=python_bin, timeout_s=timeout_s)
 
-    @mcp.tool(annotations=READ_ONLY)
+    @mcp.tool(title="Doctor: readiness report", annotations=READ_ONLY)
     def doctor(python_bin: PythonBin = None, need_gib: NeedGib = None) -> DoctorReport:
         """The readiness report for serving an LLM on this host: start here.
 
@@ -103,7 +90,4 @@ def register(mcp: MCPServer) -> None:
         status (ok, warn, fail, skip), what was found and what to do. `status` is the worst
         of them. For details, call check_host_capacity or verify_gpu_arch. Takes a few seconds.
         """
-        try:
-            return doctor_mod.doctor(python_bin=python_bin, need_gib=need_gib)
-        except GpurigError as err:
-            raise tool_error(err) from err
+        return doctor_mod.doctor(python_bin=python_bin, need_gib=need_gib)

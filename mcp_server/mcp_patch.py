@@ -1,6 +1,6 @@
 """MCP tools for the Turing patch: thin wrappers around tools/turing.py.
 
-A GpurigError becomes a ToolError carrying its message and remedy (mcp_host.tool_error).
+A GpurigError raised by a tool reaches the caller as its message and remedy (mcp_base.GpurigMCP).
 """
 
 from __future__ import annotations
@@ -12,9 +12,8 @@ from mcp.types import ToolAnnotations
 from pydantic import Field
 
 from mcp_server.annotations import IDEMPOTENT_WRITE, READ_ONLY
-from mcp_server.mcp_host import PythonBin, tool_error
+from mcp_server.mcp_host import PythonBin
 from tools import turing
-from tools.errors import GpurigError
 from tools.turing import PatchDiff, TuringPatchReport
 
 # Revert removes the clamp (vLLM then fails on Turing again), but a second call changes nothing.
@@ -24,7 +23,7 @@ DESTRUCTIVE_IDEMPOTENT = ToolAnnotations(
 
 
 def register(mcp: MCPServer) -> None:
-    @mcp.tool(annotations=IDEMPOTENT_WRITE)
+    @mcp.tool(title="Apply the Turing patch to vLLM", annotations=IDEMPOTENT_WRITE)
     def apply_turing_patch(
         python_bin: PythonBin = None, dry_run: bool = False
     ) -> TuringPatchReport:
@@ -39,12 +38,9 @@ def register(mcp: MCPServer) -> None:
         dry_run: report what would happen without writing.
         Result: state_before/state_after (stock|patched|modified), clamp_present, occurrences.
         """
-        try:
-            return turing.apply_turing_patch(python_bin, dry_run=dry_run)
-        except GpurigError as err:
-            raise tool_error(err) from err
+        return turing.apply_turing_patch(python_bin, dry_run=dry_run)
 
-    @mcp.tool(annotations=READ_ONLY)
+    @mcp.tool(title="Verify the Turing patch", annotations=READ_ONLY)
     def verify_turing_patch(python_bin: PythonBin = None) -> TuringPatchReport:
         """Report whether the installed vLLM carries the Turing clamp, without changing anything.
 
@@ -54,12 +50,9 @@ def register(mcp: MCPServer) -> None:
         and start_vllm_server refuses to start on a GPU below capability 8.0 unless `patched`.
         python_bin: the interpreter that runs vLLM (default: GPURIG_PYTHON, else this Python).
         """
-        try:
-            return turing.verify_turing_patch(python_bin)
-        except GpurigError as err:
-            raise tool_error(err) from err
+        return turing.verify_turing_patch(python_bin)
 
-    @mcp.tool(annotations=DESTRUCTIVE_IDEMPOTENT)
+    @mcp.tool(title="Revert the Turing patch", annotations=DESTRUCTIVE_IDEMPOTENT)
     def revert_turing_patch(
         python_bin: PythonBin = None, dry_run: bool = False
     ) -> TuringPatchReport:
@@ -70,12 +63,9 @@ def register(mcp: MCPServer) -> None:
         Reverting makes vLLM fail on Turing GPUs again; use it to upgrade vLLM or to compare.
         dry_run: report what would happen without writing.
         """
-        try:
-            return turing.revert_turing_patch(python_bin, dry_run=dry_run)
-        except GpurigError as err:
-            raise tool_error(err) from err
+        return turing.revert_turing_patch(python_bin, dry_run=dry_run)
 
-    @mcp.tool(annotations=READ_ONLY)
+    @mcp.tool(title="Turing patch as a diff", annotations=READ_ONLY)
     def turing_patch_diff(
         python_bin: PythonBin = None,
         upstream: bool = False,
@@ -87,7 +77,4 @@ def register(mcp: MCPServer) -> None:
         (`git apply -p1` in a vLLM checkout). file: diff this triton_unified_attention.py
         (e.g. in a vLLM checkout) instead of the installed one. Changes nothing.
         """
-        try:
-            return turing.patch_diff(python_bin, upstream=upstream, file=file)
-        except GpurigError as err:
-            raise tool_error(err) from err
+        return turing.patch_diff(python_bin, upstream=upstream, file=file)

@@ -8,15 +8,16 @@ from collections.abc import Callable
 from pydantic import BaseModel
 from tabulate import tabulate
 
-from tools.errors import GpurigError
+from tools.errors import GpurigError, render_for
 
 
 def print_result(result: BaseModel, as_json: bool, render: Callable[[BaseModel], str]) -> None:
-    """Print `result` as JSON (for scripts) or through `render` (for people)."""
-    if as_json:
-        sys.stdout.write(result.model_dump_json(indent=2) + "\n")
-    else:
-        sys.stdout.write(render(result).rstrip("\n") + "\n")
+    """Print `result` as JSON (for scripts) or through `render` (for people).
+
+    Argument names in the text (a remedy's `{arg:need_gib}`) come out as flags (`--need-gib`):
+    tools/errors.py's front-door words."""
+    text = result.model_dump_json(indent=2) if as_json else render(result).rstrip("\n")
+    sys.stdout.write((render_for("cli", text) or "") + "\n")
 
 
 def kv_table(rows: list[tuple[str, object]]) -> str:
@@ -31,8 +32,10 @@ def grid(rows: list[list[object]], headers: list[str]) -> str:
 
 
 def report_error(err: GpurigError) -> int:
-    """Print a tool error for a person and return the CLI's exit code for it (2)."""
-    sys.stderr.write(f"gpurig: error: {err.message}\n")
-    if err.remedy:
-        sys.stderr.write(f"gpurig: what to do: {err.remedy}\n")
+    """Print a tool error for a person, in the CLI's words (`--need-gib`, not `need_gib`), and
+    return the CLI's exit code for it (2)."""
+    message, remedy = err.rendered("cli")
+    sys.stderr.write(f"gpurig: error: {message}\n")
+    if remedy:
+        sys.stderr.write(f"gpurig: what to do: {remedy}\n")
     return 2

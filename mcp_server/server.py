@@ -1,9 +1,12 @@
 """The gpurig MCP server.
 
-`mcp` at module level is what `mcp dev mcp_server/server.py` and `gpurig mcp` run. Each area
-adds its tools from its own module (`mcp_host`, `mcp_patch`, ...) through `register(mcp)`; a tool
-there is a thin wrapper that calls the function in tools/ (or patches/, bench/, engine/) and
-returns its pydantic model, which becomes the tool's structured output and outputSchema.
+`mcp` at module level is what `gpurig mcp` runs. Each area adds its tools from its own module
+(`mcp_host`, `mcp_patch`, ...) through `register(mcp)`; a tool there is a thin wrapper that calls
+the function in tools/ (or patches/, bench/, engine/) and returns its pydantic model, which
+becomes the tool's structured output and outputSchema. Register with the plain decorator,
+`@mcp.tool(title="...", annotations=READ_ONLY)`, and let a GpurigError propagate: `mcp` is a
+GpurigMCP (mcp_base.py), which checks and bounds every tool's arguments, words argument errors
+plainly and turns a GpurigError into its message and remedy, for every module alike.
 
 Logging goes to stderr only: over stdio, stdout is the wire.
 """
@@ -18,7 +21,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a file by `mcp dev mcp_server/server.py`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from mcp.server.mcpserver import MCPServer
+from mcp_server.mcp_base import GpurigMCP
 
 log = logging.getLogger("gpurig.mcp")
 
@@ -31,19 +34,27 @@ INSTRUCTIONS = (
 # Modules with `register(mcp)`, in the order their tools appear.
 TOOL_MODULES = ["mcp_server.mcp_host", "mcp_server.mcp_patch", "mcp_server.mcp_serve"]
 
-mcp: MCPServer = MCPServer("gpurig", instructions=INSTRUCTIONS, log_level="WARNING")
+mcp: GpurigMCP = GpurigMCP("gpurig", instructions=INSTRUCTIONS, log_level="WARNING")
 
 for _name in TOOL_MODULES:
     importlib.import_module(_name).register(mcp)
+mcp.drop_empty_capabilities()  # after every module: advertise prompts/resources only if any
 
 
-def serve(transport: str = "stdio", host: str = "127.0.0.1", port: int = 8765) -> None:
-    """Run the server on stdio or streamable HTTP."""
+def serve(
+    transport: str = "stdio",
+    host: str = "127.0.0.1",
+    port: int = 8765,
+    allow_remote: bool = False,
+) -> None:
+    """Run the server on stdio or streamable HTTP (loopback unless allow_remote)."""
     logging.basicConfig(stream=sys.stderr, level=logging.WARNING)
     if transport == "stdio":
         mcp.run("stdio")
     else:
-        mcp.run("streamable-http", host=host, port=port)
+        from mcp_server.mcp_http import serve_http
+
+        serve_http(mcp, host=host, port=port, allow_remote=allow_remote)
 
 
 if __name__ == "__main__":

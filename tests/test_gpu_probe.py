@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -30,6 +31,7 @@ from tools.gpu import (
     throttle_names,
     verify_gpu_arch,
 )
+from tools.interpreter import looks_like_interpreter_name
 
 
 def codes(diagnoses) -> dict[str, str]:
@@ -239,23 +241,52 @@ def test_directory_and_non_executable(tmp_path: Path) -> None:
         verify_gpu_arch(python_bin=str(plain))
 
 
-def test_not_a_python(tmp_path: Path) -> None:
+def test_not_a_python_is_refused_without_running_it(tmp_path: Path) -> None:
+    """A script, /bin/sh, /bin/ls, an ELF not named like Python: refused by the file alone."""
+    ran = tmp_path / "ran"
     fake = tmp_path / "python3"
-    fake.write_text("#!/bin/sh\necho 'I am a shell script'\n")
+    fake.write_text(f"#!/bin/sh\necho 'I am a shell script' > {ran}\n")
     fake.chmod(0o755)
-    with pytest.raises(InvalidInputError, match="not a Python") as err:
+    with pytest.raises(InvalidInputError, match="is a script") as err:
         verify_gpu_arch(python_bin=str(fake))
-    assert "I am a shell script" in err.value.message
+    assert "not a Python interpreter" in err.value.message and err.value.remedy
+    for program in ("/bin/sh", "/bin/ls"):
+        with pytest.raises(InvalidInputError, match="not a Python interpreter"):
+            verify_gpu_arch(python_bin=program)
     binary = tmp_path / "garbage"
     binary.write_bytes(b"\x7fELF\x00garbage")
     binary.chmod(0o755)
-    with pytest.raises(InvalidInputError):
+    with pytest.raises(InvalidInputError, match="named 'garbage'"):
         verify_gpu_arch(python_bin=str(binary))
+    not_elf = tmp_path / "python3.12"
+    not_elf.write_bytes(b"MZ\x00\x00 a program of another kind")
+    not_elf.chmod(0o755)
+    with pytest.raises(InvalidInputError, match="no ELF header"):
+        verify_gpu_arch(python_bin=str(not_elf))
+    link = tmp_path / "python"  # a link named python to a program that is not
+    link.symlink_to("/bin/ls")
+    with pytest.raises(InvalidInputError, match="a link to"):
+        verify_gpu_arch(python_bin=str(link))
+    assert not ran.exists()
 
 
-def test_not_a_python_waits_for_nvml(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A bad python_bin raises only after the NVML thread is done: a CLI exiting while that
-    thread is inside pynvml crashed at shutdown (`gpurig gpu --python /bin/ls`: SIGSEGV)."""
+def test_real_interpreters_are_accepted(bare_venv: Path) -> None:
+    """A venv's bin/python (a link to the base interpreter) and sys.executable itself."""
+    assert gpu.resolve_python(str(bare_venv)) == str(bare_venv)
+    assert gpu.resolve_python(sys.executable) == str(Path(sys.executable).absolute())
+    for name in ("python", "python3", "python3.12", "python3.13t", "pypy3", "pypy3.10"):
+        assert looks_like_interpreter_name(name), name
+    for name in ("sh", "ls", "python3-config", "python3.12-config", "ipython3", "mypython"):
+        assert not looks_like_interpreter_name(name), name
+
+
+def test_not_a_python_waits_for_nvml(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A probe that fails raises only after the NVML thread is done: a CLI exiting while that
+    thread is inside pynvml crashed at shutdown (`gpurig gpu --python /bin/ls`: SIGSEGV).
+    /bin/ls is refused by its file now; a copy named python3 passes that check and fails when
+    run."""
+    impostor = tmp_path / "python3"
+    shutil.copy("/bin/ls", impostor)
     finished: list[bool] = []
 
     def slow_nvml() -> NvmlReport:
@@ -265,23 +296,34 @@ def test_not_a_python_waits_for_nvml(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setattr(gpu, "read_nvml", slow_nvml)
     with pytest.raises(InvalidInputError, match="not a Python"):
-        verify_gpu_arch(python_bin="/bin/ls")
+        verify_gpu_arch(python_bin=str(impostor))
     assert finished == [True]
 
 
 def test_cli_not_a_python_exits_2_cleanly(run_gpurig) -> None:
-    for _ in range(4):  # the shutdown crash struck about one run in four
+    for _ in range(2):
         out = run_gpurig("gpu", "--python", "/bin/ls", "--json")
         assert out.returncode == 2, out.stderr
         assert "not a Python" in out.stderr and out.stdout == ""
+        assert "--python" in out.stderr and "Traceback" not in out.stderr
+    out = run_gpurig("doctor", "--python", "/bin/ls")  # README: 2 for bad input
+    assert out.returncode == 2, out.stderr
+    assert "not a Python interpreter" in out.stderr and "Traceback" not in out.stderr
+
+
+def _stand_in(path: Path, script: str) -> str:
+    """A shell script standing in for a misbehaving Python. resolve_python refuses scripts, so
+    these tests hand it to run_probe directly (which takes an already resolved interpreter)."""
+    path.write_text(script)
+    path.chmod(0o755)
+    return str(path)
 
 
 def test_probe_timeout_is_a_verdict(tmp_path: Path) -> None:
-    hang = tmp_path / "python3"
-    hang.write_text("#!/bin/sh\nsleep 60\n")
-    hang.chmod(0o755)
+    hang = _stand_in(tmp_path / "python3", "#!/bin/sh\nsleep 60\n")
     started = time.monotonic()
-    report = verify_gpu_arch(python_bin=str(hang), timeout_s=1)
+    run = gpu.run_probe(hang, timeout_s=1)
+    report = build_report(hang, run, NvmlReport(available=False))
     assert time.monotonic() - started < 10
     assert report.verdict == "fail"
     assert codes(report.diagnoses)["probe_timeout"] == "fail"
@@ -289,12 +331,34 @@ def test_probe_timeout_is_a_verdict(tmp_path: Path) -> None:
 
 def test_probe_that_dies_is_a_verdict(tmp_path: Path) -> None:
     """A Python that starts the probe and then segfaults (a broken torch does this)."""
-    dies = tmp_path / "python3"
-    dies.write_text("#!/bin/sh\necho 'GPURIG_PROBE_START {}'\nkill -SEGV $$\n")
-    dies.chmod(0o755)
-    report = verify_gpu_arch(python_bin=str(dies))
+    dies = _stand_in(
+        tmp_path / "python3", "#!/bin/sh\necho 'GPURIG_PROBE_START {}'\nkill -SEGV $$\n"
+    )
+    report = build_report(dies, gpu.run_probe(dies), NvmlReport(available=False))
     crash = next(d for d in report.diagnoses if d.code == "probe_crashed")
     assert "SIGSEGV" in crash.message
+
+
+def test_probe_never_imports_from_a_working_directory(
+    bare_venv: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A torch.py / vllm.py in the directory gpurig (or the probe) runs from is never imported:
+    not by the probe, not by its `import vllm` child. The user site stays on (PYTHONUSERBASE)."""
+    site = venv_site_packages(bare_venv)
+    _fake_dist(site, "vllm", "0.33.0", "")
+    evil = tmp_path / "cwd"
+    evil.mkdir()
+    marker = tmp_path / "imported"
+    for mod in ("torch", "vllm"):
+        (evil / f"{mod}.py").write_text(f"open({str(marker)!r}, 'a').write('{mod} ')\n")
+    monkeypatch.chdir(evil)
+    run = gpu.run_probe(str(bare_venv), timeout_s=60)
+    assert run.report is not None and run.report.vllm.import_ok is True
+    # the probe run by hand from that directory, as someone debugging it would
+    subprocess.run(
+        [str(bare_venv), str(gpu.PROBE_SCRIPT)], cwd=evil, capture_output=True, timeout=60
+    )
+    assert not marker.exists(), marker.read_text()
 
 
 def test_timeout_must_be_positive() -> None:

@@ -22,7 +22,7 @@ from patch_support import SPEC, STOCK_0_22_0, STOCK_0_33_0, install_fake_wheel, 
 
 from mcp_server.cli import main
 from patches.engine import record_hash
-from tools.errors import InvalidInputError, NotFoundError, RefusedError
+from tools.errors import InvalidInputError, NotFoundError, RefusedError, render_for
 from tools.turing import (
     apply_turing_patch,
     patch_diff,
@@ -30,7 +30,7 @@ from tools.turing import (
     revert_turing_patch,
     verify_turing_patch,
 )
-from tools.vllm_locate import locate_installed_file
+from tools.vllm_locate import _run_probe, locate_installed_file
 
 
 @pytest.fixture(autouse=True)
@@ -106,7 +106,7 @@ def test_no_vllm_is_a_clear_not_found(tmp_path) -> None:
         ("{tmp}/notes.txt", InvalidInputError, "notes.txt is not executable"),
         ("{tmp}", InvalidInputError, "is a directory, not a Python interpreter"),
         ("", InvalidInputError, "path is empty"),  # not a silent fallback to another Python
-        ("/bin/true", InvalidInputError, "did not answer like a Python"),
+        ("/bin/true", InvalidInputError, "a program named 'true', not a Python interpreter"),
     ],
 )
 def test_bad_python_is_a_clear_error(python, error, text, tmp_path) -> None:
@@ -131,8 +131,8 @@ def test_lookup_does_not_read_the_callers_stdin(tmp_path) -> None:
     saved = os.dup(0)
     try:
         os.dup2(read_end, 0)
-        with pytest.raises(NotFoundError, match="not installed"):
-            verify_turing_patch(str(fake))
+        # the stand-in is a script, which resolve_python refuses: ask the lookup directly
+        assert _run_probe(str(fake), "vllm", SPEC.target)["found"] is False
     finally:
         os.dup2(saved, 0)
         for fd in (saved, read_end, write_end):
@@ -327,11 +327,10 @@ def test_console_script_runs(vllm_033, run_gpurig) -> None:
 
 
 def _mcp_server():
-    from mcp.server.mcpserver import MCPServer
-
     from mcp_server import mcp_patch
+    from mcp_server.mcp_base import GpurigMCP
 
-    server = MCPServer("patch-test")
+    server = GpurigMCP("patch-test")
     mcp_patch.register(server)
     return server
 
@@ -437,7 +436,8 @@ def test_doctor_turing_line_follows_the_gpu_and_the_file(vllm_033) -> None:
     t4 = _seed_t4_report(python)
     line = _doctor_turing_line(python, t4)
     assert line.status == "fail" and "7.5" in line.detail
-    assert line.remedy == "gpurig patch apply"
+    assert render_for("cli", line.remedy) == "gpurig patch apply"
+    assert render_for("mcp", line.remedy) == "call apply_turing_patch"
     apply_turing_patch(python)
     line = _doctor_turing_line(python, t4)
     assert line.status == "ok" and "patched" in line.detail

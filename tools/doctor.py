@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, Field
 
-from tools.errors import GpurigError, InvalidInputError
+from tools.errors import GpurigError, InvalidInputError, arg, either
 
 if TYPE_CHECKING:
     from tools.gpu import GpuArchReport
@@ -167,11 +167,12 @@ def check_turing_patch(ctx: DoctorContext) -> Check:
     if not needed:
         why = "not needed on this GPU" if caps else "no GPU to judge by"
         return Check(name="turing patch", status="ok", detail=f"{detail}; {why}")
-    remedy = "gpurig patch apply"
+    remedy = either(cli="gpurig patch apply", mcp="call apply_turing_patch")
     if report.state_after == "modified":  # apply refuses a file it did not install: reinstall
         remedy = (
             f"{report.python} -m pip install --force-reinstall --no-deps "
-            f"vllm=={report.vllm_version} && {remedy}"
+            f"vllm=={report.vllm_version} "
+            + either(cli="&& gpurig patch apply", mcp="then call apply_turing_patch")
         )
     return Check(
         name="turing patch",
@@ -246,8 +247,8 @@ def doctor(python_bin: str | None = None, need_gib: float | None = None) -> Doct
     # Bad arguments are the caller's to fix: raise before running anything.
     if need_gib is not None and not need_gib > 0:
         raise InvalidInputError(
-            f"need_gib must be a positive number of GiB, got {need_gib}",
-            remedy="pass the size of the weights in GiB, e.g. 10",
+            f"{arg('need_gib')} must be a positive number of GiB, got {need_gib}",
+            remedy=f"pass the size of the weights in GiB, e.g. {arg('need_gib')} 10",
         )
     # The serving interpreter too, whether from --python or GPURIG_PYTHON: a wrong one is
     # configuration to fix, not two failed checks.

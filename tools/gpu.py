@@ -31,7 +31,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from tools.errors import InvalidInputError
+from tools.errors import InvalidInputError, arg, either
 from tools.settings import resolve_python
 
 log = logging.getLogger(__name__)
@@ -46,8 +46,11 @@ DEFAULT_TIMEOUT_S = 120.0
 # A GPU whose opt-in limit is below this needs the Turing clamp (docs/vllm.md).
 GEMMA4_ATTENTION_SMEM_BYTES = 81_920
 TURING_PATCH_HINT = (
-    "apply the Turing patch to the serving interpreter's vLLM (the apply_turing_patch tool, "
-    "`gpurig patch apply`), and check it with verify_turing_patch after every vLLM reinstall"
+    "apply the Turing patch to the serving interpreter's vLLM ("
+    + either(cli="`gpurig patch apply`", mcp="the apply_turing_patch tool")
+    + "), and check it with "
+    + either(cli="`gpurig patch verify`", mcp="verify_turing_patch")
+    + " after every vLLM reinstall"
 )
 
 Severity = Literal["ok", "info", "warn", "fail"]
@@ -301,6 +304,8 @@ def run_probe(
         proc = subprocess.Popen(
             cmd,
             cwd="/",
+            # no script dir or cwd on sys.path (3.11+); env and user site kept: gpu_probe.py
+            env={**os.environ, "PYTHONSAFEPATH": "1"},
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -689,8 +694,8 @@ def diagnose(
                 component="vllm",
                 severity="warn",
                 message=f"import vllm {v.dist_version} did not finish within the probe's timeout",
-                remedy="run verify_gpu_arch with a larger timeout_s; a first import compiles "
-                "bytecode and can take a minute",
+                remedy=f"run it again with a larger {arg('timeout_s')}; a first import "
+                "compiles bytecode and can take a minute",
             )
         )
     elif v.import_ok is False:
@@ -807,7 +812,8 @@ def verify_gpu_arch(
     """Probe the serving interpreter (default GPURIG_PYTHON, else ours) and diagnose it."""
     if not timeout_s > 0:
         raise InvalidInputError(
-            f"timeout_s must be positive, got {timeout_s}", remedy="pass e.g. timeout_s=120"
+            f"{arg('timeout_s')} must be positive, got {timeout_s}",
+            remedy=f"pass e.g. 120 as {arg('timeout_s')}",
         )
     python = resolve_python(python_bin)
     nvml_box: dict[str, NvmlReport] = {}

@@ -11,6 +11,15 @@ tell "this is a Python that crashed in torch" from "this is not a Python at all"
 (a CPU torch under a CUDA vLLM fails on libcudart), and the probe must still report.
 
 tools/gpu.py validates the JSON against its pydantic models and diagnoses it.
+
+What this process imports must be the serving interpreter's own packages, never a file that
+happens to lie in a working directory (a `torch.py` or `vllm.py` there would run as us). Why not
+`python -I`: isolated mode also drops the user site and PYTHONUSERBASE (how vLLM is often
+installed: README) and PYTHONPATH, so the probe would judge another environment than the one
+vLLM runs in. Instead the probe keeps the environment and removes only the implicit entries:
+gpu.py runs it with PYTHONSAFEPATH=1 (Python >= 3.11: no script dir or cwd on sys.path; older
+versions ignore it) from cwd "/", this file drops its own folder from sys.path below, and the
+`import vllm` child drops '' (its cwd) before importing (`_IMPORT_VLLM`).
 """
 
 from __future__ import annotations
@@ -31,6 +40,10 @@ ERROR_TAIL_CHARS = 2000
 # none of our modules can shadow a package of the serving interpreter.
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
+
+
+# `python -c` puts '' (the cwd) first on sys.path; drop it so only installed packages load.
+_IMPORT_VLLM = "import sys; sys.path[:] = [p for p in sys.path if p not in ('', '.')]; import vllm"
 
 
 def _dist_version(name: str):
@@ -196,7 +209,7 @@ def probe_vllm(import_timeout_s: float) -> dict:
     started = time.monotonic()
     try:
         done = subprocess.run(
-            [sys.executable, "-c", "import vllm"],
+            [sys.executable, "-c", _IMPORT_VLLM],
             stdin=subprocess.DEVNULL,
             capture_output=True,
             timeout=import_timeout_s,

@@ -23,7 +23,9 @@ import shutil
 import sys
 from pathlib import Path
 
-from tools.errors import InvalidInputError, NotFoundError
+from tools.errors import InvalidInputError, NotFoundError, arg
+from tools.interpreter import check_interpreter_file
+from tools.pathargs import MAX_PATH_CHARS, check_path_text
 
 
 def serving_python(explicit: str | None = None) -> str:
@@ -42,7 +44,9 @@ def resolve_python(explicit: str | None = None) -> str:
     """The serving interpreter as an absolute, executable path; a clear error otherwise.
 
     Every tool that runs the serving interpreter (the GPU probe, the vLLM lookup of the Turing
-    patch) goes through here, so a bad --python reads the same everywhere.
+    patch) goes through here, so a bad --python reads the same everywhere. Nothing is run: a
+    file that is not a Python interpreter by its name and ELF header is refused here
+    (tools/interpreter.py), before any tool would execute it.
     """
     given = serving_python(explicit)
     if explicit is None and os.environ.get("GPURIG_PYTHON"):
@@ -52,8 +56,16 @@ def resolve_python(explicit: str | None = None) -> str:
     if not given.strip():
         raise InvalidInputError(
             "the serving interpreter's path is empty",
-            remedy="pass a path such as /usr/bin/python3.13 (--python, python_bin), or leave it "
-            "out to use GPURIG_PYTHON, else this Python",
+            remedy=f"pass a path such as /usr/bin/python3.13 as {arg('python_bin')}, or leave "
+            "it out to use GPURIG_PYTHON, else this Python",
+        )
+    name = "python_bin" if explicit is not None else "GPURIG_PYTHON"
+    if name == "python_bin":
+        check_path_text(given, name)
+    elif "\x00" in given or len(given) > MAX_PATH_CHARS:
+        raise InvalidInputError(
+            "GPURIG_PYTHON is not a usable path (too long, or holds a NUL byte)",
+            remedy="set GPURIG_PYTHON to the interpreter's path, or unset it",
         )
     expanded = os.path.expanduser(given)
     if os.sep not in expanded:
@@ -66,11 +78,18 @@ def resolve_python(explicit: str | None = None) -> str:
             )
         expanded = found
     path = Path(expanded)
-    if not path.exists():
+    try:
+        exists = path.exists()
+    except OSError as exc:  # ENAMETOOLONG on one component, EACCES on a parent, ...
+        raise InvalidInputError(
+            f"cannot look at the serving interpreter {given_text[:200]}: {exc.strerror or exc}",
+            remedy=f"pass the interpreter's real path as {arg('python_bin')}",
+        ) from None
+    if not exists:
         raise NotFoundError(
             f"the serving interpreter {given_text} does not exist",
             remedy="pass the full path of the Python that runs vLLM (e.g. /usr/bin/python3.13), "
-            "or set GPURIG_PYTHON to it"
+            f"as {arg('python_bin')} or in GPURIG_PYTHON"
             + (" (or unset GPURIG_PYTHON to use this Python)" if given_text != given else ""),
         )
     if path.is_dir():
@@ -83,6 +102,7 @@ def resolve_python(explicit: str | None = None) -> str:
             f"{given_text} is not executable",
             remedy=f"pass an executable Python interpreter (chmod +x {path} if it is one)",
         )
+    check_interpreter_file(path, given_text)
     return str(path.absolute())
 
 

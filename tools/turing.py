@@ -35,13 +35,15 @@ from patches.engine import (
 )
 from patches.spec import PatchSpec
 from patches.turing_smem_clamp import TURING_SMEM_CLAMP
-from tools.errors import InvalidInputError, NotFoundError, RefusedError
+from tools.errors import InvalidInputError, NotFoundError, RefusedError, arg, either
 from tools.fileio import write_atomic
+from tools.pathargs import check_path_text, read_small_file
 from tools.settings import state_dir
 from tools.vllm_locate import InstalledFile, locate_installed_file
 
 SPEC: PatchSpec = TURING_SMEM_CLAMP
 MIN_UNPATCHED_MAJOR = 8  # Ampere and newer fit the stock tiles
+MAX_TARGET_BYTES = 4 * 1024 * 1024  # the real file is ~40 KB; a larger one is not it
 
 
 class TuringPatchReport(BaseModel):
@@ -278,13 +280,14 @@ def patch_diff(
 ) -> PatchDiff:
     """The clamp as a unified diff: of the installed file, or of `file` (e.g. a vLLM checkout)."""
     if file is not None:
-        path = Path(file).expanduser()
+        path = Path(check_path_text(file, "file")).expanduser()
+        data = read_small_file(file, "file", MAX_TARGET_BYTES)
         try:
-            text = path.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as exc:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as exc:
             raise InvalidInputError(
-                f"cannot read {path}: {exc}",
-                remedy=f"pass the path of a vLLM {SPEC.target}",
+                f"{path} is not UTF-8 text ({exc.reason} at byte {exc.start})",
+                remedy=f"pass the path of a vLLM {SPEC.target} as {arg('file')}",
             ) from exc
         if SPEC.block in text:
             text = remove_block(SPEC, text) or text
@@ -306,7 +309,10 @@ def patch_diff(
         raise NotFoundError(
             err.message,
             remedy=f"{err.remedy}; or diff a vLLM checkout's file instead: "
-            f"gpurig patch diff --file PATH/{SPEC.target}",
+            + either(
+                cli=f"gpurig patch diff --file PATH/{SPEC.target}",
+                mcp=f"turing_patch_diff with file=PATH/{SPEC.target}",
+            ),
         ) from err
     data = _read(found)
     state = classify(SPEC, data, found.record_sha256)
@@ -352,7 +358,8 @@ def require_turing_patch(
             f"compute capability {major}.{minor} needs the Turing clamp, but vLLM "
             f"{report.vllm_version} at {report.path} is {report.state_after} "
             f"({report.detail}); it would fail with 'OutOfResources: shared memory'",
-            remedy="run `gpurig patch apply` (MCP: apply_turing_patch)"
+            remedy="run "
+            + either(cli="`gpurig patch apply`", mcp="the apply_turing_patch tool")
             + (
                 f"; the file is modified, so first: {report.python} -m pip install "
                 f"--force-reinstall --no-deps vllm=={report.vllm_version}"

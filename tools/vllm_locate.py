@@ -18,7 +18,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, Field
 
-from tools.errors import InvalidInputError, NotFoundError
+from tools.errors import InvalidInputError, NotFoundError, arg
 from tools.settings import resolve_python
 
 # Runs under the serving interpreter: stdlib only, Python >= 3.8, one JSON object on stdout.
@@ -94,6 +94,8 @@ def _run_probe(resolved: str, distribution: str, relative_path: str) -> dict:
             capture_output=True,
             text=True,
             timeout=PROBE_TIMEOUT_S,
+            # never a module from a working directory; env and user site kept (gpu_probe.py)
+            env={**os.environ, "PYTHONSAFEPATH": "1"},
             cwd="/",
             check=False,
         )
@@ -105,7 +107,7 @@ def _run_probe(resolved: str, distribution: str, relative_path: str) -> dict:
     except OSError as exc:
         raise InvalidInputError(
             f"cannot run {resolved}: {exc.strerror or exc}",
-            remedy="point --python / GPURIG_PYTHON at a python executable",
+            remedy=f"point {arg('python_bin')} / GPURIG_PYTHON at a python executable",
         ) from exc
     lines = proc.stdout.strip().splitlines()
     try:
@@ -119,7 +121,7 @@ def _run_probe(resolved: str, distribution: str, relative_path: str) -> dict:
         raise InvalidInputError(
             f"{resolved} did not answer like a Python >= 3.8 interpreter "
             f"(exit {proc.returncode}: {tail[0][:200]})",
-            remedy="point --python / GPURIG_PYTHON at the python that runs vLLM",
+            remedy=f"point {arg('python_bin')} / GPURIG_PYTHON at the python that runs vLLM",
         ) from exc
     return answer
 
@@ -140,7 +142,7 @@ def locate_installed_file(
         raise NotFoundError(
             f"{distribution} is not installed for {where}",
             remedy=f"install it there ({answer['executable']} -m pip install {distribution}), "
-            "or pass --python / set GPURIG_PYTHON to the interpreter that has it",
+            f"or pass {arg('python_bin')} / set GPURIG_PYTHON to the interpreter that has it",
         )
     version = answer["version"]
     if not answer.get("in_record") or not answer.get("record_hash"):
@@ -165,7 +167,8 @@ def locate_installed_file(
             f"`import {distribution}` under {where} loads from {import_dirs[0]}, not from the "
             f"installed {distribution} {version} at {package_dir}",
             remedy="remove the shadowing copy from sys.path (PYTHONPATH, a source checkout in "
-            "the working directory), or point --python at the interpreter vLLM really runs under",
+            f"the working directory), or point {arg('python_bin')} at the interpreter vLLM "
+            "really runs under",
         )
     if not path.is_file():
         raise NotFoundError(
