@@ -16,6 +16,7 @@ import torch
 
 from engine.cache import KVCache
 from engine.errors import ContextLengthError, GenerationError
+from engine.memory import plan_prompt
 from engine.model import Gemma4Model
 
 DEFAULT_PREFILL_CHUNK = 256
@@ -124,14 +125,23 @@ def check_prompt(prompt: list[int], vocab_size: int, max_context: int) -> None:
         )
 
 
-def prefill(model: Gemma4Model, cache: KVCache, prompt: list[int], chunk: int) -> torch.Tensor:
-    """Read the whole prompt, `chunk` tokens at a time; returns the last token's logits [V]."""
+def prefill(
+    model: Gemma4Model,
+    cache: KVCache,
+    prompt: list[int],
+    chunk: int,
+    score_budget: int | None = None,
+) -> torch.Tensor:
+    """Read the whole prompt, `chunk` tokens at a time, every layer on every chunk (the
+    reference reading); returns the last token's logits [V]."""
     cache.reset()
     ids = torch.tensor(prompt, dtype=torch.int64, device=model.device)
     logits = None
     for start in range(0, len(prompt), chunk):
         end = min(start + chunk, len(prompt))
-        logits = model.prefill_chunk(ids[start:end], start, cache, last=end == len(prompt))
+        logits = model.prefill_chunk(
+            ids[start:end], start, cache, last=end == len(prompt), score_budget=score_budget
+        )
     assert logits is not None
     return logits
 
@@ -144,11 +154,11 @@ def _last_token_by_step(model: Gemma4Model) -> bool:
     return fast_enabled(model.device)
 
 
-def _prefill_body_for(model: Gemma4Model, cache: KVCache) -> Callable[[torch.Tensor, int], None]:
+def _prefill_body_for(model: Gemma4Model, cache: KVCache) -> Callable[..., None]:
     try:
         from engine.fast import prefill_body_for
     except ImportError:
-        return lambda ids, start: model.prefill_chunk(ids, start, cache, last=False)
+        return lambda ids, start, budget=None: model.prefill_chunk(ids, start, cache, False, budget)
     return prefill_body_for(model, cache)
 
 
@@ -158,8 +168,15 @@ def read_prompt(
     prompt: list[int],
     chunk: int,
     step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    memory_cap_mib: int | None = None,
 ) -> torch.Tensor:
     """The prompt into the cache; returns the last token's logits [V].
+
+    `chunk` is the most tokens per pass: `engine.memory.plan_prompt` lowers it to what the
+    memory left (under `memory_cap_mib`) holds and sizes the attention's score slices, or
+    refuses the prompt (PromptMemoryError) before anything is read. Every temporary of a chunk
+    is bounded by the chunk, never by the cache (engine.attention), so a plan that fits at the
+    first chunk fits at the last.
 
     With engine.fast's decoder (CUDA), every token but the last is read in chunks that skip
     the KV-shared layers (only the last token needs them, and they keep no cache), and the last
@@ -168,15 +185,17 @@ def read_prompt(
     prompt's length. The chunks themselves run engine.fast's fused prefill where it applies.
     The logits are the same function either way (the decode step is the reference's
     decode_step, tested to equal prefill). Elsewhere `prefill` reads it all."""
+    plan = plan_prompt(model, len(prompt), chunk, memory_cap_mib)
     if step is None and not _last_token_by_step(model):
-        return prefill(model, cache, prompt, chunk)
+        return prefill(model, cache, prompt, plan.chunk, plan.score_budget)
     step = step or decode_step_for(model, cache)
     cache.reset()
     ids = torch.tensor(prompt, dtype=torch.int64, device=model.device)
     body = len(prompt) - 1
     read_chunk = _prefill_body_for(model, cache)
-    for start in range(0, body, chunk):
-        read_chunk(ids[start : min(start + chunk, body)], start)
+    for start in range(0, body, plan.chunk):
+        read_chunk(ids[start : min(start + plan.chunk, body)], start, plan.score_budget)
+    del read_chunk  # its dequantisation buffer: the step (and its first capture) come next
     position = torch.tensor([body], dtype=torch.int64, device=model.device)
     # a copy: on CUDA the step returns its graph's output buffer, which the next step rewrites
     return step(ids[body:], position)[0].clone()
@@ -228,6 +247,7 @@ def generate_stream(
     stop_ids: set[int],
     chunk: int,
     state: GenerationState,
+    memory_cap_mib: int | None = None,
 ) -> Iterator[int]:
     """Yield new token ids one by one; a stop id ends the stream without being yielded.
 
@@ -243,7 +263,8 @@ def generate_stream(
         state.finish_reason = "length"
         return
     step = decode_step_for(model, cache)
-    logits = read_prompt(model, cache, prompt, chunk, step if _last_token_by_step(model) else None)
+    by_step = step if _last_token_by_step(model) else None
+    logits = read_prompt(model, cache, prompt, chunk, by_step, memory_cap_mib)
     token = sampler(logits)  # [1] int64 on the device
     position = torch.tensor([len(prompt)], dtype=torch.int64, device=model.device)
     next_pos = len(prompt)

@@ -9,8 +9,12 @@ checked against what the device really holds.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from pydantic import BaseModel
+
+from engine.errors import EngineError
 
 MIB = 1 << 20
 
@@ -90,3 +94,135 @@ def apply_memory_cap(device: torch.device, cap_mib: int | None) -> None:
     index = device.index if device.index is not None else torch.cuda.current_device()
     total = torch.cuda.get_device_properties(index).total_memory
     torch.cuda.set_per_process_memory_fraction(min(1.0, cap_mib * MIB / total), index)
+
+
+# ---------------------------------------------------------------------------------------------
+# reading a prompt within what is left: the chunk and the attention's score budget
+
+
+MIN_CHUNK = 16  # below this a chunk's launches cost more than its work: refuse instead
+SCORE_BUDGET_MAX = 1 << 28  # score elements per attention slice on a roomy device (1.5 GiB)
+SCORE_BYTES = 7  # bytes per score element at the slice's peak (6, and the mask; see attention)
+SAFETY_BYTES = 96 * MIB  # cuBLAS workspaces, the decode graph's pool, allocator rounding
+PER_TOKEN_MARGIN = 1.25  # on the per-token estimate below (it counts the peak stage only)
+
+
+class PromptMemoryError(EngineError):
+    """A prompt cannot be read within the memory left on the device (under the cap)."""
+
+    def __init__(self, requested: int, largest: int, available: int, needed: int) -> None:
+        super().__init__(
+            f"a {requested}-token prompt cannot be read in the {available / MIB:.0f} MiB left "
+            f"on the device (reading it needs at least {needed / MIB:.0f} MiB); the largest "
+            f"prompt that fits now is {largest} tokens",
+            "raise memory_cap_mib, load the engine with a smaller max_context (its KV cache "
+            "is allocated at load), or shorten the prompt",
+        )
+        self.requested, self.largest = requested, largest
+        self.available, self.needed = available, needed
+
+
+@dataclass(frozen=True)
+class PromptPlan:
+    """How a prompt is read: `chunk` tokens per pass, at most `score_budget` attention score
+    elements alive at once, `need_bytes` of temporaries at that chunk, out of
+    `available_bytes` (None where nothing is measured: the CPU)."""
+
+    chunk: int
+    score_budget: int | None
+    need_bytes: int
+    available_bytes: int | None
+
+
+def reader_bytes_per_token(cfg, elem: int) -> int:
+    """Bytes one chunk token holds at the reader's peak (engine.fast.prefill's stages): the
+    hidden state and per-layer inputs kept through the chunk, plus the largest stage (the
+    embedding's lookups, a layer's attention with its fp32 accumulator, or its MLP)."""
+    n = cfg.first_shared_layer
+    h, lp = cfg.hidden_size, cfg.num_hidden_layers * cfg.hidden_size_per_layer_input
+    hq = cfg.num_attention_heads
+    rope = 2 * sum({hd for hd in cfg.layer_head_dims})
+    qkv = max((hq + 2 * cfg.layer_kv_heads[i]) * cfg.layer_head_dims[i] for i in range(n))
+    attn = max(hq * cfg.layer_head_dims[i] for i in range(n))
+    f = max(cfg.mlp_width(i) for i in range(n))
+    held = h + lp + rope
+    stages = (
+        2 * lp + h,  # embedding: the per-layer lookup and projection
+        2 * h + 2 * qkv + attn * (2 + 4 // elem * 2),  # x, q|k|v, q/k/v, out, acc (fp32), result
+        3 * h + 3 * f,  # x, gate|up, GELU product, down
+    )
+    return int((elem * (held + max(stages)) + 64) * PER_TOKEN_MARGIN)
+
+
+def reader_fixed_bytes(model, weight_elem: int) -> int:
+    """The largest matrix a chunk dequantises at once (the fused gate|up, or the per-layer
+    projection) plus the safety margin."""
+    cfg = model.cfg
+    n, h = cfg.first_shared_layer, cfg.hidden_size
+    rows = [2 * cfg.mlp_width(i) for i in range(n)]
+    rows += [(cfg.num_attention_heads + 2 * cfg.layer_kv_heads[i]) * cfg.layer_head_dims[i]
+             for i in range(n)]  # fmt: skip
+    rows.append(cfg.num_hidden_layers * cfg.hidden_size_per_layer_input)
+    return max(rows) * h * weight_elem + SAFETY_BYTES
+
+
+def available_bytes(device: torch.device, cap_mib: int | None) -> int | None:
+    """Bytes this process may still allocate on `device`: under the cap, the cap less what is
+    allocated; uncapped, the driver's free memory plus what the allocator caches unused.
+    None on the CPU (not measured)."""
+    if device.type != "cuda":
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    allocated = torch.cuda.memory_allocated(index)
+    free, total = torch.cuda.mem_get_info(index)
+    uncapped = free + torch.cuda.memory_reserved(index) - allocated
+    if cap_mib is None:
+        return uncapped
+    return min(uncapped, min(cap_mib * MIB, total) - allocated)
+
+
+def plan_prompt(
+    model,
+    prompt_tokens: int,
+    max_chunk: int,
+    cap_mib: int | None = None,
+    available: int | None = None,
+    weight_elem: int | None = None,
+) -> PromptPlan:
+    """The largest chunk (a power of two up to `max_chunk`, or the whole prompt body when
+    shorter) whose temporaries fit in what is left, and the attention score budget for the rest.
+    A chunk must leave room for slices of at least 512 keys over all its rows. Raises
+    PromptMemoryError, before anything is read, when not even a MIN_CHUNK-token chunk fits.
+    `available` defaults to the device's measurement (None on the CPU: the chunk asked for)."""
+    if available is None:
+        available = available_bytes(model.device, cap_mib)
+    body = max(0, prompt_tokens - 1)  # the last token goes through the decode step
+    if available is None:  # the CPU: the chunk asked for, ops.SCORE_BUDGET's slices
+        return PromptPlan(max(1, min(max_chunk, body or 1)), None, 0, None)
+    cfg, elem = model.cfg, torch.empty((), dtype=model.dtype).element_size()
+    per_token = reader_bytes_per_token(cfg, elem)
+    fixed = reader_fixed_bytes(model, weight_elem or elem)
+    hq = cfg.num_attention_heads
+
+    def fits(c: int) -> PromptPlan | None:
+        rest = available - fixed - c * per_token
+        budget = min(SCORE_BUDGET_MAX, rest // SCORE_BYTES)
+        if budget < hq * c * min(512, body + 1):
+            return None
+        return PromptPlan(c, int(budget), fixed + c * per_token + budget * SCORE_BYTES, available)
+
+    if body == 0:
+        return PromptPlan(1, SCORE_BUDGET_MAX, 0, available)
+    candidates = {1 << k for k in range(max(1, max_chunk).bit_length()) if 1 << k <= max_chunk}
+    if body <= max_chunk:
+        candidates = {c for c in candidates if c < body} | {body}
+    for c in sorted(candidates, reverse=True):
+        if c < min(MIN_CHUNK, body):
+            break
+        plan = fits(c)
+        if plan is not None:
+            return plan
+    smaller = [c for c in range(1, min(MIN_CHUNK, body)) if fits(c) is not None]
+    largest = 1 + (max(smaller) if smaller else 0)
+    needed = fixed + MIN_CHUNK * per_token + hq * MIN_CHUNK * 512 * SCORE_BYTES
+    raise PromptMemoryError(prompt_tokens, largest, max(0, available), needed)

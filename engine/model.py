@@ -215,10 +215,12 @@ class Gemma4Model:
         rope: dict[str, tuple[torch.Tensor, torch.Tensor]],
         cache: KVCache,
         prefill_start: int | None,
+        score_budget: int | None = None,
     ) -> torch.Tensor:
         """One decoder layer on h [T, H]. prefill_start is the chunk's first position when
         reading a prompt chunk (attend, then write the chunk's K/V), None when the layer's cache
-        already holds what it needs (decode: write first, then attend over the whole buffer)."""
+        already holds what it needs (decode: write first, then attend over the whole buffer).
+        score_budget bounds a prompt chunk's attention scores (ops.attention_prefill)."""
         cfg, w = self.cfg, self.layers[i]
         eps, t = cfg.rms_norm_eps, h.shape[0]
         hd, kvh = cfg.layer_head_dims[i], cfg.layer_kv_heads[i]
@@ -242,7 +244,7 @@ class Gemma4Model:
                     ck, cv, cp = lc.k[:prefill_start], lc.v[:prefill_start], lc.pos[:prefill_start]
                 else:  # sliding ring: all of it
                     ck, cv, cp = lc.k, lc.v, lc.pos
-                attn = ops.attention_prefill(q, k, v, ck, cv, cp, positions, window)
+                attn = ops.attention_prefill(q, k, v, ck, cv, cp, positions, window, score_budget)
                 lc.write(k, v, positions)
             else:
                 lc.write(k, v, positions)
@@ -273,19 +275,25 @@ class Gemma4Model:
     # ---- the two entry points --------------------------------------------------------------
     @torch.inference_mode()
     def prefill_chunk(
-        self, ids: torch.Tensor, start: int, cache: KVCache, last: bool
+        self,
+        ids: torch.Tensor,
+        start: int,
+        cache: KVCache,
+        last: bool,
+        score_budget: int | None = None,
     ) -> torch.Tensor | None:
         """Read prompt tokens ids [T] at positions start..start+T-1 into the cache.
 
         Returns the logits [V] of the chunk's last token when `last` (the prompt's final chunk),
-        else None: the KV-shared layers then do not run at all.
+        else None: the KV-shared layers then do not run at all. score_budget: the most attention
+        score elements alive at once (default ops.SCORE_BUDGET; see engine.memory.plan_prompt).
         """
         positions = torch.arange(start, start + ids.shape[0], device=self.device)
         h, ple = self._embed(ids)
         rope = self._rope(positions)
         first_shared = self.cfg.first_shared_layer
         for i in range(first_shared):
-            h = self._layer(i, h, ple, positions, rope, cache, prefill_start=start)
+            h = self._layer(i, h, ple, positions, rope, cache, start, score_budget)
         if not last:
             return None
         h, positions = h[-1:], positions[-1:]

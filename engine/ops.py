@@ -289,6 +289,8 @@ def attention_prefill(
     cache_pos: torch.Tensor,
     q_pos: torch.Tensor,
     window: int | None,
+    score_budget: int | None = None,
+    prefix_visible: bool = False,
 ) -> torch.Tensor:
     """Attention of a prompt chunk: T queries over the cached keys plus the chunk's own keys.
 
@@ -298,7 +300,23 @@ def attention_prefill(
     a full layer the filled prefix. The caller writes the chunk into the cache afterwards (a ring
     cannot take the chunk first: it would overwrite keys earlier queries of the chunk still see).
     Returns [T, Hq, D].
+
+    score_budget (default SCORE_BUDGET) bounds the score elements alive at once: when the
+    scores of the whole chunk fit in half of it they are made in one block as below (short
+    prompts: unchanged); otherwise `engine.attention.attend_chunk` walks the keys in slices
+    with an online softmax, so memory does not grow with the cache (the chunk's positions must
+    then be consecutive). prefix_visible: every cached key is visible to every query (a full
+    layer's filled prefix), so its slices need no mask.
     """
+    budget = SCORE_BUDGET if score_budget is None else score_budget
+    keys = cache_k.shape[0] + q.shape[0]
+    hkv, d = k_new.shape[1], k_new.shape[2]
+    # one block only while its scores and the keys it concatenates are small beside the budget
+    if q.shape[1] * q.shape[0] * keys * 2 > budget or hkv * d * keys * 8 > budget:
+        from engine.attention import attend_chunk
+
+        return attend_chunk(q, k_new, v_new, cache_k, cache_v, cache_pos, q_pos, window, budget,
+                            prefix_visible)  # fmt: skip
     keys = torch.cat([cache_k, k_new.to(cache_k.dtype)]).to(q.dtype)
     values = torch.cat([cache_v, v_new.to(cache_v.dtype)]).to(q.dtype)
     key_pos = torch.cat([cache_pos, q_pos])

@@ -24,7 +24,7 @@ from engine.generate import (
     check_prompt,
     generate_stream,
 )
-from engine.memory import MemoryReport, apply_memory_cap, build_report
+from engine.memory import MemoryReport, apply_memory_cap, build_report, plan_prompt
 from engine.model import Gemma4Model
 
 
@@ -86,6 +86,8 @@ class Engine:
         check_prompt(list(token_ids), self.config.vocab_size, self.max_context)
         if max_new_tokens < 0:
             raise GenerationError(f"max_new_tokens {max_new_tokens} is negative", "use 0 or more")
+        if max_new_tokens:  # refused now, not as an out-of-memory error halfway through reading
+            plan_prompt(self.model, len(token_ids), self.prefill_chunk, self.memory_cap_mib)
         self.last_finish_reason = None
         return self._run(list(token_ids), max_new_tokens, sampling, stops)
 
@@ -97,8 +99,9 @@ class Engine:
         self._run_id += 1
         run_id, state = self._run_id, GenerationState()
         steps = generate_stream(
-            self.model, self.cache, prompt, max_new, sampling, stops, self.prefill_chunk, state
-        )
+            self.model, self.cache, prompt, max_new, sampling, stops, self.prefill_chunk, state,
+            self.memory_cap_mib,
+        )  # fmt: skip
         try:
             while True:
                 if self._run_id != run_id:  # checked before touching the cache again
@@ -168,7 +171,8 @@ def load(
     """Load a Gemma 4 W4A16 checkpoint directory onto `device` (default: cuda if present).
 
     max_context: positions the KV cache holds (default the model's max_position_embeddings).
-    prefill_chunk: prompt tokens read per forward pass (default 256). dtype: compute dtype
+    prefill_chunk: the most prompt tokens read per forward pass (default 4,096 on CUDA, 256 on
+    the CPU; each prompt's chunk is lowered to what the memory left holds). dtype: compute dtype
     (default bfloat16 on CUDA, float32 on the CPU). memory_cap_mib: cap this process's CUDA memory.
     """
     model_dir = Path(path).expanduser()

@@ -80,30 +80,22 @@ def decoder_for(model, cache) -> Callable[[torch.Tensor, torch.Tensor], torch.Te
     return dec
 
 
-def prefill_body_for(model, cache) -> Callable[[torch.Tensor, int], None]:
-    """`chunk(ids, start)`: a prompt chunk into the KV-producing layers' caches, as
-    `model.prefill_chunk(ids, start, cache, last=False)` does; with the fused kernels where the
-    fast path runs and the model qualifies (GPURIG_FAST_PREFILL=0: the model's own)."""
+def prefill_body_for(model, cache) -> Callable[..., None]:
+    """`chunk(ids, start, score_budget=None)`: a prompt chunk into the KV-producing layers'
+    caches, as `model.prefill_chunk(ids, start, cache, last=False)` does; with the fused kernels
+    where the fast path runs and the model qualifies (GPURIG_FAST_PREFILL=0: the model's own)."""
     if fast_enabled(model.device) and os.environ.get("GPURIG_FAST_PREFILL", "1") != "0":
         from engine.fast import prefill
 
         if prefill.supported(model):
             fused = prefill.FusedPrefill(model)
-            return lambda ids, start: fused.chunk(ids, start, cache)
-    return lambda ids, start: model.prefill_chunk(ids, start, cache, last=False)
+            return lambda ids, start, budget=None: fused.chunk(ids, start, cache, budget)
+    return lambda ids, start, budget=None: model.prefill_chunk(ids, start, cache, False, budget)
 
 
 def prefill_chunk_for(device: torch.device, memory_cap_mib: int | None = None) -> int:
-    """Prompt tokens per forward pass on this device: a big chunk keeps a big GPU's matmuls on
-    their tensor-core peak; a small or capped card keeps the attention scores and dequantised
-    weights of one chunk small."""
-    if device.type != "cuda":
-        return 256
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    free, total = torch.cuda.mem_get_info(index)
-    budget = min(free, total) if memory_cap_mib is None else memory_cap_mib << 20
-    if budget >= 40 << 30:  # reading a prompt is host-bound at this size: fewer, bigger chunks
-        return 4096
-    if budget >= 12 << 30:
-        return 1024
-    return 256
+    """The most prompt tokens per forward pass on this device: 4,096 on CUDA (reading a prompt
+    is host-bound below that on a big GPU), 256 elsewhere. Each prompt's real chunk is chosen
+    from the memory left when it is read (engine.memory.plan_prompt), so a small or capped card
+    reads in smaller chunks instead of running out."""
+    return 4096 if device.type == "cuda" else 256

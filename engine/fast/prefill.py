@@ -18,16 +18,20 @@ Only the body of a prompt comes here: the last token goes through the decode ste
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from engine import ops
+from engine.fast import ops_fast
 from engine.fast.fuse import fuse_projections
 from engine.kernels.fused import (
     gelu_mul,
     gelu_mul_pairs,
+    ple_mix,
     qkv_rope_rows,
     residual_norm,
     rmsnorm_rows,
 )
+from engine.kernels.w4dequant import w4_dequantize, w4_gather_rows
 
 
 def supported(model) -> bool:
@@ -51,14 +55,54 @@ class FusedPrefill:
     def __init__(self, model) -> None:
         self.model = model
         self.fused = fuse_projections(model)
+        self.weights: torch.Tensor | None = None  # one buffer every dequantised matrix reuses
+
+    def release(self) -> None:
+        """Drop the dequantisation buffer (between prompts: decode does not need it)."""
+        self.weights = None
+
+    def _linear(self, x: torch.Tensor, w) -> torch.Tensor:
+        """ops.linear for a chunk, the 4-bit matrix dequantised into the reused buffer (one
+        block of the allocator for every matrix of every chunk, instead of one per call)."""
+        if not isinstance(w, ops.PackedLinear) or not ops_fast._packed_ok(w) or not x.is_cuda:
+            return ops.linear(x, w)
+        dt = ops_fast.prefill_dtype(x.device.index or 0, x.dtype)
+        n, k = w.out_features, w.in_features
+        buf = self.weights
+        if buf is None or buf.dtype != dt or buf.numel() < n * k:
+            self.weights = buf = None  # free the old one first (the cap)
+            self.weights = buf = torch.empty(_largest_matrix(self.model, self.fused), dtype=dt,
+                                             device=x.device)  # fmt: skip
+        weight = w4_dequantize(w.packed, w.scales, dtype=dt, out=buf[: n * k].view(n, k))
+        if dt == x.dtype:
+            return F.linear(x, weight)
+        return F.linear(x.to(dt), weight).to(x.dtype)
+
+    def _embed(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The chunk's hidden state and per-layer inputs from the 4-bit tables: the rows unpacked
+        by one gather each, the mix by one kernel writing over the lookup (the reference's
+        seven-op chain holds ~8 per-layer-input-sized temporaries per token)."""
+        m, cfg = self.model, self.model.cfg
+        if not (_packed_table(m.embed) and (m.ple_table is None or _packed_table(m.ple_table))):
+            h, ple = m._embed(ids)
+            return h.contiguous(), ple
+        h = w4_gather_rows(ids, m.embed.packed, m.embed.scales, dtype=m.dtype, mul=m.embed_scale)
+        if m.ple_table is None:
+            return h, None
+        t, n, p = ids.shape[0], cfg.num_hidden_layers, cfg.hidden_size_per_layer_input
+        tok = w4_gather_rows(ids, m.ple_table.packed, m.ple_table.scales, dtype=m.dtype,
+                             mul=m.ple_scale)  # fmt: skip
+        proj = self._linear(h, m.ple_projection).contiguous()
+        ple = ple_mix(proj.view(t * n, p), tok.view(t * n, p), m.ple_projection_norm, t * n, p,
+                      cfg.rms_norm_eps, cfg.hidden_size**-0.5, 2.0**-0.5, out=tok.view(t * n, p))  # fmt: skip
+        return h, ple.view(t, n, p)
 
     @torch.inference_mode()
-    def chunk(self, ids: torch.Tensor, start: int, cache) -> None:
+    def chunk(self, ids: torch.Tensor, start: int, cache, score_budget: int | None = None) -> None:
         m, cfg = self.model, self.model.cfg
         eps, t = cfg.rms_norm_eps, ids.shape[0]
         positions = torch.arange(start, start + t, device=m.device)
-        h, ple = m._embed(ids)
-        h = h.contiguous()
+        h, ple = self._embed(ids)
         rope = m._rope(positions)
         layers = m.layers
         n = cfg.first_shared_layer
@@ -67,7 +111,7 @@ class FusedPrefill:
             w, fl = layers[i], self.fused[i]
             hq, kvh, hd = cfg.num_attention_heads, cfg.layer_kv_heads[i], cfg.layer_head_dims[i]
             cos, sin = rope[cfg.layer_types[i]]
-            qkv = ops.linear(x, fl.qkv)
+            qkv = self._linear(x, fl.qkv)
             q, k, v = qkv_rope_rows(qkv, w.q_norm, w.k_norm, cos, sin, hq, kvh, hd, eps,
                                     v_from_k=w.v is None)  # fmt: skip
             lc = cache.layers[i]
@@ -76,20 +120,38 @@ class FusedPrefill:
             else:  # sliding ring: all of it
                 ck, cv, cp = lc.k, lc.v, lc.pos
             window = cfg.sliding_window if cfg.is_sliding(i) else None
-            attn = ops.attention_prefill(q, k, v, ck, cv, cp, positions, window)
+            # a full layer's slots 0..start-1 hold positions 0..start-1 (read in order)
+            attn = ops.attention_prefill(q, k, v, ck, cv, cp, positions, window, score_budget,
+                                         prefix_visible=lc.window is None)  # fmt: skip
             lc.write(k, v, positions)
-            o = ops.linear(attn.reshape(t, -1), w.o).contiguous()
+            o = self._linear(attn.reshape(t, -1), w.o).contiguous()
+            del attn, q, k, v, qkv
             h, x2 = residual_norm(h, o, w.post_attn_norm, eps, w_next=w.pre_ffn_norm, h_out=h)
-            act = gelu_mul_pairs(ops.linear(x2, fl.gate_up).contiguous())
-            d = ops.linear(act, w.down).contiguous()
+            act = gelu_mul_pairs(self._linear(x2, fl.gate_up).contiguous())
+            d = self._linear(act, w.down).contiguous()
+            del act
             nxt = layers[i + 1].input_norm if i + 1 < len(layers) else None
             if ple is None:
                 h, x = residual_norm(h, d, w.post_ffn_norm, eps, scalar=w.layer_scalar,
                                      w_next=nxt, h_out=h)  # fmt: skip
                 continue
             h, _ = residual_norm(h, d, w.post_ffn_norm, eps, h_out=h)
-            g = ops.linear(h, w.ple_gate).contiguous()
+            g = self._linear(h, w.ple_gate).contiguous()
             a2 = gelu_mul(g, ple[:, i].contiguous())
-            p = ops.linear(a2, w.ple_proj).contiguous()
+            p = self._linear(a2, w.ple_proj).contiguous()
             h, x = residual_norm(h, p, w.ple_norm, eps, scalar=w.layer_scalar, w_next=nxt,
                                  h_out=h)  # fmt: skip
+
+
+def _packed_table(table) -> bool:
+    return isinstance(table, ops.PackedLinear) and ops_fast._packed_ok(table)
+
+
+def _largest_matrix(model, fused) -> int:
+    """Elements of the largest matrix a chunk dequantises (fused q|k|v or gate|up, o, down,
+    the per-layer matrices, the per-layer-input projection)."""
+    mats = [model.ple_projection] if model.ple_projection is not None else []
+    for i in range(model.cfg.first_shared_layer):
+        w, fl = model.layers[i], fused[i]
+        mats += [fl.qkv, fl.gate_up, w.o, w.down, w.ple_gate, w.ple_proj]
+    return max(mt.out_features * mt.in_features for mt in mats if mt is not None)

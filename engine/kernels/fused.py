@@ -398,9 +398,15 @@ def ple_mix(
     eps: float,
     c_proj: float,
     c_mix: float,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The per-layer inputs [layers, width] of one token from the raw projection and lookup."""
-    out = torch.empty(layers, width, device=proj.device, dtype=proj.dtype)
+    """The per-layer inputs [layers, width] of one token (or [tokens * layers, width] of a
+    prompt chunk: rows are independent) from the raw projection and lookup. `out` may be
+    `tok` itself: each row is read whole before it is written."""
+    if out is None:
+        out = torch.empty(layers, width, device=proj.device, dtype=proj.dtype)
+    elif out.shape != (layers, width) or not out.is_contiguous() or out.dtype != proj.dtype:
+        raise ValueError("ple_mix writes a contiguous [layers, width] out in proj's dtype")
     _ple_mix_kernel[(layers,)](
         proj, tok, weight, out, width, eps, c_proj, c_mix, BLOCK=_block(width),
         num_warps=_warps(width), **pdl_kwargs(proj),

@@ -1,0 +1,148 @@
+"""Long prompts in bounded memory (issue 13): the sliced chunk attention against one-block
+attention at the chunk lengths that broke torch SDPA, a long chunked read against one whole
+pass (logits and greedy continuation, several chunk sizes), and the memory plan that picks the
+chunk or refuses a prompt before reading it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import engine
+from engine import memory, ops
+from engine.attention import attend_chunk
+from engine.checkpoint_maker import make_checkpoint, text_config_dict
+from engine.config import parse_config
+from engine.generate import prefill, read_prompt
+from engine.memory import MIB, PromptMemoryError, plan_prompt
+
+LENGTHS = [1, 2, 33, 64, 65, 97, 129]  # 33, 65, 97: torch's memory-efficient kernel's bad rows
+
+
+def _case(t: int, window: int | None, start: int, hq: int = 8, d: int = 32, seed: int = 0):
+    """q/k/v of a chunk at positions start.. and the cache before it, as the model passes them:
+    a ring of `window` slots (some empty when start < window) or a full layer's prefix."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(t, hq, d, generator=gen)
+    k_new, v_new = torch.randn(2, t, 1, d, generator=gen)
+    slots = window if window is not None else start
+    ck, cv = torch.randn(2, slots, 1, d, generator=gen)
+    if window is None:
+        cp = torch.arange(start)
+    else:  # slot s holds the latest position p < start with p % window == s, or -1
+        cp = torch.tensor([max((p for p in range(start) if p % window == s), default=-1)
+                           for s in range(window)])  # fmt: skip
+    return q, k_new, v_new, ck, cv, cp, torch.arange(start, start + t)
+
+
+def _one_block(q, k_new, v_new, ck, cv, cp, q_pos, window):
+    keys, values = torch.cat([ck, k_new]), torch.cat([cv, v_new])
+    return ops._attend(q, keys, values, torch.cat([cp, q_pos]), q_pos, window)
+
+
+@pytest.mark.parametrize("t", LENGTHS)
+@pytest.mark.parametrize(("window", "start"), [(16, 5), (16, 70), (None, 0), (None, 150)])
+def test_sliced_chunk_attention_equals_one_block(t, window, start):
+    """Tiny budgets force row blocks and key slices of a few keys; every row must still equal
+    one-block attention over the concatenated keys, the last row included."""
+    case = _case(t, window, start, seed=t)
+    want = _one_block(*case, window)
+    for budget in (8 * 64, 8 * 5 * 64, 8 * 40 * 100):
+        got = attend_chunk(*case, window, budget, prefix_visible=window is None)
+        assert (got - want).abs().max() < 1e-5, f"budget {budget}"
+        if window is None:  # the prefix masked by its positions gives the same
+            masked = attend_chunk(*case, window, budget, prefix_visible=False)
+            assert (masked - want).abs().max() < 1e-5
+
+
+def test_attention_prefill_slices_only_past_the_budget(monkeypatch):
+    """Short: one block, bit for bit as before. Past the budget: the sliced path (to rounding)."""
+    case = _case(97, 16, 70)
+    want = _one_block(*case, 16)
+    assert torch.equal(ops.attention_prefill(*case, 16), want)
+    got = ops.attention_prefill(*case, 16, score_budget=2 * 97 * 8)
+    assert (got - want).abs().max() < 1e-5 and not torch.equal(got, want)
+
+
+@pytest.fixture(scope="module")
+def long_eng(tmp_path_factory) -> engine.Engine:
+    path: Path = tmp_path_factory.mktemp("long") / "tiny"
+    make_checkpoint(path, "tiny", seed=4)  # max_position_embeddings 4096, window 16
+    return engine.load(path, device="cpu", max_context=2048)
+
+
+def test_a_long_chunked_read_equals_one_whole_pass(long_eng, monkeypatch):
+    """1,500 tokens read in chunks of 64 / 250 / 512 with score slices of a few hundred keys:
+    the last token's logits equal one whole pass's, and the greedy continuations agree."""
+    model, cache = long_eng.model, long_eng.cache
+    prompt = [2] + torch.randint(
+        3, 512, (1499,), generator=torch.Generator().manual_seed(1)
+    ).tolist()
+    whole = prefill(model, cache, prompt, len(prompt), score_budget=1 << 40).clone()
+    ref_tokens = _greedy(model, cache, whole, len(prompt), 6)
+
+    def step(token, position):
+        return model.decode_step(token, position, cache)
+
+    monkeypatch.setattr(ops, "SCORE_BUDGET", 2 * 64 * 300)  # ~300 keys per slice at chunk 64
+    for chunk in (64, 250, 512):
+        got = read_prompt(model, cache, prompt, chunk, step)
+        assert (got - whole).abs().max() < 1e-4, f"chunk {chunk}"
+        assert _greedy(model, cache, got, len(prompt), 6) == ref_tokens, f"chunk {chunk}"
+    # the whole generate path (the reference prefill on the CPU) with a small budget too
+    long_eng.prefill_chunk = 100
+    assert long_eng.generate(prompt, 6, stop_ids=[]) == ref_tokens
+
+
+def _greedy(model, cache, logits, n, steps) -> list[int]:
+    out, tok = [], logits.argmax().view(1)
+    for i in range(steps):
+        out.append(int(tok))
+        tok = model.decode_step(tok, torch.tensor([n + i]), cache)[0].argmax().view(1)
+    return out
+
+
+E2B = SimpleNamespace(
+    cfg=parse_config(text_config_dict("e2b")), dtype=torch.bfloat16, device=torch.device("cpu")
+)
+
+
+def test_the_plan_picks_the_largest_chunk_that_fits():
+    roomy = plan_prompt(E2B, 131_000, 4096, available=40 << 30)
+    assert roomy.chunk == 4096 and roomy.score_budget == memory.SCORE_BUDGET_MAX
+    capped = plan_prompt(E2B, 131_000, 4096, available=420 * MIB)  # ~ what 3,732 MiB leaves
+    assert 256 <= capped.chunk < 4096 and capped.need_bytes <= 420 * MIB
+    assert capped.score_budget >= 8 * capped.chunk * 512  # slices of >= 512 keys, all rows
+    less = plan_prompt(E2B, 131_000, 4096, available=250 * MIB)
+    assert less.chunk < capped.chunk and less.need_bytes <= 250 * MIB
+    short = plan_prompt(E2B, 40, 4096, available=420 * MIB)
+    assert short.chunk == 39  # the body in one chunk; the last token goes by the decode step
+    cpu = plan_prompt(E2B, 131_000, 256)
+    assert cpu.chunk == 256 and cpu.score_budget is None and cpu.available_bytes is None
+
+
+def test_a_prompt_that_cannot_be_read_is_refused_naming_the_largest():
+    with pytest.raises(PromptMemoryError) as err:
+        plan_prompt(E2B, 131_000, 4096, available=133 * MIB)
+    e = err.value
+    assert e.requested == 131_000 and 1 <= e.largest < memory.MIN_CHUNK + 1
+    assert e.needed > e.available and "largest prompt that fits" in str(e)
+    assert plan_prompt(E2B, e.largest, 4096, available=133 * MIB).chunk == e.largest - 1 or (
+        e.largest == 1
+    )
+    with pytest.raises(PromptMemoryError):
+        plan_prompt(E2B, 131_000, 4096, available=-5 * MIB)  # the cap already exceeded
+
+
+def test_the_engine_refuses_before_reading(long_eng, monkeypatch):
+    """Engine.stream raises at the call, not from the first next(); the cache is untouched."""
+    cache = long_eng.cache
+    for c in cache.layers.values():
+        c.pos.fill_(3)
+    monkeypatch.setattr(memory, "available_bytes", lambda device, cap: 16 * MIB)
+    with pytest.raises(PromptMemoryError, match="largest prompt that fits"):
+        long_eng.stream(list(range(3, 503)) * 2, 4)
+    assert all(bool((c.pos == 3).all()) for c in cache.layers.values())
