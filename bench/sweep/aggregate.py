@@ -1,0 +1,110 @@
+"""From cells to the sweep's answer: medians over repeats, their spread, ratios and the winner.
+
+For each (input length, concurrency) and target: the median of each figure over the repeats
+that completed requests, the repeat-to-repeat variation of output tok/s ((max - min) / median,
+flagged above 5%), each target's output tok/s over the first target's, and the winner (highest
+median output tok/s) with its ratio over the runner-up.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import Counter
+
+from bench.sweep.models import (
+    VARIATION_FLAG,
+    CellRecord,
+    Roofline,
+    SummaryRow,
+    SweepConfig,
+    TargetCell,
+)
+
+
+def _median(xs: list[float | None]) -> float | None:
+    vals = [x for x in xs if x is not None]
+    return round(statistics.median(vals), 3) if vals else None
+
+
+def target_cell(label: str, cells: list[CellRecord]) -> TargetCell:
+    usable = [c for c in cells if c.completed > 0]
+    if not cells:
+        return TargetCell(target=label, status="failed", repeats_ok=0, reason="not run")
+    if not usable:
+        reasons = Counter(c.reason or "failed" for c in cells)
+        return TargetCell(
+            target=label, status="failed", repeats_ok=0, reason=reasons.most_common(1)[0][0]
+        )
+    tok = [c.output_tok_s for c in usable if c.output_tok_s is not None]
+    med = _median(tok)
+    variation = round((max(tok) - min(tok)) / med, 4) if med and len(tok) > 1 else None
+    partial = [c for c in cells if c.status != "ok"]
+    return TargetCell(
+        target=label,
+        status="partial" if partial else "ok",
+        repeats_ok=len(usable),
+        output_tok_s=med,
+        per_stream_tok_s=_median([c.per_stream_tok_s for c in usable]),
+        req_s=_median([c.req_s for c in usable]),
+        ttft_p50_ms=_median([c.ttft_p50_ms for c in usable]),
+        ttft_p99_ms=_median([c.ttft_p99_ms for c in usable]),
+        tpot_p50_ms=_median([c.tpot_p50_ms for c in usable]),
+        e2e_p50_ms=_median([c.e2e_p50_ms for c in usable]),
+        variation=variation,
+        variable=bool(variation is not None and variation > VARIATION_FLAG),
+        reason=partial[0].reason if partial else None,
+    )
+
+
+def summarize(config: SweepConfig, cells: list[CellRecord]) -> list[SummaryRow]:
+    by_key: dict[tuple[str, int, int], list[CellRecord]] = {}
+    for c in cells:
+        by_key.setdefault((c.target, c.input_len, c.concurrency), []).append(c)
+    rows = []
+    labels = [t.label for t in config.targets]
+    for n in config.input_lens:
+        for conc in config.concurrency:
+            tcs = [target_cell(lab, by_key.get((lab, n, conc), [])) for lab in labels]
+            first = tcs[0].output_tok_s
+            for tc in tcs:
+                if first and tc.output_tok_s is not None:
+                    tc.vs_first = round(tc.output_tok_s / first, 4)
+            ranked = sorted(
+                (tc for tc in tcs if tc.output_tok_s), key=lambda t: t.output_tok_s or 0.0
+            )[::-1]
+            winner = ranked[0].target if ranked and len(tcs) > 1 else None
+            ratio = None
+            if len(ranked) > 1 and ranked[1].output_tok_s:
+                ratio = round((ranked[0].output_tok_s or 0.0) / ranked[1].output_tok_s, 4)
+            rows.append(
+                SummaryRow(input_len=n, concurrency=conc, targets=tcs, winner=winner, ratio=ratio)
+            )
+    return rows
+
+
+def add_c1_shares(roofline: list[Roofline], rows: list[SummaryRow]) -> None:
+    """Each target's concurrency-1 per-stream speed as a share of its ceiling."""
+    for r in roofline:
+        if not r.ceiling_tok_s:
+            continue
+        for row in rows:
+            if row.concurrency != 1:
+                continue
+            tc = next((t for t in row.targets if t.target == r.target), None)
+            if tc and tc.per_stream_tok_s:
+                r.c1_share[str(row.input_len)] = round(tc.per_stream_tok_s / r.ceiling_tok_s, 4)
+
+
+def failure_lines(cells: list[CellRecord]) -> list[str]:
+    """'target: reason (n cells)' for every failed or partial cause."""
+    counts: Counter[tuple[str, str]] = Counter()
+    for c in cells:
+        if c.status == "failed":
+            counts[(c.target, c.reason or "failed")] += 1
+        elif c.status == "partial":
+            for reason in c.failure_reasons:
+                counts[(c.target, reason)] += 1
+    return [
+        f"{t}: {reason} ({n} cell{'s' if n > 1 else ''})"
+        for (t, reason), n in sorted(counts.items())
+    ]

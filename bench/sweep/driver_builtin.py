@@ -1,0 +1,165 @@
+"""The builtin load driver: httpx async streaming against /v1/completions.
+
+Each request streams (`stream: true`, `stream_options.include_usage`) with `ignore_eos` and
+`max_tokens = output_len`, so it makes exactly output_len tokens; at most `concurrency` are in
+flight. The times are the client's own, taken as `vllm bench serve` takes them: TTFT at the first
+chunk that carries a choice, an ITL per later chunk, the output token count from the final
+usage (the chunk count where a server sends no usage). One event loop per cell, one connection
+per stream: the driver's own CPU cost is measured by bench/sweep_cost.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+
+from bench.sweep.models import RequestResult
+from bench.sweep.prompts import sha
+
+Prompt = list[int] | str
+OnDone = Callable[[RequestResult], None]
+
+
+def _error_text(body: bytes, status: int) -> str:
+    try:
+        data = json.loads(body)
+        err = data.get("error", data) if isinstance(data, dict) else data
+        message = err.get("message") if isinstance(err, dict) else None
+        if message:
+            return f"HTTP {status}: {message}"
+    except ValueError:
+        pass
+    return f"HTTP {status}: {body[:200].decode(errors='replace')}"
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, httpx.ConnectError):
+        return f"connection refused or unreachable ({exc})"
+    if isinstance(exc, httpx.RemoteProtocolError):
+        return f"server closed the connection mid-stream ({exc})"
+    if isinstance(exc, httpx.TimeoutException):
+        return f"timed out ({type(exc).__name__})"
+    return f"{type(exc).__name__}: {exc}"
+
+
+async def one_request(
+    client: httpx.AsyncClient,
+    url: str,
+    model: str | None,
+    prompt: Prompt,
+    index: int,
+    output_len: int,
+    cell_start: float,
+) -> RequestResult:
+    """Send one streaming completion and time it."""
+    body: dict[str, Any] = {
+        "prompt": prompt,
+        "max_tokens": output_len,
+        "ignore_eos": True,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if model:
+        body["model"] = model
+    n_in = len(prompt) if isinstance(prompt, list) else -1
+    result = RequestResult(index=index, prompt_sha=sha(prompt), input_tokens=n_in)
+    start = time.perf_counter()
+    result.start_s = round(start - cell_start, 6)
+    first: float | None = None
+    last = start
+    chunks = 0
+    usage: dict[str, Any] | None = None
+    try:
+        async with client.stream("POST", url, json=body) as resp:
+            if resp.status_code != 200:
+                result.error = _error_text(await resp.aread(), resp.status_code)
+                return result
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                now = time.perf_counter()
+                payload = json.loads(data)
+                if "error" in payload:
+                    err = payload["error"]
+                    msg = err.get("message") if isinstance(err, dict) else str(err)
+                    result.error = f"error in the stream: {msg}"
+                    break
+                if payload.get("usage"):
+                    usage = payload["usage"]
+                if payload.get("choices"):
+                    chunks += 1
+                    if first is None:
+                        first = now
+                    else:
+                        result.itl_ms.append(round((now - last) * 1000, 3))
+                    last = now
+    except (httpx.HTTPError, OSError, ValueError) as exc:
+        result.error = _describe(exc)
+    end = time.perf_counter()
+    result.e2e_ms = round((end - start) * 1000, 3)
+    if usage:
+        result.output_tokens = int(usage.get("completion_tokens") or 0)
+        result.prompt_tokens = usage.get("prompt_tokens")
+    else:
+        result.output_tokens = chunks
+    if first is not None:
+        result.ttft_ms = round((first - start) * 1000, 3)
+        if result.output_tokens > 1:
+            result.tpot_ms = round((end - first) * 1000 / (result.output_tokens - 1), 4)
+    if result.error is None and result.output_tokens == 0:
+        result.error = "the stream ended without any output token"
+    return result
+
+
+async def _run(
+    base_url: str,
+    model: str | None,
+    prompts: list[tuple[int, Prompt]],
+    output_len: int,
+    concurrency: int,
+    timeout_s: float,
+    on_done: OnDone | None,
+) -> tuple[list[RequestResult], float]:
+    url = base_url.rstrip("/") + "/completions"
+    limits = httpx.Limits(max_connections=concurrency + 2, max_keepalive_connections=concurrency)
+    timeout = httpx.Timeout(timeout_s, connect=min(timeout_s, 10.0))
+    sem = asyncio.Semaphore(concurrency)
+    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+        cell_start = time.perf_counter()
+
+        async def task(index: int, prompt: Prompt) -> RequestResult:
+            async with sem:
+                result = await one_request(
+                    client, url, model, prompt, index, output_len, cell_start
+                )
+            if on_done is not None:
+                on_done(result)
+            return result
+
+        results = await asyncio.gather(*(task(i, p) for i, p in prompts))
+        ends = [r.start_s + (r.e2e_ms or 0) / 1000 for r in results]
+        duration = max(ends) - min(r.start_s for r in results) if results else 0.0
+    return list(results), duration
+
+
+def run_requests(
+    base_url: str,
+    model: str | None,
+    prompts: list[tuple[int, Prompt]],
+    output_len: int,
+    concurrency: int,
+    timeout_s: float = 600.0,
+    on_done: OnDone | None = None,
+) -> tuple[list[RequestResult], float]:
+    """Send `prompts` ((index, prompt) pairs), at most `concurrency` at a time; returns every
+    request's result and the cell's wall time in seconds (first send to last byte)."""
+    return asyncio.run(_run(base_url, model, prompts, output_len, concurrency, timeout_s, on_done))

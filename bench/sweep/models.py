@@ -1,0 +1,307 @@
+"""The sweep's pydantic models: what goes in (targets, the plan), what each cell records, and what
+comes back (status, summary, roofline).
+
+Everything a sweep writes to disk is one of these models dumped as JSON, so a report can be
+rebuilt from the files alone and a resumed sweep reads exactly what the killed one wrote.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+Driver = Literal["builtin", "vllm-bench"]
+CellStatus = Literal["ok", "partial", "failed"]
+LABEL_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
+VARIATION_FLAG = 0.05  # repeat-to-repeat (max - min) / median above this is flagged
+
+
+class Target(BaseModel):
+    """One server to measure: a running one (`base_url`, as the OpenAI client takes it, ending in
+    /v1) or one the sweep starts and stops in turn (`server`: start_vllm_server's arguments)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    label: str = Field(pattern=LABEL_PATTERN, description="unique name in tables and files")
+    base_url: str | None = Field(None, description="e.g. http://127.0.0.1:8000/v1")
+    server: dict[str, Any] | None = Field(
+        None, description="start_vllm_server arguments, e.g. {'model': DIR, 'backend': 'engine'}"
+    )
+    model: str | None = Field(None, description="the served model id; default: /v1/models' first")
+    model_dir: str | None = Field(
+        None,
+        description="local checkpoint directory (tokenizer for the prompts, safetensors headers "
+        "for the roofline); default: the server's model where it is a local directory",
+    )
+    prompt_format: Literal["token_ids", "text"] = Field(
+        "token_ids",
+        description="token_ids: prompts as token-id lists on /v1/completions (vLLM, the engine); "
+        "text: decoded text of exactly input_len tokens of the model's tokenizer",
+    )
+    python_bin: str | None = Field(
+        None, description="serving interpreter for the bandwidth probe and vllm bench"
+    )
+
+    @field_validator("base_url")
+    @classmethod
+    def _url(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        v = v.strip().rstrip("/")
+        if not v.startswith(("http://", "https://")):
+            raise ValueError(f"base_url {v!r} must start with http:// or https://")
+        return v
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> Target:
+        if (self.base_url is None) == (self.server is None):
+            raise ValueError(
+                f"target {self.label!r}: give exactly one of base_url (a running server) or "
+                "server (start_vllm_server arguments)"
+            )
+        if self.server is not None and not self.server.get("model"):
+            raise ValueError(f"target {self.label!r}: server needs a 'model'")
+        return self
+
+
+class SweepConfig(BaseModel):
+    """The whole plan, saved as sweep.json before the first request: a resumed sweep runs it."""
+
+    sweep_id: str
+    out_dir: str
+    created: str
+    targets: list[Target] = Field(min_length=1)
+    input_lens: list[int] = Field(min_length=1)
+    output_len: int = Field(ge=2, le=65536)
+    concurrency: list[int] = Field(min_length=1)
+    repeats: int = Field(ge=1, le=50)
+    prompts_per_cell: int | None = Field(None, ge=1, le=100000)
+    seed: int = Field(ge=0, lt=2**32)
+    driver: Driver = "builtin"
+    request_timeout_s: float = Field(600.0, gt=0)
+    warmup: bool = True
+    pool_size: int | None = Field(None, description="prompt ids are drawn from [0, pool_size)")
+    pool_exclude: list[int] = Field(default_factory=list, description="special ids never drawn")
+
+    @field_validator("input_lens")
+    @classmethod
+    def _lens(cls, v: list[int]) -> list[int]:
+        if any(n < 1 or n > 1_048_576 for n in v):
+            raise ValueError("every input length must be in [1, 1048576]")
+        return list(dict.fromkeys(v))
+
+    @field_validator("concurrency")
+    @classmethod
+    def _conc(cls, v: list[int]) -> list[int]:
+        if any(c < 1 or c > 4096 for c in v):
+            raise ValueError("every concurrency must be in [1, 4096]")
+        return list(dict.fromkeys(v))
+
+    @model_validator(mode="after")
+    def _labels(self) -> SweepConfig:
+        labels = [t.label for t in self.targets]
+        dup = sorted({x for x in labels if labels.count(x) > 1})
+        if dup:
+            raise ValueError(f"target labels must be unique; repeated: {', '.join(dup)}")
+        return self
+
+    def requests_in_cell(self, concurrency: int) -> int:
+        """None: enough that every stream stays busy (at least 4 per stream, at least 8)."""
+        return self.prompts_per_cell or max(8, 4 * concurrency)
+
+    def cell_keys(self) -> list[CellKey]:
+        """Every cell in run order: target by target (a started server holds the GPU alone)."""
+        return [
+            CellKey(target=t.label, input_len=n, concurrency=c, repeat=r)
+            for t in self.targets
+            for n in self.input_lens
+            for c in self.concurrency
+            for r in range(self.repeats)
+        ]
+
+
+class CellKey(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    target: str
+    input_len: int
+    concurrency: int
+    repeat: int
+
+    def name(self) -> str:
+        return f"{self.target} in={self.input_len} c={self.concurrency} r={self.repeat + 1}"
+
+
+class RequestResult(BaseModel):
+    """One measured request, as the client saw it (times in ms from its own send)."""
+
+    index: int = Field(description="the prompt's index in its (input length, repeat) stream")
+    prompt_sha: str = Field(description="sha256 (16 hex) of the prompt as sent")
+    input_tokens: int = Field(description="prompt length as sent (token ids or tokenizer count)")
+    prompt_tokens: int | None = Field(None, description="prompt length the server reported")
+    output_tokens: int = 0
+    ttft_ms: float | None = None
+    tpot_ms: float | None = Field(None, description="(e2e - ttft) / (output_tokens - 1)")
+    itl_ms: list[float] = Field(default_factory=list, description="gaps between stream chunks")
+    e2e_ms: float | None = None
+    start_s: float = Field(0.0, description="send time, seconds after the cell began")
+    error: str | None = None
+
+
+class GpuTelemetry(BaseModel):
+    """NVML samples taken a few times a second while the cell ran (GPU 0 or the given index)."""
+
+    index: int
+    name: str | None = None
+    samples: int
+    util_mean: float | None = None
+    util_max: float | None = None
+    sm_clock_mean_mhz: float | None = None
+    sm_clock_max_mhz: float | None = Field(None, description="the GPU's maximum SM clock")
+    clock_share: float | None = Field(None, description="mean SM clock / max SM clock")
+    power_mean_w: float | None = None
+    power_limit_w: float | None = None
+    memory_used_max_bytes: int | None = None
+    throttle: dict[str, float] = Field(
+        default_factory=dict, description="throttle reason -> share of samples it was active"
+    )
+
+
+class CellTelemetry(BaseModel):
+    gpu: GpuTelemetry | None = None
+    gpu_missing: str | None = Field(None, description="why there are no GPU samples")
+    server_pid: int | None = None
+    server_cpu_cores: float | None = Field(
+        None, description="CPU seconds of the server (and its children) / cell wall time"
+    )
+    cpu_missing: str | None = None
+    metrics_before: dict[str, float] = Field(default_factory=dict)
+    metrics_after: dict[str, float] = Field(default_factory=dict)
+    prefix_cache_hit_rate: float | None = None
+    kv_cache_usage: float | None = Field(None, description="peak KV cache usage (0-1)")
+    requests_waiting: float | None = Field(None, description="peak requests waiting")
+    metrics_missing: str | None = None
+
+
+class CellRecord(BaseModel):
+    """One cell (target, input length, concurrency, repeat), appended to cells.jsonl when done."""
+
+    target: str
+    input_len: int
+    concurrency: int
+    repeat: int
+    seed: int = Field(description="the prompt seed of (input length, repeat)")
+    driver: Driver
+    status: CellStatus
+    reason: str | None = None
+    started_at: str
+    duration_s: float = 0.0
+    n_requests: int = 0
+    completed: int = 0
+    failed: int = 0
+    failure_reasons: dict[str, int] = Field(default_factory=dict)
+    short_outputs: int = Field(0, description="completed requests with fewer than output_len")
+    input_tokens: int = 0
+    output_tokens: int = 0
+    output_tok_s: float | None = None
+    per_stream_tok_s: float | None = Field(None, description="1000 / median TPOT")
+    req_s: float | None = None
+    ttft_p50_ms: float | None = None
+    ttft_p99_ms: float | None = None
+    tpot_p50_ms: float | None = None
+    tpot_p99_ms: float | None = None
+    itl_p50_ms: float | None = None
+    itl_p99_ms: float | None = None
+    e2e_p50_ms: float | None = None
+    e2e_p99_ms: float | None = None
+    requests: list[RequestResult] = Field(default_factory=list)
+    telemetry: CellTelemetry = Field(default_factory=CellTelemetry)
+
+    def key(self) -> CellKey:
+        return CellKey(
+            target=self.target,
+            input_len=self.input_len,
+            concurrency=self.concurrency,
+            repeat=self.repeat,
+        )
+
+
+class TargetCell(BaseModel):
+    """One target at one (input length, concurrency): medians over its repeats."""
+
+    target: str
+    status: CellStatus
+    repeats_ok: int
+    output_tok_s: float | None = None
+    per_stream_tok_s: float | None = None
+    req_s: float | None = None
+    ttft_p50_ms: float | None = None
+    ttft_p99_ms: float | None = None
+    tpot_p50_ms: float | None = None
+    e2e_p50_ms: float | None = None
+    variation: float | None = Field(None, description="(max - min) / median of output tok/s")
+    variable: bool = Field(False, description=f"variation above {VARIATION_FLAG:.0%}")
+    vs_first: float | None = Field(None, description="output tok/s over the first target's")
+    reason: str | None = None
+
+
+class SummaryRow(BaseModel):
+    input_len: int
+    concurrency: int
+    targets: list[TargetCell]
+    winner: str | None = None
+    ratio: float | None = Field(None, description="winner's output tok/s over the runner-up's")
+
+
+class Roofline(BaseModel):
+    """Bytes read per decode token from the safetensors headers, the measured read bandwidth,
+    and the decode ceiling they give; a missing piece says why."""
+
+    target: str
+    model_dir: str | None = None
+    bytes_per_token: int | None = None
+    parts: dict[str, int] = Field(default_factory=dict, description="bytes by part")
+    tensors: int = 0
+    bandwidth_gb_s: float | None = None
+    device: str | None = None
+    ceiling_tok_s: float | None = None
+    missing: str | None = Field(None, description="why the ceiling (or a part of it) is missing")
+    c1_share: dict[str, float] = Field(
+        default_factory=dict,
+        description="input length -> concurrency-1 per-stream tok/s as a share of the ceiling",
+    )
+
+
+class SweepStatus(BaseModel):
+    sweep_id: str
+    out_dir: str
+    state: Literal["pending", "running", "done", "stopped"]
+    worker_pid: int | None = None
+    cells_total: int
+    cells_done: int
+    cells_failed: int
+    current: str | None = None
+    requests_done: int = 0
+    requests_total: int = 0
+    elapsed_s: float | None = None
+    eta_s: float | None = Field(None, description="estimated seconds left")
+    message: str = ""
+    report: str | None = None
+
+
+class SweepResult(BaseModel):
+    """What run_sweep returns: where everything is, and the main table."""
+
+    sweep_id: str
+    out_dir: str
+    state: Literal["pending", "running", "done", "stopped"]
+    report: str | None = None
+    results_json: str | None = None
+    results_csv: str | None = None
+    plots: list[str] = Field(default_factory=list)
+    summary: list[SummaryRow] = Field(default_factory=list)
+    roofline: list[Roofline] = Field(default_factory=list)
+    failures: list[str] = Field(default_factory=list, description="target: reason, per cause")
+    table: str = Field("", description="the main table, as in REPORT.md")
+    status: SweepStatus | None = None
