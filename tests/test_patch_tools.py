@@ -455,3 +455,75 @@ def test_doctor_turing_line_skips_without_vllm(tmp_path) -> None:
     python, _ = _venv(tmp_path / "bare")
     line = _doctor_turing_line(python)
     assert line.status == "skip"
+
+
+# --- leftovers of a killed apply/revert, and files that are not vLLM's ------------------------
+
+
+def _leave_temp(folder: Path) -> Path:
+    """What kill -9 between write_atomic's write and its rename leaves: a real mkstemp file."""
+    import tempfile
+
+    fd, name = tempfile.mkstemp(prefix=f".{Path(SPEC.target).name}.", suffix=".tmp", dir=folder)
+    os.write(fd, b"half a file")
+    os.close(fd)
+    return Path(name)
+
+
+def test_stale_temp_files_are_reported_and_removed(vllm_033, gpurig_home) -> None:
+    python, target = vllm_033
+    decoys = [
+        target.parent / f".{target.name}.notmine.tmp",  # 7 characters: not mkstemp's
+        target.parent / f".{target.name}.abcdefgh.tmp.keep",
+        target.parent / "other.py.abcdefgh.tmp",
+    ]
+    for decoy in decoys:
+        decoy.write_text("not ours")
+    first = _leave_temp(target.parent)
+    report = apply_turing_patch(python, dry_run=True)  # a dry run names it, removes nothing
+    assert report.stale_temp_files == [str(first)] and first.exists()
+    report = apply_turing_patch(python)
+    assert report.stale_temp_files == [str(first)] and not first.exists()
+    backup = Path(report.backup)
+    second, third = _leave_temp(target.parent), _leave_temp(backup.parent)
+    report = verify_turing_patch(python)
+    assert sorted(report.stale_temp_files) == sorted([str(second), str(third)])
+    assert not second.exists() and not third.exists()
+    assert report.state_after == "patched"
+    fourth = _leave_temp(target.parent)
+    report = revert_turing_patch(python)
+    assert report.stale_temp_files == [str(fourth)] and not fourth.exists()
+    assert report.state_after == "stock"
+    assert verify_turing_patch(python).stale_temp_files == []
+    assert all(d.read_text() == "not ours" for d in decoys)
+
+
+def test_diff_refuses_devices_fifos_huge_and_bad_paths(tmp_path, run_gpurig) -> None:
+    from tools.turing import MAX_TARGET_BYTES, patch_diff
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    huge = tmp_path / "huge.py"
+    with open(huge, "wb") as fh:
+        fh.truncate(MAX_TARGET_BYTES + 1)  # sparse: no disk used
+    cases = [
+        ("/dev/zero", "not a regular file"),
+        (str(fifo), "not a regular file"),
+        (str(tmp_path), "is a directory"),
+        (str(huge), "at most 4,194,304 are read"),
+        ("a\x00b", "holds a NUL byte"),
+        ("x" * 5000, "5,000 characters long"),
+        ("/" + "y" * 300, "too long"),  # one component over NAME_MAX
+    ]
+    for file, text in cases:
+        with pytest.raises(InvalidInputError, match=text) as err:
+            patch_diff(file=file)
+        assert "{arg:file}" in err.value.message  # names the argument, in the caller's words
+        assert len(str(err.value)) < 400
+    for file, text in [("/dev/zero", "--file '/dev/zero' is not a regular file")] + [
+        ("x" * 5000, "the path given as --file is 5,000 characters long")
+    ]:
+        out = run_gpurig("patch", "diff", "--file", file)
+        assert out.returncode == 2, out.stderr
+        assert text in out.stderr and "Traceback" not in out.stderr
+        assert len(out.stderr) < 1000

@@ -57,15 +57,15 @@ def read_small_file(value: str, name: str, max_bytes: int) -> bytes:
             f"cannot open {arg(name)} {_shown(str(path))}: {why or exc}",
             remedy=f"pass a readable regular file as {arg(name)}",
         ) from None
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode):
+        os.close(fd)
+        kind = "a directory" if stat.S_ISDIR(info.st_mode) else "not a regular file"
+        raise InvalidInputError(
+            f"{arg(name)} {_shown(str(path))} is {kind} (a device, FIFO or socket is never read)",
+            remedy=f"pass a regular file as {arg(name)}",
+        )
     with os.fdopen(fd, "rb") as fh:
-        info = os.fstat(fh.fileno())
-        if not stat.S_ISREG(info.st_mode):
-            kind = "a directory" if stat.S_ISDIR(info.st_mode) else "not a regular file"
-            raise InvalidInputError(
-                f"{arg(name)} {_shown(str(path))} is {kind} (a device, FIFO or socket is "
-                "never read)",
-                remedy=f"pass a regular file as {arg(name)}",
-            )
         if info.st_size > max_bytes:
             raise InvalidInputError(
                 f"{arg(name)} {_shown(str(path))} is {info.st_size:,} bytes; at most "

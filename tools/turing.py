@@ -39,6 +39,7 @@ from tools.errors import InvalidInputError, NotFoundError, RefusedError, arg, ei
 from tools.fileio import write_atomic
 from tools.pathargs import check_path_text, read_small_file
 from tools.settings import state_dir
+from tools.stale_temps import find_stale, remove_stale
 from tools.vllm_locate import InstalledFile, locate_installed_file
 
 SPEC: PatchSpec = TURING_SMEM_CLAMP
@@ -69,6 +70,11 @@ class TuringPatchReport(BaseModel):
     record_sha256: str = Field(description="the file's hash in the wheel's RECORD")
     file_sha256: str = Field(description="the file's hash now (RECORD format)")
     shadowed: list[str] = Field(default_factory=list, description="other vLLM installs, unused")
+    stale_temp_files: list[str] = Field(
+        default_factory=list,
+        description="temp files an interrupted apply/revert left beside the file or its backup "
+        "(.triton_unified_attention.py.XXXXXXXX.tmp); removed now, unless dry_run",
+    )
 
     @computed_field  # type: ignore[prop-decorator]
     @property
@@ -167,6 +173,7 @@ def _report(
     after: Classification,
     changed: bool,
     dry_run: bool = False,
+    stale: list[str] | None = None,
 ) -> TuringPatchReport:
     backup = backup_path(found)
     on_disk = before if dry_run else after
@@ -187,7 +194,18 @@ def _report(
         record_sha256=found.record_sha256,
         file_sha256=after.file_sha256,
         shadowed=found.shadowed,
+        stale_temp_files=stale or [],
     )
+
+
+def _stale_temps(found: InstalledFile, dry_run: bool) -> list[str]:
+    """Find (and unless dry_run remove) temp files a killed apply/revert left beside the vLLM
+    file or its backup (tools/stale_temps.py). The caller holds `_locked()`: no gpurig write of
+    these files is in flight, so every match is stale."""
+    stale = find_stale(Path(found.path)) + find_stale(backup_path(found))
+    if not dry_run:
+        remove_stale(stale)
+    return [str(p) for p in stale]
 
 
 def _patched_bytes(found: InstalledFile, stock: bytes) -> bytes:
@@ -214,18 +232,25 @@ def _patched_bytes(found: InstalledFile, stock: bytes) -> bytes:
 def verify_turing_patch(python_bin: str | None = None) -> TuringPatchReport:
     """Is the clamp in the vLLM the serving interpreter imports? stock / patched / modified."""
     found = _locate(python_bin)
+    stale: list[str] = []
+    if find_stale(Path(found.path)) or find_stale(backup_path(found)):
+        with _locked():  # only then: verify creates nothing in the usual case
+            stale = _stale_temps(found, dry_run=False)
     state = classify(SPEC, _read(found), found.record_sha256)
-    return _report("verify", found, state, state, changed=False)
+    return _report("verify", found, state, state, changed=False, stale=stale)
 
 
 def apply_turing_patch(python_bin: str | None = None, dry_run: bool = False) -> TuringPatchReport:
     """Insert the clamp (idempotent). Refuses, leaving the file untouched, unless it is stock."""
     found = _locate(python_bin)
     with _locked():
+        stale = _stale_temps(found, dry_run)
         data = _read(found)
         before = classify(SPEC, data, found.record_sha256)
         if before.state == "patched":
-            return _report("apply", found, before, before, changed=False, dry_run=dry_run)
+            return _report(
+                "apply", found, before, before, changed=False, dry_run=dry_run, stale=stale
+            )
         if before.state == "modified":
             raise RefusedError(
                 f"{found.path} (vLLM {found.version}) was changed by someone else "
@@ -240,21 +265,24 @@ def apply_turing_patch(python_bin: str | None = None, dry_run: bool = False) -> 
                 remedy="report this to gpurig with your vLLM version",
             )
         if dry_run:
-            return _report("apply", found, before, after, changed=True, dry_run=True)
+            return _report("apply", found, before, after, changed=True, dry_run=True, stale=stale)
         _keep_backup(found, data)
         _write(found, data, patched)
         final = classify(SPEC, _read(found), found.record_sha256)
-    return _report("apply", found, before, final, changed=True)
+    return _report("apply", found, before, final, changed=True, stale=stale)
 
 
 def revert_turing_patch(python_bin: str | None = None, dry_run: bool = False) -> TuringPatchReport:
     """Restore the stock file (its RECORD hash matches again). Stock already: nothing to do."""
     found = _locate(python_bin)
     with _locked():
+        stale = _stale_temps(found, dry_run)
         data = _read(found)
         before = classify(SPEC, data, found.record_sha256)
         if before.state == "stock":
-            return _report("revert", found, before, before, changed=False, dry_run=dry_run)
+            return _report(
+                "revert", found, before, before, changed=False, dry_run=dry_run, stale=stale
+            )
         if before.state == "modified":
             backup = backup_path(found)
             kept = f"; the stock bytes are kept at {backup}" if backup.is_file() else ""
@@ -268,11 +296,11 @@ def revert_turing_patch(python_bin: str | None = None, dry_run: bool = False) ->
         stock = stock_text.encode("utf-8")
         after = classify(SPEC, stock, found.record_sha256)
         if dry_run:
-            return _report("revert", found, before, after, changed=True, dry_run=True)
+            return _report("revert", found, before, after, changed=True, dry_run=True, stale=stale)
         _keep_backup(found, stock)
         _write(found, data, stock)
         final = classify(SPEC, _read(found), found.record_sha256)
-    return _report("revert", found, before, final, changed=True)
+    return _report("revert", found, before, final, changed=True, stale=stale)
 
 
 def patch_diff(
