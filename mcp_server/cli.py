@@ -16,7 +16,13 @@ from mcp_server.output import report_error
 from tools.errors import GpurigError
 
 # Each module has `register(subparsers)` adding its subcommands.
-TOP_LEVEL_MODULES = ["mcp_server.cli_host", "mcp_server.cli_patch", "mcp_server.cli_serve"]
+TOP_LEVEL_MODULES = [
+    "mcp_server.cli_host",
+    "mcp_server.cli_patch",
+    "mcp_server.cli_serve",
+    "mcp_server.cli_sweep",
+    "mcp_server.cli_demo",
+]
 # Modules adding subcommands under `gpurig engine ...`.
 ENGINE_MODULES = ["mcp_server.cli_engine", "mcp_server.cli_engine_serve"]
 

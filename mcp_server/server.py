@@ -32,7 +32,12 @@ INSTRUCTIONS = (
 )
 
 # Modules with `register(mcp)`, in the order their tools appear.
-TOOL_MODULES = ["mcp_server.mcp_host", "mcp_server.mcp_patch", "mcp_server.mcp_serve"]
+TOOL_MODULES = [
+    "mcp_server.mcp_host",
+    "mcp_server.mcp_patch",
+    "mcp_server.mcp_serve",
+    "mcp_server.mcp_sweep",
+]
 
 mcp: GpurigMCP = GpurigMCP("gpurig", instructions=INSTRUCTIONS, log_level="WARNING")
 

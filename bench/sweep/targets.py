@@ -153,7 +153,7 @@ def start_server(target: Target, sweep_id: str) -> tuple[Any, str | None]:
     except ImportError as exc:
         return None, f"cannot start servers: tools.serving is not available ({exc})"
     spec = dict(target.server or {})
-    spec.setdefault("name", f"{sweep_id}-{target.label}")
+    spec.setdefault("name", f"{sweep_id}-{target.label}"[:64])
     spec.setdefault("port", _free_port())
     spec.setdefault("wait", True)
     try:

@@ -1,0 +1,56 @@
+"""`gpurig demo`: the whole product on an embedded default, in about two minutes on a CPU.
+
+Writes two random-weight checkpoints (the engine's `tiny` and `small` presets: two "builds" to
+compare), then runs a small sweep in which the sweep itself starts each as an engine server on
+a free loopback port through the lifecycle tools, measures it, and stops it: identical prompts,
+input 32 and 128 tokens, concurrency 1 and 2, two repeats, 16 output tokens. Returns the sweep's
+result (report path and main table).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from bench.sweep.models import SweepResult
+from bench.sweep.run import Progress, run_sweep
+from tools.settings import state_dir
+
+PRESETS = ("tiny", "small")
+DEMO_PLAN = {
+    "input_lens": [32, 128],
+    "output_len": 16,
+    "concurrency": [1, 2],
+    "repeats": 2,
+}
+
+
+def demo_checkpoints(root: Path) -> dict[str, Path]:
+    """The demo's checkpoints under `root`, written once (a few seconds) and reused."""
+    from engine.checkpoint_maker import make_checkpoint
+
+    out = {}
+    for preset in PRESETS:
+        path = root / preset
+        if not (path / "config.json").is_file() or not list(path.glob("*.safetensors")):
+            make_checkpoint(path, preset=preset, seed=0)
+        out[preset] = path
+    return out
+
+
+def run_demo(
+    work_dir: str | None = None,
+    progress: Progress | None = None,
+    device: str | None = None,
+    out_dir: str | None = None,
+) -> SweepResult:
+    """Checkpoints in `work_dir` (default: the state directory's demo/), the sweep in
+    `out_dir` (default: a new directory under the state directory's sweeps/)."""
+    root = Path(work_dir).expanduser() if work_dir else state_dir() / "demo"
+    checkpoints = demo_checkpoints(root / "checkpoints")
+    targets = []
+    for preset, path in checkpoints.items():
+        server = {"model": str(path), "backend": "engine", "timeout_s": 300}
+        if device:
+            server["device"] = device
+        targets.append({"label": f"engine-{preset}", "server": server})
+    return run_sweep(targets=targets, out_dir=out_dir, progress=progress, **DEMO_PLAN)
