@@ -1,12 +1,25 @@
 """`gpurig engine serve`: the engine behind an OpenAI-compatible HTTP API (uvicorn + starlette).
 
-A thin front door: it checks the port, loads the checkpoint with `engine.load`, and runs
-`engine.server.create_app` under uvicorn. Nothing heavy is imported until the command runs.
+A thin front door: it checks its arguments, the model path and the bind address (before torch is
+imported, so mistakes cost nothing), sets the CPU thread count, loads the checkpoint with
+`engine.load`, and runs `engine.server.create_app` under uvicorn.
+
+Threads: torch's default is one thread per core, each spinning at a barrier after every op. A
+batch-1 decode runs hundreds of small ops per token, so as soon as one core is busy with anything
+else (the server's own event loop, a tokenising request, another process) every op waits for the
+descheduled thread: on a shared 2-core machine 5.9 tok/s, against 45 with one thread. The default
+is half the CPUs this process may run on (at least 1, at most 8), which leaves room for the
+server's own work; decode at batch 1 is bound by memory bandwidth and gains little from more
+threads. OMP_NUM_THREADS, when set, is respected; --threads overrides both.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
+import ipaddress
+import os
+import re
 import socket
 import sys
 
@@ -14,6 +27,19 @@ from tools.errors import GpurigError, InvalidInputError, NotFoundError, RefusedE
 
 DEFAULT_PORT = 8100
 DEFAULT_MAX_CTX = 131072
+DEFAULT_MAX_TOKENS_LIMIT = 4096  # engine.server.limits.DEFAULT_MAX_TOKENS_LIMIT (not imported:
+DEFAULT_MAX_BODY_MIB = 8  # engine.server pulls in starlette; this module stays light)
+API_KEY_ENV = "GPURIG_ENGINE_API_KEY"
+MAX_DEFAULT_THREADS = 8
+
+
+def default_threads() -> int:
+    """Half the CPUs this process may use, 1..8 (see the module docstring)."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    return max(1, min(MAX_DEFAULT_THREADS, cpus // 2))
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -22,21 +48,56 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="serve a checkpoint over an OpenAI-compatible API (/v1/chat/completions, ...)",
         description=(
             "Serve a Gemma 4 W4A16 checkpoint: POST /v1/chat/completions and /v1/completions "
-            "(streaming, tools), GET /v1/models, /health and /metrics. One generation at a time "
-            "behind a FIFO queue."
+            "(streaming, tools), GET /v1/models, /health, /metrics and /openapi.json. One "
+            "generation at a time behind a FIFO queue."
         ),
     )
     p.add_argument("--model", required=True, help="checkpoint directory")
-    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    p.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="bind address (default 127.0.0.1: this machine only; 0.0.0.0 opens it to the "
+        "network, use --api-key then)",
+    )
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})")
     p.add_argument(
+        "--max-context",
         "--max-ctx",
+        dest="max_context",
         type=int,
         default=DEFAULT_MAX_CTX,
-        help=f"context length in tokens (default {DEFAULT_MAX_CTX}, "
-        "capped at the model's max_position_embeddings)",
+        help=f"context length in tokens (default {DEFAULT_MAX_CTX}, capped at the model's "
+        "max_position_embeddings; --max-ctx is an alias)",
     )
     p.add_argument("--device", default=None, help="cuda, cuda:1 or cpu (default: cuda if present)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="CPU threads for torch (default: OMP_NUM_THREADS if set, else half the usable "
+        f"CPUs, 1..{MAX_DEFAULT_THREADS}: {default_threads()} here)",
+    )
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help=f"require 'Authorization: Bearer KEY' on /v1/* (default: ${API_KEY_ENV}; "
+        "/health and /metrics stay open)",
+    )
+    p.add_argument(
+        "--max-tokens-limit",
+        type=int,
+        default=DEFAULT_MAX_TOKENS_LIMIT,
+        help=f"most tokens one request may generate (default {DEFAULT_MAX_TOKENS_LIMIT}; 0: up "
+        "to the context); a request asking more, or nothing, is cut to it and its reply says so "
+        "(header X-Gpurig-Max-Tokens-Capped, field max_tokens_capped)",
+    )
+    p.add_argument(
+        "--max-body-mib",
+        type=float,
+        default=DEFAULT_MAX_BODY_MIB,
+        help=f"largest request body in MiB (default {DEFAULT_MAX_BODY_MIB}; bodies that cannot "
+        "fit the context are refused below it)",
+    )
     p.add_argument(
         "--model-name", default=None, help="name clients use in 'model' (default: directory name)"
     )
@@ -52,20 +113,72 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_serve)
 
 
-def _check_port(host: str, port: int) -> None:
+_BIND_REMEDY = (
+    "use 127.0.0.1 (this machine only), 0.0.0.0 (every interface) or an address of this machine"
+)
+
+
+def check_bind(host: str, port: int) -> bool:
+    """Refuse an address or port the server could not listen on, saying which is wrong; True
+    when every address `host` stands for is a loopback one."""
     if not 0 < port < 65536:
         raise InvalidInputError(f"port {port} is out of range", "use a port between 1 and 65535")
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+    if re.fullmatch(r"[0-9.]+", host):  # looks like IPv4: never ask DNS about it
+        try:
+            ipaddress.IPv4Address(host)
+        except ValueError:
+            raise InvalidInputError(
+                f"--host {host} is not a valid IPv4 address", _BIND_REMEDY
+            ) from None
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (socket.gaierror, UnicodeError) as exc:
+        raise InvalidInputError(
+            f"--host {host}: cannot resolve it ({getattr(exc, 'strerror', None) or exc})",
+            f"check the name, or {_BIND_REMEDY}",
+        ) from None
+    family, _, _, _, address = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as s:
         # as uvicorn binds: connections of a server just stopped (TIME_WAIT) do not count,
         # a socket listening on the port does
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            s.bind((host, port))
+            s.bind(address)
         except OSError as exc:
-            raise RefusedError(
-                f"cannot listen on {host}:{port}: {exc.strerror or exc}",
-                "pick a free port with --port, or stop what is using this one",
-            ) from None
+            raise _bind_error(host, port, exc) from None
+    return all(ipaddress.ip_address(info[4][0].split("%")[0]).is_loopback for info in infos)
+
+
+def _bind_error(host: str, port: int, exc: OSError) -> GpurigError:
+    where = f"cannot listen on {host}:{port}"
+    if exc.errno == errno.EADDRINUSE:
+        return RefusedError(
+            f"{where}: the port is in use",
+            "pick a free port with --port, or stop what is using this one",
+        )
+    if exc.errno == errno.EADDRNOTAVAIL:
+        return InvalidInputError(f"{where}: {host} is not an address of this machine", _BIND_REMEDY)
+    if exc.errno == errno.EACCES:
+        return RefusedError(
+            f"{where}: ports below 1024 need root",
+            f"use a port of 1024 or more (default {DEFAULT_PORT})",
+        )
+    return RefusedError(f"{where}: {exc.strerror or exc}", _BIND_REMEDY)
+
+
+def _exposure_warning(host: str, port: int, api_key: str | None) -> str:
+    if api_key:
+        return (
+            f"gpurig engine: note: listening on {host}:{port}, reachable beyond this machine. "
+            "/v1 needs the API key; /health and /metrics are open; traffic is plain HTTP (put "
+            "TLS in front, or tunnel over ssh).\n"
+        )
+    return (
+        f"gpurig engine: WARNING: listening on {host}:{port}, reachable beyond this machine, "
+        "WITHOUT an API key: anyone who reaches this port can use the model. Pass --api-key KEY "
+        f"(or set {API_KEY_ENV}), or keep --host 127.0.0.1 and tunnel "
+        f"(ssh -L {port}:127.0.0.1:{port} THIS_HOST).\n"
+    )
 
 
 def _engine_error(exc: Exception) -> GpurigError:
@@ -73,6 +186,33 @@ def _engine_error(exc: Exception) -> GpurigError:
 
     cls = NotFoundError if isinstance(exc, CheckpointError) else InvalidInputError
     return cls(getattr(exc, "message", str(exc)), getattr(exc, "remedy", None))
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    if args.max_context < 1:
+        raise InvalidInputError(
+            f"--max-context {args.max_context} must be at least 1", "use e.g. 8192"
+        )
+    if args.threads is not None and args.threads < 1:
+        raise InvalidInputError(
+            f"--threads {args.threads} must be at least 1", f"use e.g. {default_threads()}"
+        )
+    if args.max_tokens_limit < 0:
+        raise InvalidInputError(
+            f"--max-tokens-limit {args.max_tokens_limit} is negative",
+            f"use e.g. {DEFAULT_MAX_TOKENS_LIMIT}, or 0 for no limit",
+        )
+    if not 0 < args.max_body_mib <= 1024:
+        raise InvalidInputError(
+            f"--max-body-mib {args.max_body_mib} is out of range", "use 1 to 1024 (default 8)"
+        )
+
+
+def _threads(args: argparse.Namespace) -> int | None:
+    """The thread count to set, or None to leave torch's (OMP_NUM_THREADS, set by the user)."""
+    if args.threads is not None:
+        return args.threads
+    return None if os.environ.get("OMP_NUM_THREADS") else default_threads()
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -83,20 +223,27 @@ def _serve(args: argparse.Namespace) -> int:
         raise NotFoundError(
             f"{model_dir} is not a directory", "pass a checkpoint directory to --model"
         )
-    if args.max_ctx < 1:
-        raise InvalidInputError(f"--max-ctx {args.max_ctx} must be at least 1", "use e.g. 8192")
-    _check_port(args.host, args.port)
+    _check_args(args)
+    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    if not check_bind(args.host, args.port):
+        sys.stderr.write(_exposure_warning(args.host, args.port, api_key))
+        sys.stderr.flush()
 
+    import torch
     import uvicorn
 
     import engine
     from engine.config import load_config
     from engine.errors import EngineError
     from engine.server import create_app
+    from engine.server.limits import ServerOptions
 
+    threads = _threads(args)
+    if threads is not None:
+        torch.set_num_threads(threads)
     try:
         limit = load_config(model_dir).max_position_embeddings
-        max_ctx = min(args.max_ctx, limit)
+        max_ctx = min(args.max_context, limit)
         eng = engine.load(model_dir, device=args.device, max_context=max_ctx)
     except EngineError as exc:
         raise _engine_error(exc) from None
@@ -113,11 +260,18 @@ def _serve(args: argparse.Namespace) -> int:
         sys.stderr.write(f"gpurig engine: warmed up in {time.perf_counter() - t0:.2f} s\n")
     name = args.model_name or eng.model_name
     aliases = (str(args.model), str(model_dir), str(model_dir.resolve()))
-    app = create_app(eng, model_name=name, aliases=aliases)
-    capped = f" (capped from {args.max_ctx})" if max_ctx < args.max_ctx else ""
+    options = ServerOptions(
+        api_key=api_key,
+        max_tokens_limit=args.max_tokens_limit or None,
+        max_body_bytes=int(args.max_body_mib * 1024 * 1024),
+    )
+    app = create_app(eng, model_name=name, aliases=aliases, options=options)
+    capped = f" (capped from {args.max_context})" if max_ctx < args.max_context else ""
+    cap = args.max_tokens_limit or "none"
     sys.stderr.write(
         f"gpurig engine: serving '{name}' on http://{args.host}:{args.port}/v1 "
-        f"(device {eng.device}, context {eng.max_context}{capped})\n"
+        f"(device {eng.device}, context {eng.max_context}{capped}, {torch.get_num_threads()} "
+        f"CPU threads, max_tokens limit {cap}, API key {'on' if api_key else 'off'})\n"
     )
     sys.stderr.flush()
     uvicorn.run(
