@@ -56,10 +56,20 @@ def _port(text: str) -> int:
 
 
 def _run_mcp(args: argparse.Namespace) -> int:
+    sock = None
+    if args.transport == "streamable-http":  # a bad host or a taken port fails at once,
+        from mcp_server.mcp_http import bind, check_host  # before seconds of importing tools
+
+        check_host(args.host, args.port, args.allow_remote)
+        sock = bind(args.host, args.port)
     from mcp_server.server import serve
 
     serve(
-        transport=args.transport, host=args.host, port=args.port, allow_remote=args.allow_remote
+        transport=args.transport,
+        host=args.host,
+        port=args.port,
+        allow_remote=args.allow_remote,
+        sock=sock,
     )
     return 0
 

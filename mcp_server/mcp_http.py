@@ -93,13 +93,16 @@ def url_for(host: str, port: int) -> str:
     return f"http://{shown}:{port}/mcp"
 
 
-def serve_http(server, host: str, port: int, allow_remote: bool = False) -> None:
-    """Serve `server` (an MCPServer) over streamable HTTP on host:port until interrupted."""
+def serve_http(
+    server, host: str, port: int, allow_remote: bool = False, sock: socket.socket | None = None
+) -> None:
+    """Serve `server` (an MCPServer) over streamable HTTP on host:port until interrupted;
+    `sock` is the listening socket when the caller bound it already (the CLI does, early)."""
     import anyio
     import uvicorn
 
     check_host(host, port, allow_remote)
-    sock = bind(host, port)
+    sock = sock or bind(host, port)
     app = server.streamable_http_app(host=host)
     config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5)
     uv = uvicorn.Server(config)

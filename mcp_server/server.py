@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import socket
 import sys
 from pathlib import Path
 
@@ -51,15 +52,17 @@ def serve(
     host: str = "127.0.0.1",
     port: int = 8765,
     allow_remote: bool = False,
+    sock: socket.socket | None = None,
 ) -> None:
-    """Run the server on stdio or streamable HTTP (loopback unless allow_remote)."""
+    """Run the server on stdio or streamable HTTP (loopback unless allow_remote; `sock`: a
+    socket the caller already bound to host:port)."""
     logging.basicConfig(stream=sys.stderr, level=logging.WARNING)
     if transport == "stdio":
         mcp.run("stdio")
     else:
         from mcp_server.mcp_http import serve_http
 
-        serve_http(mcp, host=host, port=port, allow_remote=allow_remote)
+        serve_http(mcp, host=host, port=port, allow_remote=allow_remote, sock=sock)
 
 
 if __name__ == "__main__":
