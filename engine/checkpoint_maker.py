@@ -364,6 +364,7 @@ def make_checkpoint(
                 writer.add_all(quant.convert(name, w))
             else:
                 quant.parameters += w.numel()
+                quant.plain += _is_linear(name)  # every linear stays 16-bit here
                 writer.add(name, w)
         if quantized:
             cfg["quantization_config"] = quantization_config(quant.ignore)

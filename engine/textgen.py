@@ -21,6 +21,7 @@ class GenerationResult(BaseModel):
 
     model: str
     device: str
+    cpu_threads: int | None = None  # torch's CPU threads, on the CPU (the speed depends on it)
     prompt_tokens: int
     new_tokens: int
     finish_reason: str | None
@@ -101,6 +102,7 @@ def generate_text(
     return GenerationResult(
         model=engine.model_name,
         device=str(engine.device),
+        cpu_threads=_cpu_threads(engine),
         prompt_tokens=len(ids),
         new_tokens=len(out),
         finish_reason=engine.last_finish_reason,
@@ -112,6 +114,14 @@ def generate_text(
         weight_bytes_per_token=bytes_per_token,
         effective_gb_per_s=round(bytes_per_token * decode_rate / 1e9, 3) if decode_rate else None,
     )
+
+
+def _cpu_threads(engine: Engine) -> int | None:
+    if engine.device.type != "cpu":
+        return None
+    import torch
+
+    return torch.get_num_threads()
 
 
 def _sync(engine: Engine) -> None:

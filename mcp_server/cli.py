@@ -80,6 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Get a small LLM served, fast and verified, on the GPU you have.",
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log debug output to stderr")
+    parser.add_argument("--version", action="version", version=f"gpurig {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     _register_mcp(sub)
     for name in TOP_LEVEL_MODULES:
@@ -89,6 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     engine.set_defaults(func=lambda _a: (engine.print_help(), 2)[1])
     for name in ENGINE_MODULES:
         _load(name).register(engine_sub)
+    _mark_parsers(parser)
     return parser
 
 
@@ -96,9 +98,32 @@ def _load(name: str):
     return importlib.import_module(name)
 
 
+def _version() -> str:
+    """The installed distribution's version (pyproject.toml's), without importing anything big."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("gpurig")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown (not installed: pip install -e .)"
+
+
+def _mark_parsers(parser: argparse.ArgumentParser) -> None:
+    """Record in every (sub)parser's defaults which parser it is. The deepest subcommand's
+    defaults win, so after parsing `args._parser` is the parser that should report a stray
+    argument: `gpurig doctor --bogus` then shows doctor's usage, not the top-level one."""
+    parser.set_defaults(_parser=parser)
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in set(action.choices.values()):
+                _mark_parsers(sub)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # reported by the subcommand that was given them (exit 2, its usage)
+        getattr(args, "_parser", parser).error(f"unrecognized arguments: {' '.join(extra)}")
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.WARNING,
         stream=sys.stderr,
@@ -111,7 +136,8 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except GpurigError as err:
         return report_error(err)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # Ctrl-C: the shell's convention, 128 + SIGINT, no traceback
+        sys.stderr.write("gpurig: interrupted\n")
         return 130
 
 

@@ -1,14 +1,18 @@
 """`gpurig engine make-checkpoint | quantize | generate | memory`: the engine core's CLI face.
 
 Thin: each command calls one engine function and prints its pydantic result (table or --json).
-Nothing heavy at import time; engine errors become GpurigErrors (message + what to do, exit 2).
+Nothing heavy at import time, and every path is checked before torch is imported (2 s on a cold
+cache): a mistyped --model fails at once. Engine errors become GpurigErrors (message + what to
+do, exit 2).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from mcp_server.output import kv_table, print_result
@@ -25,7 +29,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--preset", choices=["tiny", "small", "e2b"], default="tiny")
     p.add_argument("--out", required=True, help="new directory to write")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="random seed of the weights (default 0)")
     p.add_argument("--emb4", action="store_true", help="store the embedding tables in 4-bit too")
     p.add_argument("--unquantized", action="store_true", help="write plain bf16 weights instead")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
@@ -53,7 +57,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="raw prompt text (bos is prepended, no chat template)")
     src.add_argument("--chat", help="one user message, rendered with the chat template")
-    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--max-tokens", type=_count, default=128, help="new tokens at most (128)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-k", type=int)
     p.add_argument("--top-p", type=float)
@@ -74,9 +78,120 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def _add_load_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", help="cuda, cuda:1 or cpu (default: cuda when present)")
-    p.add_argument("--max-context", type=int, help="KV cache positions (default: the model's)")
-    p.add_argument("--prefill-chunk", type=int, help="prompt tokens per forward pass (default 256)")
-    p.add_argument("--memory-cap-mib", type=int, help="cap this process's CUDA memory (MiB)")
+    p.add_argument(
+        "--max-context",
+        "--max-ctx",
+        dest="max_context",
+        type=_positive,
+        metavar="N",
+        help="KV cache positions (default and most: the model's max_position_embeddings; "
+        "more is capped to it, with a note)",
+    )
+    p.add_argument(
+        "--prefill-chunk", type=_positive, help="prompt tokens per forward pass (default 256)"
+    )
+    p.add_argument("--memory-cap-mib", type=_positive, help="cap this process's CUDA memory (MiB)")
+    p.add_argument(
+        "--threads",
+        type=_positive,
+        metavar="N",
+        help="CPU threads for torch (default: the idle cores this process may run on, at "
+        "least 1; oversubscribed cores make the decode crawl)",
+    )
+
+
+def _positive(text: str) -> int:
+    return _int_at_least(text, 1)
+
+
+def _count(text: str) -> int:
+    return _int_at_least(text, 0)
+
+
+def _int_at_least(text: str, low: int) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = low - 1
+    if value < low:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number >= {low}")
+    return value
+
+
+def default_threads() -> int:
+    """torch's CPU threads unless --threads says otherwise: the cores this process may run on
+    (its affinity, which containers and taskset narrow; at most the physical cores, since
+    hyperthreads share one core's FPUs) less those already busy (the 1-minute load average,
+    scaled to our share of the CPUs), and at least 1.
+
+    Why not torch's default (every core): its OpenMP threads wait for each other at every small
+    matmul of a decode step, so one busy core stalls all of them. Measured on 2 shared cores,
+    small preset: 31.9 tok/s with 1 thread against 0.6 with 2 while one other process spun;
+    on idle cores 2 threads gain little (27-31 vs 32 tok/s)."""
+    import psutil
+
+    total = os.cpu_count() or 1
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        usable = total
+    cores = max(1, min(usable, psutil.cpu_count(logical=False) or usable))
+    try:
+        busy = os.getloadavg()[0] * usable / total
+    except OSError:
+        busy = 0.0
+    return max(1, min(cores, round(cores - busy)))
+
+
+def set_threads(threads: int | None) -> int:
+    """Set torch's CPU thread count (None: default_threads()); returns the number set.
+    Shared with `gpurig engine serve`, whose decode runs on the same kind of CPU."""
+    import torch
+
+    n = default_threads() if threads is None else threads
+    torch.set_num_threads(n)
+    return n
+
+
+def _check_model_dir(
+    path: str, flag: str, maker: str = "`gpurig engine make-checkpoint --out DIR`"
+) -> Path:
+    """A checkpoint directory with a readable config.json and tokenizer.json, checked without
+    torch; returns it. Anything wrong is a NotFoundError naming the flag (exit 2)."""
+    model_dir = Path(path).expanduser()
+    if not model_dir.is_dir():
+        what = "does not exist" if not model_dir.exists() else "is not a directory"
+        raise NotFoundError(
+            f"{flag} {path}: {what}",
+            f"pass a checkpoint directory to {flag} (make one with {maker})",
+        )
+    for name in ("config.json", "tokenizer.json"):
+        if not (model_dir / name).is_file():
+            raise NotFoundError(
+                f"{flag} {path}: {model_dir / name} does not exist",
+                f"pass a checkpoint directory holding config.json and tokenizer.json to {flag}",
+            )
+    return model_dir
+
+
+def _check_out_dir(path: str, flag: str) -> None:
+    """A directory that make-checkpoint / quantize may create: new or empty, its nearest
+    existing parent writable. Checked before torch loads, so a bad path costs no 2 s."""
+    out = Path(path).expanduser()
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        what = "is not empty" if out.is_dir() else "is a file"
+        raise RefusedError(
+            f"{flag} {path} already exists and {what}",
+            f"choose a new directory for {flag}, or remove the old one first",
+        )
+    parent = out.absolute().parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        raise RefusedError(
+            f"{flag} {path}: cannot create it ({parent} is not a writable directory)",
+            f"choose a directory you can write to for {flag}",
+        )
 
 
 def _call(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -94,13 +209,28 @@ def _call(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
 
 
 def _load(args: argparse.Namespace):
+    """Check the checkpoint (no torch yet), cap --max-context at the model's limit with a note
+    (as `engine serve` does), set the CPU threads, then load."""
+    from engine.config import load_config  # json only: no torch
+
+    model_dir = _check_model_dir(args.model, "--model")
+    limit = _call(load_config, model_dir).max_position_embeddings
+    max_context = args.max_context
+    if max_context is not None and max_context > limit:
+        sys.stderr.write(
+            f"gpurig: note: --max-context {max_context} is more than this model's "
+            f"{limit:,} positions (max_position_embeddings); using {limit}\n"
+        )
+        max_context = limit
+    set_threads(args.threads)
+
     import engine
 
     return _call(
         engine.load,
-        args.model,
+        model_dir,
         device=args.device,
-        max_context=args.max_context,
+        max_context=max_context,
         memory_cap_mib=args.memory_cap_mib,
         prefill_chunk=args.prefill_chunk,
     )
@@ -122,6 +252,7 @@ def _render_info(r) -> str:
 
 
 def _run_make(args: argparse.Namespace) -> int:
+    _check_out_dir(args.out, "--out")
     from engine.checkpoint_maker import make_checkpoint
 
     info = _call(
@@ -137,6 +268,17 @@ def _run_make(args: argparse.Namespace) -> int:
 
 
 def _run_quantize(args: argparse.Namespace) -> int:
+    from engine.config import parse_config, read_config_json  # json only: no torch
+
+    in_dir = _check_model_dir(args.in_dir, "--in", "`gpurig engine make-checkpoint --unquantized`")
+    raw = _call(read_config_json, in_dir)
+    _call(parse_config, raw)  # a Gemma 4 config, or exit 2 now
+    if raw.get("quantization_config") or (raw.get("text_config") or {}).get("quantization_config"):
+        raise RefusedError(
+            f"--in {args.in_dir} is already quantized (config.json has a quantization_config)",
+            "pass a 16-bit checkpoint to --in",
+        )
+    _check_out_dir(args.out, "--out")
     from engine.checkpoint_maker import quantize_checkpoint
 
     info = _call(quantize_checkpoint, args.in_dir, args.out, emb4=args.emb4)
@@ -145,9 +287,8 @@ def _run_quantize(args: argparse.Namespace) -> int:
 
 
 def _run_generate(args: argparse.Namespace) -> int:
+    eng = _load(args)  # checks the paths before torch is imported
     from engine.textgen import generate_text
-
-    eng = _load(args)
 
     def show(piece: str) -> None:  # the reply as it is made (not with --json)
         sys.stdout.write(piece)
@@ -166,24 +307,40 @@ def _run_generate(args: argparse.Namespace) -> int:
         seed=args.seed,
     )
 
-    def render(r) -> str:
-        speed = kv_table(
-            [
-                ("model", f"{r.model} on {r.device}"),
-                (
-                    "prompt",
-                    f"{r.prompt_tokens} tokens in {r.prefill_seconds:.3f} s ({r.prefill_tokens_per_s} tok/s)",
-                ),
-                ("reply", f"{r.new_tokens} tokens, finish: {r.finish_reason}"),
-                ("decode", f"{r.decode_tokens_per_s} tok/s over {r.decode_seconds:.3f} s"),
-                ("weights read per token", f"{r.weight_bytes_per_token / 2**20:.1f} MiB"),
-                ("bandwidth achieved", f"{r.effective_gb_per_s} GB/s"),
-            ]
-        )
-        return f"\n\n{speed}"  # the text was shown as it came
-
-    print_result(result, args.json, render)
+    print_result(result, args.json, render_generation)
     return 0
+
+
+def _threads(n: int | None) -> str:
+    return "" if n is None else f" ({n} thread{'' if n == 1 else 's'}; --threads)"
+
+
+def render_generation(r) -> str:  # r: engine.textgen.GenerationResult
+    """The speed report under the streamed reply. With fewer than two new tokens there is no
+    decode step to time: say so instead of printing "None tok/s"."""
+    if r.decode_tokens_per_s is None:
+        decode = (
+            f"not timed: {r.new_tokens} new token{'' if r.new_tokens == 1 else 's'} "
+            "(the first comes from reading the prompt; decode speed needs 2 or more)"
+        )
+        bandwidth = "not timed (no decode steps)"
+    else:
+        decode = f"{r.decode_tokens_per_s} tok/s over {r.decode_seconds:.3f} s"
+        bandwidth = f"{r.effective_gb_per_s} GB/s"
+    prompt = f"{r.prompt_tokens} tokens"
+    if r.new_tokens:
+        prompt += f" in {r.prefill_seconds:.3f} s ({r.prefill_tokens_per_s} tok/s)"
+    speed = kv_table(
+        [
+            ("model", f"{r.model} on {r.device}" + _threads(r.cpu_threads)),
+            ("prompt", prompt),
+            ("reply", f"{r.new_tokens} tokens, finish: {r.finish_reason}"),
+            ("decode", decode),
+            ("weights read per token", f"{r.weight_bytes_per_token / 2**20:.1f} MiB"),
+            ("bandwidth achieved", bandwidth),
+        ]
+    )
+    return f"\n\n{speed}"  # the text was shown as it came
 
 
 def _run_memory(args: argparse.Namespace) -> int:

@@ -1,13 +1,13 @@
 """check_host_capacity: will the weights fit on this host's disks and in its memory?
 
-A single `df /` gives the wrong answer on a real cloud VM: in the seed, / had 8.1 GiB free,
+A single `df /` gives the wrong answer on a real cloud VM: on a T4 VM we served from, / had 8.1 GiB free,
 /tmp was its own 3.9 GB filesystem, and ~/.cache was a symlink onto a 245 GiB /opt1. So every
 target path is measured on its own: symlinks followed, the filesystem that really holds it
 found (a path that does not exist yet is measured at its nearest existing parent), and paths
 that share a filesystem grouped, since they share its free space.
 
 The advice rules are written down below (`RULES`), each a pure function over the measurements,
-so a reader finds why an advice fired and a test can replay the seed's host.
+so a reader finds why an advice fired and a test can replay that VM.
 
 Fast by design (well under a second): statvfs, /proc/mounts, psutil counters, and NVML's GPU
 count only if it answers within half a second.
@@ -31,21 +31,21 @@ from tools.settings import hf_cache_dir
 GIB = 2**30
 
 # ---------------------------------------------------------------------------------------------
-# The numbers behind the rules (Gemma 4 E2B, from the seeds; docs/vllm.md)
+# The numbers behind the rules (Gemma 4 E2B, measured on that VM; docs/vllm.md)
 
 # The bf16 Gemma 4 E2B checkpoint is one 10,246,621,918-byte model.safetensors (9.54 GiB); the
 # QAT w4a16 build is smaller. When need_gib is not given, this is what must fit in the HF cache.
 DEFAULT_WEIGHTS_GIB = 10.0
-# vLLM stages weights through host memory. The seed's 7.26 GiB host (no swap) was OOM-killed
+# vLLM stages weights through host memory. A 7.26 GiB host (no swap) was OOM-killed
 # loading those 9.54 GiB; with a 16 GiB swapfile, swap peaked at 6.6 GiB (bf16), so staging used
 # about 7.26 + 6.6 = 13.9 GiB of RAM + swap: 1.46x the weights. We ask for 1.5x.
 STAGING_FACTOR = 1.5
-# Head-room added to a swapfile's size, then rounded up to a multiple of SWAP_STEP_GIB (the seed's
+# Head-room added to a swapfile's size, then rounded up to a multiple of SWAP_STEP_GIB (that
 # host gets 12 GiB; it used 6.6 GiB of the 16 GiB it had).
 SWAP_MARGIN_GIB = 4.0
 SWAP_STEP_GIB = 4
 # /tmp on its own filesystem smaller than this fills up with pip builds, wheels being unpacked
-# and compiler caches (the seed's /tmp: 3.9 GB).
+# and compiler caches (that VM's /tmp: 3.9 GB).
 TMP_SMALL_GIB = 8.0
 # Filesystems a swapfile cannot live on.
 NO_SWAPFILE_FSTYPES = {"tmpfs", "ramfs", "devtmpfs", "overlay", "squashfs", "nfs", "nfs4", "cifs"}
@@ -273,7 +273,7 @@ def staging_need_gib(need_gib: float | None) -> float:
 
 
 def swapfile_commands(size_gib: int, swapfile: str) -> list[str]:
-    """The exact commands for a persistent swapfile (as the seed's host needed)."""
+    """The exact commands for a persistent swapfile (what the OOM-killed 7.3 GiB host needed)."""
     return [
         f"sudo fallocate -l {size_gib}G {swapfile}",
         f"sudo chmod 600 {swapfile}",
@@ -317,7 +317,7 @@ def rule_memory_staging(f: Facts) -> Advice:
     why = (
         f"RAM {ram:.1f} GiB + swap {swap:.1f} GiB is less than the {need:.1f} GiB needed to "
         f"stage {what} ({STAGING_FACTOR}x the weights); vLLM gets OOM-killed while loading "
-        f"(the seed's 7.3 GiB host died this way; a swapfile fixed it)"
+        f"(a 7.3 GiB host without swap was OOM-killed loading it; a swapfile fixed it)"
     )
     if swapfile is None:
         return Advice(
@@ -358,7 +358,8 @@ def rule_disk_space(f: Facts) -> Advice:
     lines = ", ".join(
         f"{p.path} ({p.free_bytes / GIB:.1f} GiB free on {p.mount_point})" for p in short
     )
-    commands = [f"df -h {' '.join(p.measured_at for p in short)}"]
+    # one df argument per place measured: ~/.cache and a not-yet-made HF cache share one
+    commands = [f"df -h {' '.join(dict.fromkeys(p.measured_at for p in short))}"]
     if biggest.free_bytes >= need * GIB:
         target = Path(biggest.mount_point) / "huggingface"
         commands += [f"mkdir -p {target}", f"export HF_HOME={target}"]
