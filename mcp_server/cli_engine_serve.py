@@ -229,21 +229,26 @@ def _serve(args: argparse.Namespace) -> int:
         sys.stderr.write(_exposure_warning(args.host, args.port, api_key))
         sys.stderr.flush()
 
+    from engine.config import load_config  # light: no torch yet
+    from engine.errors import EngineError
+
+    try:  # a directory that is no checkpoint fails here, before torch is imported
+        limit = load_config(model_dir).max_position_embeddings
+    except EngineError as exc:
+        raise _engine_error(exc) from None
+
     import torch
     import uvicorn
 
     import engine
-    from engine.config import load_config
-    from engine.errors import EngineError
     from engine.server import create_app
     from engine.server.limits import ServerOptions
 
     threads = _threads(args)
     if threads is not None:
         torch.set_num_threads(threads)
+    max_ctx = min(args.max_context, limit)
     try:
-        limit = load_config(model_dir).max_position_embeddings
-        max_ctx = min(args.max_context, limit)
         eng = engine.load(model_dir, device=args.device, max_context=max_ctx)
     except EngineError as exc:
         raise _engine_error(exc) from None

@@ -120,7 +120,7 @@ def make_scripted_checkpoint(
 class ServerProcess:
     """`gpurig engine serve` in a child process on a free loopback port."""
 
-    def __init__(self, model_dir: Path, *extra: str) -> None:
+    def __init__(self, model_dir: Path, *extra: str, env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.log = model_dir.parent / f"server-{self.port}.log"
@@ -140,7 +140,7 @@ class ServerProcess:
             "warning",
             *extra,
         ]
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         self._log_file = self.log.open("w")
         self.proc = subprocess.Popen(
             cmd, cwd=REPO, stdout=self._log_file, stderr=subprocess.STDOUT, env=env
