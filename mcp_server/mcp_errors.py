@@ -198,6 +198,16 @@ def check_arguments(tool: str, schema: dict[str, Any], arguments: dict[str, Any]
     for name, value in arguments.items():
         max_chars, max_items = _limits(schema, props[name])
         problem, total = _oversized(value, max_chars, max_items, total)
+        if not problem and isinstance(value, str) and value[:1] in ("[", "{"):
+            # the SDK parses a JSON string given for a list or object argument (a habit of
+            # some clients); bound what it would parse the same way
+            kinds = {b.get("type") for b in _branches(schema, props[name])}
+            if "string" not in kinds:
+                try:
+                    parsed = json.loads(value)
+                except (ValueError, RecursionError):
+                    parsed = None
+                problem, _ = _oversized(parsed, max_chars, max_items, 0)
         if problem:
             raise ArgumentError(
                 f"{tool}: argument {name} {problem} (given: {excerpt(value)}). "

@@ -157,3 +157,18 @@ def test_cli_names_flags_and_mcp_names_arguments(run_gpurig) -> None:
     out = run_gpurig("gpu", "--python", "/x" * 3000)  # too long: exit 2, no traceback
     assert out.returncode == 2 and "the path given as --python is 6,000 characters" in out.stderr
     assert "Traceback" not in out.stderr and len(out.stderr) < 600
+
+
+def test_a_list_given_as_a_json_string_is_bounded_too() -> None:
+    """Some clients send a list argument as a JSON string, which the SDK parses: same bounds."""
+    mcp = GpurigMCP("json-string-test")
+
+    @mcp.tool()
+    def count(paths: list[str]) -> Advice:
+        """Counts."""
+        return Advice(remedy="", items=[str(len(paths))])
+
+    result, _ = _call(mcp, "count", {"paths": '["a", "b"]'})
+    assert not result.is_error and result.structured_content["items"] == ["2"]
+    result, _ = _call(mcp, "count", {"paths": "[" + ", ".join(['"a"'] * 65) + "]"})
+    assert result.is_error and "65 items; at most 64" in result.content[0].text
