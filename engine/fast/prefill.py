@@ -83,7 +83,8 @@ class FusedPrefill:
         by one gather each, the mix by one kernel writing over the lookup (the reference's
         seven-op chain holds ~8 per-layer-input-sized temporaries per token)."""
         m, cfg = self.model, self.model.cfg
-        if not (_packed_table(m.embed) and (m.ple_table is None or _packed_table(m.ple_table))):
+        tables = _packed_table(m.embed) and (m.ple_table is None or _packed_table(m.ple_table))
+        if not (tables and ids.is_cuda):  # (the CPU interpreter would run a program per row)
             h, ple = m._embed(ids)
             return h.contiguous(), ple
         h = w4_gather_rows(ids, m.embed.packed, m.embed.scales, dtype=m.dtype, mul=m.embed_scale)

@@ -225,6 +225,38 @@ def test_fused_prefill_chunks_fill_the_cache_as_the_reference_does(tmp_path, per
         assert torch.allclose(layer.v, other.v, atol=1e-5), i
 
 
+@pytest.mark.gpu  # ~70 s in the CPU interpreter; the sliced attention is tested on the CPU
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+def test_fused_prefill_in_score_slices_equals_one_whole_pass(tmp_path) -> None:
+    """A prompt four windows long read by FusedPrefill in 24-token chunks whose attention
+    walks slices of ~40 keys (full layers without a prefix mask): the cache and the last
+    token's logits equal the reference's one whole pass."""
+    from engine.fast import prefill as fast_prefill
+    from engine.generate import read_prompt
+
+    make_checkpoint(tmp_path, preset="tiny", seed=5, emb4=True)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    eng = engine.load(tmp_path, device=dev, dtype=torch.float32, max_context=256)
+    model, cache = eng.model, eng.cache
+    prompt = [2] + [int(t) for t in torch.randint(3, 500, (63,))]
+    whole = prefill(model, cache, prompt, len(prompt), score_budget=1 << 30).clone()
+    want = {i: (c.k.clone(), c.v.clone()) for i, c in cache.layers.items()}
+    fused = fast_prefill.FusedPrefill(model)
+    cache.reset()
+    ids = torch.tensor(prompt, device=dev)
+    for start in range(0, len(prompt), 24):
+        fused.chunk(ids[start : start + 24], start, cache, score_budget=2 * 24 * 40)
+    for i, (k, v) in want.items():
+        assert torch.allclose(cache.layers[i].k, k, atol=1e-5), i
+        assert torch.allclose(cache.layers[i].v, v, atol=1e-5), i
+
+    def step(token, position):
+        return model.decode_step(token, position, cache)
+
+    got = read_prompt(model, cache, prompt, 24, step)
+    assert (got - whole).abs().max() < 1e-4
+
+
 def test_generate_reads_prompts_through_the_fused_prefill(tiny_engine, monkeypatch) -> None:
     """With the fast path forced, generate's prompt goes through FusedPrefill (body) and the
     decode step (last token); its greedy tokens equal the reference path's."""
@@ -233,9 +265,9 @@ def test_generate_reads_prompts_through_the_fused_prefill(tiny_engine, monkeypat
     calls = {"chunks": 0}
     real = fast_prefill.FusedPrefill.chunk
 
-    def counted(self, ids, start, cache):
+    def counted(self, ids, start, cache, score_budget=None):
         calls["chunks"] += 1
-        return real(self, ids, start, cache)
+        return real(self, ids, start, cache, score_budget)
 
     prompt = [2] + list(range(30, 70))
     monkeypatch.setenv("GPURIG_FAST", "0")

@@ -118,3 +118,25 @@ def test_qkv_rope_rows_refuses_a_width_that_disagrees_with_the_heads() -> None:
     with pytest.raises(ValueError, match="cos/sin"):
         qkv_rope_rows(qkv, w, w, cos, sin[:1], hq, kvh, d, eps)
     qkv_rope_rows(qk, w, w, cos, sin, hq, kvh, d, eps, v_from_k=True)  # the right flag: fine
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+def test_ple_mix_over_a_chunk_of_rows_equals_the_reference(in_place) -> None:
+    """ple_mix over [tokens * layers, width] rows (a prompt chunk's per-layer inputs), written
+    over the lookup itself or into a new tensor: the reference's _embed arithmetic."""
+    from engine.kernels.fused import ple_mix
+
+    gen = torch.Generator().manual_seed(2)
+    t, n, p, h = 3, 4, 32, 64
+    proj = torch.randn(t, n * p, generator=gen).to(DEV)
+    tok = torch.randn(t, n * p, generator=gen).to(DEV)
+    w = torch.rand(p, generator=gen).to(DEV) + 0.5
+    want = ops.rms_norm((proj * h**-0.5).reshape(t, n, p), w, 1e-6) + tok.reshape(t, n, p)
+    want = want * 2**-0.5
+    rows = tok.clone().view(t * n, p)
+    out = ple_mix(proj.view(t * n, p), rows, w, t * n, p, 1e-6, h**-0.5, 2**-0.5,
+                  out=rows if in_place else None)  # fmt: skip
+    assert (out is rows) == in_place
+    assert torch.allclose(out.view(t, n, p), want, atol=1e-5)
+    with pytest.raises(ValueError):
+        ple_mix(proj.view(t * n, p), rows, w, t * n, p, 1e-6, 1.0, 1.0, out=rows[:, :16])

@@ -1,0 +1,194 @@
+"""Real long prompts through the public API, under the 3,732 MiB cap and uncapped (issue 13).
+
+    python3 -m bench.long_prompt all --out $OUT        # checkpoint, capped, uncapped, summary
+    python3 -m bench.long_prompt run --cap 3732 --json x.json   # one process, one setting
+
+For each prompt length (8,192, 32,768 and 131,000 random token ids) a fresh `Engine.stream`
+reads the prompt and decodes NEW tokens: seconds to the first token (the whole read plus one
+sample), prompt tok/s, decode tok/s after it, the allocator's peak (allocated and reserved)
+during the request, and the plan the engine chose (chunk, score budget). Each setting runs in
+its own process, so the cap (torch.cuda.set_per_process_memory_fraction) and the allocator's
+state belong to it alone. The uncapped process also checks correctness: the last prompt
+token's logits after the chunked read (with the capped plan and with its own) against one
+whole pass of the reference path (`prefill`, every layer on every token in one chunk), and the
+greedy continuations of the three.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench.e2e_bench import CAP_MIB, E2B_DIR, make
+
+LENGTHS = (8192, 32768, 131000)
+NEW = 128
+CHECK_NEW = 16
+
+
+def _prompt(n: int, vocab: int) -> list[int]:
+    gen = torch.Generator().manual_seed(n)
+    return [2] + torch.randint(3, vocab, (n - 1,), generator=gen).tolist()
+
+
+def _mib(b: float) -> float:
+    return round(b / 2**20, 1)
+
+
+def request(eng, n: int, cap: int | None) -> dict[str, Any]:
+    """One Engine.stream call on an n-token prompt: timings, peak memory and the plan."""
+    from engine.memory import plan_prompt
+
+    prompt = _prompt(n, eng.config.vocab_size)
+    plan = plan_prompt(eng.model, n, eng.prefill_chunk, cap)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    it = eng.stream(prompt, NEW, stop_ids=[])
+    first = next(it)
+    t1 = time.perf_counter()
+    rest = list(it)
+    torch.cuda.synchronize()
+    t2 = time.perf_counter()
+    return {"tokens": n, "chunk": plan.chunk, "score_budget": plan.score_budget,
+            "planned_mib": _mib(plan.need_bytes), "left_mib": _mib(plan.available_bytes or 0),
+            "first_token_s": round(t1 - t0, 3), "prompt_tok_per_s": round(n / (t1 - t0), 1),
+            "decoded": 1 + len(rest), "decode_tok_per_s": round(len(rest) / (t2 - t1), 1),
+            "peak_allocated_mib": _mib(torch.cuda.max_memory_allocated()),
+            "peak_reserved_mib": _mib(torch.cuda.max_memory_reserved()),
+            "first_tokens": [first, *rest[:7]]}  # fmt: skip
+
+
+def check(eng, n: int, cap: int) -> dict[str, Any]:
+    """Logits and greedy continuations: one whole reference pass against the chunked reads."""
+    from engine.generate import decode_step_for, prefill, read_prompt
+
+    model, cache = eng.model, eng.cache
+    prompt = _prompt(n, eng.config.vocab_size)
+    step = decode_step_for(model, cache)
+
+    def continue_from(logits) -> list[int]:
+        out, tok = [], logits.argmax().view(1)
+        pos = torch.tensor([n], device=eng.device)
+        for _ in range(CHECK_NEW):
+            out.append(int(tok))
+            tok = step(tok, pos)[0].argmax().view(1)
+            pos += 1
+        return out
+
+    whole = prefill(model, cache, prompt, n, score_budget=1 << 60).float().clone()
+    runs = {"whole": (whole, continue_from(whole))}
+    for name, c in (("capped_plan", cap), ("uncapped_plan", None)):
+        logits = read_prompt(model, cache, prompt, eng.prefill_chunk, step, c).float().clone()
+        runs[name] = (logits, continue_from(logits))
+    res: dict[str, Any] = {"tokens": n, "whole_tokens": runs["whole"][1]}
+    for name in ("capped_plan", "uncapped_plan"):
+        logits, toks = runs[name]
+        agree = next((i for i, (a, b) in enumerate(zip(toks, runs["whole"][1], strict=True)) if a != b),
+                     CHECK_NEW)  # fmt: skip
+        res[name] = {"max_abs_logit_diff": float((logits - whole).abs().max()),
+                     "same_argmax": bool(logits.argmax() == whole.argmax()),
+                     "greedy_tokens_agreeing": agree, "tokens": toks}  # fmt: skip
+    top2 = whole.topk(2).values
+    res["whole_top2_margin"] = float(top2[0] - top2[1])
+    return res
+
+
+def run(cap: int | None, lengths=LENGTHS, checks: bool = False, save=None) -> dict[str, Any]:
+    import engine
+
+    res: dict[str, Any] = {"cap_mib": cap, "device": torch.cuda.get_device_name(0),
+                           "torch": torch.__version__}  # fmt: skip
+    t0 = time.perf_counter()
+    eng = engine.load(E2B_DIR, device="cuda:0", max_context=131072, memory_cap_mib=cap)
+    res["load_s"] = round(time.perf_counter() - t0, 1)
+    res["loaded_mib"] = _mib(torch.cuda.memory_allocated())
+    res["max_chunk"] = eng.prefill_chunk
+    eng.generate(_prompt(2048, eng.config.vocab_size), 4, stop_ids=[])  # compile, capture
+    res["warm_mib"] = _mib(torch.cuda.memory_allocated())
+    for n in lengths:
+        try:
+            res[f"prompt_{n}"] = request(eng, n, cap)
+        except Exception as exc:  # noqa: BLE001 - recorded: a length that fails is a result
+            res[f"prompt_{n}"] = {"error": repr(exc)[:800],
+                                  "peak_allocated_mib": _mib(torch.cuda.max_memory_allocated())}  # fmt: skip
+        if save:
+            save(res)
+    if checks:
+        for n in lengths:
+            try:
+                res[f"check_{n}"] = check(eng, n, CAP_MIB)
+            except Exception as exc:  # noqa: BLE001
+                res[f"check_{n}"] = {"error": repr(exc)[:800], "trace": traceback.format_exc()[-800:]}  # fmt: skip
+            if save:
+                save(res)
+    return res
+
+
+def _save(path: Path):
+    def save(res: dict[str, Any]) -> None:
+        path.write_text(json.dumps(res, indent=1))
+
+    return save
+
+
+def _child(args: list[str], out: Path, timeout: float) -> dict[str, Any]:
+    cmd = [sys.executable, "-m", "bench.long_prompt", "run", "--json", str(out), *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    res = json.loads(out.read_text()) if out.is_file() else {}
+    if proc.returncode:
+        res["exit"] = proc.returncode
+        res["stderr"] = proc.stderr[-2000:]
+    return res
+
+
+def summary(capped: dict[str, Any], free: dict[str, Any]) -> list[str]:
+    lines = [f"{'tokens':>8} {'cap':>6} {'chunk':>6} {'first s':>8} {'prompt tok/s':>13} "
+             f"{'decode tok/s':>13} {'peak MiB':>9} {'reserved':>9}"]  # fmt: skip
+    for res in (capped, free):
+        for n in LENGTHS:
+            r = res.get(f"prompt_{n}", {})
+            if "error" in r or not r:
+                lines.append(f"{n:>8} {res.get('cap_mib')!s:>6} FAILED {r.get('error', '')[:80]}")
+                continue
+            lines.append(f"{n:>8} {res.get('cap_mib')!s:>6} {r['chunk']:>6} "
+                         f"{r['first_token_s']:>8.2f} {r['prompt_tok_per_s']:>13,.0f} "
+                         f"{r['decode_tok_per_s']:>13,.1f} {r['peak_allocated_mib']:>9,.0f} "
+                         f"{r['peak_reserved_mib']:>9,.0f}")  # fmt: skip
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python3 -m bench.long_prompt")
+    ap.add_argument("what", choices=["all", "run"])
+    ap.add_argument("--cap", type=int, default=None, help="memory_cap_mib (run)")
+    ap.add_argument("--checks", action="store_true", help="logit / greedy checks (run)")
+    ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
+    args = ap.parse_args(argv)
+    if args.what == "run":
+        path = args.json or args.out / "long_prompt_run.json"
+        res = run(args.cap, checks=args.checks, save=_save(path))
+        _save(path)(res)
+        return 0
+    args.out.mkdir(parents=True, exist_ok=True)
+    res: dict[str, Any] = {"make": make(E2B_DIR)}
+    res["capped"] = _child(["--cap", str(CAP_MIB)], args.out / "long_prompt_capped.json", 280)
+    res["uncapped"] = _child(["--checks"], args.out / "long_prompt_uncapped.json", 280)
+    res["summary"] = summary(res["capped"], res["uncapped"])
+    (args.out / "long_prompt.json").write_text(json.dumps(res, indent=1))
+    print("\n".join(res["summary"]))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

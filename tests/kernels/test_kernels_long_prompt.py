@@ -1,0 +1,38 @@
+"""On a GPU: what reading a long prompt holds stays within what its plan counted (issue 13)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import engine
+from engine import memory
+from engine.checkpoint_maker import make_checkpoint
+from engine.generate import decode_step_for, read_prompt
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU"),
+]
+
+
+@pytest.mark.parametrize("left_mib", [130, 400])
+def test_reading_stays_within_the_plan(tmp_path, monkeypatch, left_mib):
+    """The small preset in bf16, a 6,000-token prompt read with `left_mib` MiB said to be left:
+    the allocator's peak above what the model and cache hold stays under the plan's count
+    (less its safety margin, which covers the decode step's capture)."""
+    make_checkpoint(tmp_path, preset="small", seed=1, emb4=True)
+    eng = engine.load(tmp_path, device="cuda", max_context=8192)
+    prompt = [2] + torch.randint(3, 1000, (5999,)).tolist()
+    step = decode_step_for(eng.model, eng.cache)
+    monkeypatch.setattr(memory, "available_bytes", lambda device, cap: left_mib * memory.MIB)
+    read_prompt(eng.model, eng.cache, prompt, 4096, step)  # warm-up: kernels, capture, cuBLAS
+    plan = memory.plan_prompt(eng.model, len(prompt), 4096, available=left_mib * memory.MIB)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    logits = read_prompt(eng.model, eng.cache, prompt, 4096, step)
+    torch.cuda.synchronize()
+    used = torch.cuda.max_memory_allocated() - base
+    assert torch.isfinite(logits).all()
+    assert used <= plan.need_bytes - memory.SAFETY_BYTES + (8 << 20), (used, plan)
