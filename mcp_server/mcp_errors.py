@@ -33,12 +33,23 @@ MAX_TOTAL_CHARS = 1_000_000  # all strings of one call together
 EXCERPT_CHARS = 60
 
 
+MAX_ERROR_CHARS = 2000  # a tool's message may quote its input: never a long reply
+
+
+def clip(text: str, limit: int = MAX_ERROR_CHARS) -> str:
+    """`text`, cut to `limit` characters with a note saying how much was left out."""
+    if len(text) <= limit:
+        return text
+    return text[: limit - 40] + f" ... ({len(text) - limit + 40:,} characters left out)"
+
+
 def tool_error(err: GpurigError) -> ToolError:
     """The error result an MCP caller sees: the message, then what to do, in MCP's words."""
     message, remedy = err.rendered("mcp")
+    message = clip(message, MAX_ERROR_CHARS // 2)
     if remedy:
         message = message.rstrip() + ("" if message.rstrip().endswith((".", "!", "?")) else ".")
-        message += f" What to do: {remedy}"
+        message += f" What to do: {clip(remedy, MAX_ERROR_CHARS // 2)}"
     return ToolError(message)
 
 

@@ -172,3 +172,17 @@ def test_a_list_given_as_a_json_string_is_bounded_too() -> None:
     assert not result.is_error and result.structured_content["items"] == ["2"]
     result, _ = _call(mcp, "count", {"paths": "[" + ", ".join(['"a"'] * 65) + "]"})
     assert result.is_error and "65 items; at most 64" in result.content[0].text
+
+
+def test_a_tool_error_quoting_its_input_is_clipped() -> None:
+    mcp = GpurigMCP("clip-test")
+
+    @mcp.tool()
+    def echo(text: Annotated[str, Field(max_length=50_000)]) -> Advice:
+        """Quotes its whole input in the error, as a careless tool might."""
+        raise InvalidInputError(f"cannot use {text}", remedy=f"not {text}")
+
+    result, _ = _call(mcp, "echo", {"text": "w" * 40_000})
+    text = result.content[0].text
+    assert result.is_error and len(text) < 2100 and "characters left out" in text
+    assert "What to do: not www" in text
