@@ -95,8 +95,8 @@ def _add_load_args(p: argparse.ArgumentParser) -> None:
         "--threads",
         type=_positive,
         metavar="N",
-        help="CPU threads for torch (default: the idle cores this process may run on, at "
-        "least 1; oversubscribed cores make the decode crawl)",
+        help="CPU threads for torch (default: OMP_NUM_THREADS if set, else the idle cores this "
+        "process may run on, at least 1; oversubscribed cores make the decode crawl)",
     )
 
 
@@ -144,13 +144,20 @@ def default_threads() -> int:
 
 
 def set_threads(threads: int | None) -> int:
-    """Set torch's CPU thread count (None: default_threads()); returns the number set.
-    Shared with `gpurig engine serve`, whose decode runs on the same kind of CPU."""
+    """Set torch's CPU thread count: `threads`, else OMP_NUM_THREADS, else default_threads().
+    Returns the number set."""
     import torch
 
-    n = default_threads() if threads is None else threads
+    n = threads or _omp_threads() or default_threads()
     torch.set_num_threads(n)
     return n
+
+
+def _omp_threads() -> int | None:
+    """OMP_NUM_THREADS when it holds a positive count (the usual way to pin torch's threads),
+    respected as `engine serve` does; --threads wins over it."""
+    text = os.environ.get("OMP_NUM_THREADS", "").strip()
+    return int(text) if text.isdigit() and int(text) > 0 else None
 
 
 def _check_model_dir(

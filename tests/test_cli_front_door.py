@@ -174,3 +174,19 @@ def test_disk_advice_names_each_place_once_and_says_what_happened(tmp_path: Path
     assert df.split()[2:] == [str(tmp_path)]
     staging = next(a for a in report.advice if a.rule == "memory_staging")
     assert "seed" not in staging.reason and "OOM-killed" in staging.reason
+
+
+def test_omp_num_threads_is_respected_and_the_flag_wins(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    from mcp_server.cli_engine import set_threads
+
+    before = torch.get_num_threads()
+    try:
+        monkeypatch.setenv("OMP_NUM_THREADS", "1")
+        assert set_threads(None) == 1 == torch.get_num_threads()
+        assert set_threads(2) == 2 == torch.get_num_threads()
+        monkeypatch.setenv("OMP_NUM_THREADS", "junk")
+        assert set_threads(None) >= 1
+    finally:
+        torch.set_num_threads(before)
