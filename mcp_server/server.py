@@ -38,6 +38,7 @@ TOOL_MODULES = [
     "mcp_server.mcp_patch",
     "mcp_server.mcp_serve",
     "mcp_server.mcp_sweep",
+    "mcp_server.mcp_resources",  # resources (server logs), not tools
 ]
 
 mcp: GpurigMCP = GpurigMCP("gpurig", instructions=INSTRUCTIONS, log_level="WARNING")

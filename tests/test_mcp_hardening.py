@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import importlib.metadata
+import json
 import os
 import time
 from pathlib import Path
 
+import pytest
 from mcp import Client, StdioServerParameters
+from mcp.shared.exceptions import MCPError
 
 RAW_PYDANTIC = ("errors.pydantic.dev", "input_value=", "type=", "validation error for")
 
@@ -39,7 +42,8 @@ async def _session(gpurig_bin: str, tmp_path: Path) -> None:
         assert client.server_info.version == importlib.metadata.version("gpurig")
         caps = client.server_capabilities
         assert caps.tools is not None
-        assert caps.prompts is None and caps.resources is None  # nothing to list: not offered
+        assert caps.prompts is None  # no prompts: not advertised (the SDK would, empty)
+        assert caps.resources is not None  # the server logs (mcp_resources.py)
 
         tools = (await client.list_tools()).tools
         assert len(tools) >= 7
@@ -99,6 +103,30 @@ async def _session(gpurig_bin: str, tmp_path: Path) -> None:
         script.chmod(0o755)
         bad = await client.call_tool("verify_turing_patch", {"python_bin": str(script)})
         assert bad.is_error and "is a script" in _text(bad) and not ran.exists()
+
+        # resources: the logs of servers gpurig started, bounded, read from the state dir
+        logs = tmp_path / "home" / "servers"
+        logs.mkdir(parents=True)
+        (logs / "demo.log").write_text("".join(f"line {i}\n" for i in range(1000)))
+        listed = await client.list_resources()
+        assert [str(r.uri) for r in listed.resources] == ["gpurig://servers"]
+        assert all(r.title for r in listed.resources)
+        templates = await client.list_resource_templates()
+        assert [t.uri_template for t in templates.resource_templates] == [
+            "gpurig://servers/{name}/log"
+        ]
+        index = await client.read_resource("gpurig://servers")
+        rows = json.loads(index.contents[0].text)["servers"]
+        assert [r["name"] for r in rows] == ["demo"] and rows[0]["log"].endswith("/demo/log")
+        log = (await client.read_resource("gpurig://servers/demo/log")).contents[0].text
+        assert "line 999\n" in log and "line 599\n" not in log and "line 600\n" in log
+        for uri, text in [
+            ("gpurig://servers/nope/log", "no log for a server named 'nope'"),
+            ("gpurig://servers/..%2F..%2Fetc%2Fpasswd/log", ""),
+        ]:
+            with pytest.raises(MCPError) as err:
+                await client.read_resource(uri)
+            assert text in str(err.value)
 
         # ... and the server keeps serving
         ok = await client.call_tool("check_host_capacity", {"need_gib": 1})
