@@ -446,7 +446,7 @@ def test_doctor_turing_line_follows_the_gpu_and_the_file(vllm_033) -> None:
     target.write_bytes(target.read_bytes().replace(b"- 4096", b"- 1024", 1))
     line = _doctor_turing_line(python, t4)
     assert line.status == "fail" and "modified" in line.detail
-    assert line.remedy == (
+    assert render_for("cli", line.remedy) == (
         f"{python} -m pip install --force-reinstall --no-deps vllm==0.33.0 && gpurig patch apply"
     )
 
