@@ -3,7 +3,7 @@
 Writes two random-weight checkpoints (the engine's `tiny` and `small` presets: two "builds" to
 compare), then runs a small sweep in which the sweep itself starts each as an engine server on
 a free loopback port through the lifecycle tools, measures it, and stops it: identical prompts,
-input 32 and 128 tokens, concurrency 1 and 2, two repeats, 16 output tokens. Returns the sweep's
+input 32 and 128 tokens, concurrency 1 and 2, two repeats, 8 output tokens. Returns the sweep's
 result (report path and main table).
 """
 
@@ -18,7 +18,7 @@ from tools.settings import state_dir
 PRESETS = ("tiny", "small")
 DEMO_PLAN = {
     "input_lens": [32, 128],
-    "output_len": 16,
+    "output_len": 8,
     "concurrency": [1, 2],
     "repeats": 2,
 }

@@ -131,7 +131,7 @@ def _measure_roofline(config: SweepConfig) -> list[Roofline]:
         else:
             missing.append("no bytes per token: the checkpoint directory is not known")
         if python_bin not in probes:
-            probes[python_bin] = run_bandwidth_probe(python_bin)
+            probes[python_bin] = _no_gpu() or run_bandwidth_probe(python_bin)
         probe = probes[python_bin]
         if probe.get("available"):
             r.bandwidth_gb_s, r.device = probe.get("gb_s"), probe.get("device")
@@ -142,6 +142,17 @@ def _measure_roofline(config: SweepConfig) -> list[Roofline]:
         r.missing = "; ".join(missing) or None
         out.append(r)
     return out
+
+
+def _no_gpu() -> dict | None:
+    """The probe's answer without running it when NVML sees no GPU at all (no driver): the
+    probe would only import torch to say the same, seconds later."""
+    from tools.gpu import nvml_gpu_count, read_nvml
+
+    if nvml_gpu_count(timeout_s=2.0):
+        return None
+    error = read_nvml().error or "NVML lists no GPU"
+    return {"available": False, "reason": f"no NVIDIA GPU visible ({error})"}
 
 
 class _Tracker:
