@@ -101,6 +101,7 @@ def test_a_lone_surrogate_is_a_plain_400(http):
          r'{"messages": [{"role": "user", "content": "hi"}], "stop": ["\ud800"]}', "stop.0"),
         ("/v1/completions", r'{"prompt": "x", "model": "\udc00"}', "model"),
         ("/v1/completions", r'{"prompt": "x", "max_tokens": 1, "user": {"\ud801": 1}}', "user"),
+        ("/v1/completions", r'{"prompt": "x", "user": {"\ud801": "\ud801"}}', "user.\\ud801"),
     ]  # fmt: skip
     for path, body, param in cases:
         r = _raw(http, path, body)

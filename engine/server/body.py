@@ -76,7 +76,8 @@ def _check_unicode(data: Any) -> None:
         if isinstance(value, dict):
             for k, v in value.items():
                 stack.append((k, path))
-                stack.append((v, f"{path}.{k}" if path else str(k)))
+                key = k.encode("utf-8", "backslashreplace").decode("utf-8")  # the path is sent
+                stack.append((v, f"{path}.{key}" if path else key))
         elif isinstance(value, list):
             stack.extend((v, f"{path}.{i}" if path else str(i)) for i, v in enumerate(value))
         elif isinstance(value, str):
