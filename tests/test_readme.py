@@ -1,0 +1,212 @@
+"""README's commands, run as a new user runs them: every `gpurig ...` line of its ```bash blocks
+and every ```python block, on a tiny checkpoint, on the CPU, in a fresh directory.
+
+The convention (for whoever adds a README section):
+- Each command of a ```bash block (lines joined at a trailing backslash, split at `&&`, `;`
+  and `|`) that starts with `gpurig` is run by `test_readme_commands_run`, in README order, in one
+  temporary directory (so the `ckpt/` one command makes is there for the next), with
+  CUDA_VISIBLE_DEVICES="" and GPURIG_HOME inside that directory. It must exit 0, or a code listed
+  in EXIT_CODES, and print no traceback. Write README commands that run here as they are.
+- A command that cannot run here (it needs a GPU, vLLM, the network, or it is a long-running
+  server or demo) gets an entry in NOT_RUN_HERE: the command's leading words -> why, naming the
+  test that covers it instead. A README command that is neither run nor listed fails the test;
+  an entry that matches no README command fails too (stale).
+- ```python blocks are run the same way after the commands, each in a fresh interpreter; one that
+  cannot run here goes in PYTHON_NOT_RUN_HERE (its first line -> why).
+- Other languages (```text output, ```json config) are not run.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.timeout(600)
+
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+
+# Leading words of a README command -> why this file does not run it, and where it is tested.
+NOT_RUN_HERE: dict[str, str] = {
+    "gpurig engine serve": "a long-running server; tests/test_server_api.py and "
+    "tests/test_server_hardening.py start it on a free port",
+}
+# The first line of a README ```python block -> why this file does not run it.
+PYTHON_NOT_RUN_HERE: dict[str, str] = {}
+# Leading words -> the exit codes accepted (default: 0 only).
+EXIT_CODES: dict[str, set[int]] = {
+    "gpurig doctor": {0, 1},  # 1: a check fails, as on a machine without a GPU
+}
+SEPARATORS = {"&&", ";", "|", "||"}
+
+
+def blocks(text: str, language: str) -> list[str]:
+    """The bodies of README's ```LANGUAGE fenced blocks, in order."""
+    return re.findall(rf"^```{language}\n(.*?)^```", text, flags=re.S | re.M)
+
+
+def commands(block: str) -> list[list[str]]:
+    """The shell commands of a bash block as argument lists: continuation lines joined, a
+    quoted string that spans lines kept whole, comments dropped, split at && ; | ||."""
+    out: list[list[str]] = []
+    pending = ""
+    for line in block.replace("\\\n", " ").splitlines():
+        pending += line + "\n"
+        try:
+            lexer = shlex.shlex(pending, posix=True, punctuation_chars=";&|")
+            lexer.whitespace_split = True
+            lexer.commenters = "#"
+            words = list(lexer)
+        except ValueError:  # a quote still open: the command goes on on the next line
+            continue
+        pending = ""
+        current: list[str] = []
+        for word in [*words, ";"]:
+            if word in SEPARATORS:
+                if current:
+                    out.append(current)
+                current = []
+            else:
+                current.append(word)
+    assert not pending, f"unclosed quote in README: {pending!r}"
+    return out
+
+
+def readme_gpurig_commands() -> list[list[str]]:
+    text = README.read_text()
+    return [c for b in blocks(text, "bash") for c in commands(b) if c[0] == "gpurig"]
+
+
+def _matches(prefix: str, argv: list[str]) -> bool:
+    words = prefix.split()
+    return argv[: len(words)] == words
+
+
+def _entry(table: dict[str, object], argv: list[str]) -> str | None:
+    """The longest key of `table` whose words lead `argv`."""
+    found = [k for k in table if _matches(k, argv)]
+    return max(found, key=len) if found else None
+
+
+def test_the_parser_finds_readmes_commands() -> None:
+    """Guards the test itself: a parser that found nothing would pass everything."""
+    found = [" ".join(c) for c in readme_gpurig_commands()]
+    assert "gpurig engine make-checkpoint --preset tiny --out ckpt/" in found
+    assert "gpurig doctor" in found  # from `pip install -e . && gpurig doctor  # ...`
+    assert all(len(b.strip()) > 0 for b in blocks(README.read_text(), "python"))
+    curl = [c for b in blocks(README.read_text(), "bash") for c in commands(b) if c[0] == "curl"]
+    assert all(any(w.startswith("{") for w in c) for c in curl if "-d" in c)  # JSON kept whole
+
+
+def test_every_not_run_entry_is_used_and_says_why() -> None:
+    argvs = readme_gpurig_commands()
+    for prefix, why in NOT_RUN_HERE.items():
+        assert any(_matches(prefix, a) for a in argvs), f"stale NOT_RUN_HERE entry: {prefix}"
+        assert len(why) > 10, f"say why {prefix} is not run here"
+        for named in re.findall(r"tests/\S+\.py", why):
+            assert (ROOT / named).is_file(), f"{prefix}: {named} does not exist"
+    firsts = [b.strip().splitlines()[0] for b in blocks(README.read_text(), "python")]
+    for first in PYTHON_NOT_RUN_HERE:
+        assert first in firsts, f"stale PYTHON_NOT_RUN_HERE entry: {first}"
+    for prefix in EXIT_CODES:
+        assert any(_matches(prefix, a) for a in argvs), f"stale EXIT_CODES entry: {prefix}"
+
+
+def _env(tmp_path: Path) -> dict[str, str]:
+    gpurig_dir = str(Path(sys.executable).parent)
+    return {
+        **os.environ,
+        "CUDA_VISIBLE_DEVICES": "",
+        "GPURIG_HOME": str(tmp_path / "state"),
+        "PATH": f"{gpurig_dir}{os.pathsep}{os.environ.get('PATH', '')}",
+    }
+
+
+@pytest.mark.slow
+def test_readme_commands_run(tmp_path: Path, gpurig_bin: str) -> None:
+    """Each README `gpurig` command, in order, in one directory; then the python blocks."""
+    env = _env(tmp_path)
+    failures: list[str] = []
+    ran = 0
+    for argv in readme_gpurig_commands():
+        if _entry(NOT_RUN_HERE, argv):
+            continue
+        codes = EXIT_CODES.get(_entry(EXIT_CODES, argv) or "", {0})
+        done = subprocess.run(
+            [gpurig_bin, *argv[1:]],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            stdin=subprocess.DEVNULL,
+        )
+        ran += 1
+        shown = shlex.join(argv)
+        if done.returncode not in codes:
+            failures.append(f"{shown}: exit {done.returncode}\n{done.stderr[-2000:]}")
+        elif "Traceback" in done.stderr or not done.stdout.strip():
+            failures.append(f"{shown}: no output, or a traceback\n{done.stderr[-2000:]}")
+    for block in blocks(README.read_text(), "python"):
+        if block.strip().splitlines()[0] in PYTHON_NOT_RUN_HERE:
+            continue
+        done = subprocess.run(
+            [sys.executable, "-c", block],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        ran += 1
+        if done.returncode != 0:
+            failures.append(f"python block {block.splitlines()[0]!r}:\n{done.stderr[-2000:]}")
+    assert ran >= 5
+    assert not failures, "README commands that fail:\n\n" + "\n\n".join(failures)
+
+
+def _vllm_extra():
+    import tomllib
+
+    from packaging.requirements import Requirement
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    (req,) = project["optional-dependencies"]["vllm"]
+    return Requirement(req).specifier
+
+
+def test_the_vllm_extra_agrees_with_readme() -> None:
+    """pyproject's `vllm` extra allows exactly the releases README calls supported: Gemma 4's
+    minimum and the Turing patch's known range, both stated in README."""
+    from packaging.version import Version
+
+    text = " ".join(README.read_text().split())
+    spec = _vllm_extra()
+    low, high = re.search(r"at a version this project supports: (\S+) to (\S+) \(", text).groups()
+    assert low in spec and high.replace(".x", ".0") in spec
+    patch_high = re.search(r"Supported: vLLM [\d.]+ to ([\d.]+)", text).group(1)
+    assert high.replace(".x", "") == patch_high.rsplit(".", 1)[0]
+    gemma_min = re.search(r"Gemma 4 needs vLLM ([\d.]+) or newer", text).group(1)
+    assert Version(low) >= Version(gemma_min)  # nothing older than Gemma 4 needs
+    assert "0.27.1" not in spec and "0.34.0" not in spec
+
+
+@pytest.mark.network
+def test_the_vllm_extras_lower_bound_was_published() -> None:
+    """`pip install '.[vllm]'` must find a release: the lower bound exists on PyPI."""
+    done = subprocess.run(
+        [sys.executable, "-m", "pip", "index", "versions", "vllm"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    published = re.search(r"Available versions: (.+)", done.stdout).group(1).split(", ")
+    lower = next(s.version for s in _vllm_extra() if s.operator == ">=")
+    assert lower in published
