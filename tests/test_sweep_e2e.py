@@ -279,3 +279,62 @@ def test_mcp_run_sweep_reports_progress(servers, checkpoints, tmp_path: Path) ->
     assert status["state"] == "done" and status["cells_done"] == 1
     assert notes and notes[-1] == (8.0, 8.0)
     assert [p for p, _ in notes] == sorted(p for p, _ in notes)
+
+
+FAKE_VLLM = """#!{python}
+# A stand-in for `vllm bench serve`: records its argv and saves the recorded result file.
+import json, sys
+argv = sys.argv[1:]
+with open({log!r}, "a") as fh:
+    fh.write(json.dumps(argv) + "\\n")
+def arg(flag):
+    return argv[argv.index(flag) + 1]
+saved = json.load(open({fixture!r}))
+saved["max_concurrency"] = int(arg("--max-concurrency"))
+with open(arg("--result-dir") + "/" + arg("--result-filename"), "w") as fh:
+    json.dump(saved, fh)
+"""
+
+
+def test_vllm_bench_driver_runs_the_command_and_reads_its_file(
+    servers, checkpoints, tmp_path: Path
+) -> None:
+    import sys
+
+    bin_dir = tmp_path / "venv" / "bin"
+    bin_dir.mkdir(parents=True)
+    (bin_dir / "python").symlink_to(sys.executable)
+    log = tmp_path / "argv.jsonl"
+    fixture = Path(__file__).parent / "data" / "vllm_bench_serve_result.json"
+    script = bin_dir / "vllm"
+    script.write_text(FAKE_VLLM.format(python=sys.executable, log=str(log), fixture=str(fixture)))
+    script.chmod(0o755)
+    target = {**_target("v", servers["a"], checkpoints["a"]), "python_bin": str(bin_dir / "python")}
+    result = run_sweep(
+        targets=[target],
+        input_lens=[16],
+        output_len=128,
+        concurrency=[1, 4],
+        repeats=1,
+        driver="vllm-bench",
+        out_dir=str(tmp_path / "sweep"),
+    )
+    saved = json.loads(fixture.read_text())
+    calls = [json.loads(x) for x in log.read_text().splitlines()]
+    assert len(calls) == 2
+    for argv, conc in zip(calls, (1, 4), strict=True):
+        assert argv[:2] == ["bench", "serve"]
+        assert argv[argv.index("--max-concurrency") + 1] == str(conc)
+        assert argv[argv.index("--random-input-len") + 1] == "16"
+        assert argv[argv.index("--port") + 1] == str(servers["a"].port)
+        assert argv[argv.index("--tokenizer") + 1] == str(checkpoints["a"])
+        assert argv[argv.index("--model") + 1] == "a"  # the served id from /v1/models
+    seeds = [argv[argv.index("--seed") + 1] for argv in calls]
+    assert seeds[0] != seeds[1]  # fresh prompts per concurrency level
+    cells = json.loads((tmp_path / "sweep" / "results.json").read_text())["cells"]
+    assert [c["status"] for c in cells] == ["partial", "partial"]  # the recorded failed request
+    assert all(
+        c["output_tok_s"] == pytest.approx(saved["output_throughput"], abs=1e-3) for c in cells
+    )
+    assert [str(c["seed"]) for c in cells] == seeds
+    assert result.failures and "Traceback" in result.failures[0]
