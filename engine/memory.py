@@ -9,6 +9,7 @@ checked against what the device really holds.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -90,6 +91,7 @@ def apply_memory_cap(device: torch.device, cap_mib: int | None) -> None:
     a large card behaves like a small one for memory. No effect on the CPU."""
     if cap_mib is None or device.type != "cuda":
         return
+    _expandable_segments()
     # set_per_process_memory_fraction wants an index: "cuda" alone means the current device.
     index = device.index if device.index is not None else torch.cuda.current_device()
     total = torch.cuda.get_device_properties(index).total_memory
@@ -166,6 +168,25 @@ def reader_fixed_bytes(model, weight_elem: int) -> int:
     return max(rows) * h * weight_elem + SAFETY_BYTES
 
 
+def _expandable_segments() -> None:
+    """Under a cap, let the allocator grow segments in place instead of carving fixed ones.
+
+    Why: the cap counts what the allocator reserves, not what is allocated, and fixed
+    segments leave holes that no large block fits: on the H200 at 3,732 MiB, a read failed
+    asking for 44 MiB with 215 MiB reserved but unallocated (bench/NOTES.md). Set before the
+    weights load, so they pack too. GPURIG_EXPANDABLE_SEGMENTS=0 leaves the allocator alone
+    (PYTORCH_CUDA_ALLOC_CONF, when set, is left as the user set it)."""
+    if os.environ.get("GPURIG_EXPANDABLE_SEGMENTS", "1") == "0":
+        return
+    if "PYTORCH_CUDA_ALLOC_CONF" in os.environ or "PYTORCH_ALLOC_CONF" in os.environ:
+        return
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+    if setter is None:
+        setter = getattr(torch._C, "_cuda_cudaCachingAllocator_set_allocator_settings", None)
+    if setter is not None:
+        setter("expandable_segments:True")
+
+
 def available_bytes(device: torch.device, cap_mib: int | None) -> int | None:
     """Bytes this process may still allocate on `device`: under the cap, the cap less what is
     allocated; uncapped, the driver's free memory plus what the allocator caches unused.
@@ -173,12 +194,16 @@ def available_bytes(device: torch.device, cap_mib: int | None) -> int | None:
     if device.type != "cuda":
         return None
     index = device.index if device.index is not None else torch.cuda.current_device()
+    if cap_mib is not None:  # hand cached, wholly free segments back: the cap counts them
+        torch.cuda.empty_cache()
     allocated = torch.cuda.memory_allocated(index)
+    reserved = torch.cuda.memory_reserved(index)
     free, total = torch.cuda.mem_get_info(index)
-    uncapped = free + torch.cuda.memory_reserved(index) - allocated
+    uncapped = free + reserved - allocated
     if cap_mib is None:
         return uncapped
-    return min(uncapped, min(cap_mib * MIB, total) - allocated)
+    # what stays reserved but unallocated is holes in live segments: count half of it
+    return min(uncapped, min(cap_mib * MIB, total) - reserved + (reserved - allocated) // 2)
 
 
 def plan_prompt(
