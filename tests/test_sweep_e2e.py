@@ -338,3 +338,24 @@ def test_vllm_bench_driver_runs_the_command_and_reads_its_file(
     )
     assert [str(c["seed"]) for c in cells] == seeds
     assert result.failures and "Traceback" in result.failures[0]
+
+
+def test_demo_starts_and_stops_its_servers(tmp_path: Path, monkeypatch) -> None:
+    """`gpurig demo`'s function on a smaller plan: both targets are `server` targets, started
+    through tools.serving one at a time and stopped after their cells."""
+    from bench.sweep import demo
+    from tools.serving import server_status
+
+    monkeypatch.setenv("GPURIG_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(
+        demo, "DEMO_PLAN", {"input_lens": [16], "output_len": 4, "concurrency": [1], "repeats": 1}
+    )
+    result = demo.run_demo(work_dir=str(tmp_path / "demo"), device="cpu")
+    assert result.state == "done" and not result.failures, result.failures
+    assert [t.target for t in result.summary[0].targets] == ["engine-tiny", "engine-small"]
+    assert all(t.output_tok_s for t in result.summary[0].targets)
+    assert "engine-tiny tok/s" in result.table and Path(result.report).is_file()
+    servers = server_status().servers
+    assert len(servers) == 2 and all(s.state == "stopped" for s in servers)
+    roof = {r.target: r for r in result.roofline}
+    assert roof["engine-small"].bytes_per_token > roof["engine-tiny"].bytes_per_token > 0
