@@ -103,6 +103,17 @@ def check(eng, n: int, cap: int) -> dict[str, Any]:
     return res
 
 
+def _sdpa_probe() -> bool:
+    """Whether torch's memory-efficient kernel takes a 512-wide bf16 head here (else the
+    engine's prefix attention falls back to its slices)."""
+    from engine.attention import _Online
+
+    dev = torch.device("cuda:0")
+    qg = torch.randn(1, 16, 512, device=dev, dtype=torch.bfloat16)
+    keys = torch.randn(100, 1, 512, device=dev, dtype=torch.bfloat16)
+    return bool(_Online(1, 16, 512, dev).add_whole(qg, keys, keys))
+
+
 def run(cap: int | None, lengths=LENGTHS, checks: bool = False, save=None) -> dict[str, Any]:
     import engine
 
@@ -114,6 +125,7 @@ def run(cap: int | None, lengths=LENGTHS, checks: bool = False, save=None) -> di
     res["loaded_mib"] = _mib(torch.cuda.memory_allocated())
     res["max_chunk"] = eng.prefill_chunk
     res["expandable_segments"] = os.environ.get("GPURIG_EXPANDABLE_SEGMENTS", "1") != "0"
+    res["prefix_sdpa_runs"] = _sdpa_probe()
     try:
         eng.generate(_prompt(2048, eng.config.vocab_size), 4, stop_ids=[])  # compile, capture
     except Exception as exc:  # noqa: BLE001
@@ -158,6 +170,14 @@ def _save(path: Path):
     return save
 
 
+VARIANTS = (  # name, environment, capped, seconds
+    ("capped", {}, True, 100),
+    ("capped_no_prefix_sdpa", {"GPURIG_PREFIX_SDPA": "0"}, True, 100),
+    ("capped_fixed_segments", {"GPURIG_EXPANDABLE_SEGMENTS": "0"}, True, 100),
+    ("uncapped", {}, False, 230),
+)
+
+
 def _child(args: list[str], out: Path, timeout: float) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "bench.long_prompt", "run", "--json", str(out), *args]
     try:
@@ -174,16 +194,16 @@ def _child(args: list[str], out: Path, timeout: float) -> dict[str, Any]:
 
 
 def summary(*runs: dict[str, Any]) -> list[str]:
-    lines = [f"{'tokens':>8} {'cap':>6} {'exp':>3} {'chunk':>6} {'first s':>8} {'prompt tok/s':>13} "
+    lines = [f"{'variant':>22} {'tokens':>8} {'chunk':>6} {'first s':>8} {'prompt tok/s':>13} "
              f"{'decode tok/s':>13} {'peak MiB':>9} {'reserved':>9}"]  # fmt: skip
     for res in runs:
         for n in LENGTHS:
             r = res.get(f"prompt_{n}", {})
             if "error" in r or not r:
-                lines.append(f"{n:>8} {res.get('cap_mib')!s:>6} FAILED {r.get('error', '')[:80]}")
+                why = r.get("error", "") or res.get("exit", "") or res.get("warm_up_error", "")
+                lines.append(f"{res.get('variant', '')!s:>22} {n:>8} FAILED {str(why)[:100]}")
                 continue
-            exp = "y" if res.get("expandable_segments") and res.get("cap_mib") else "n"
-            lines.append(f"{n:>8} {res.get('cap_mib')!s:>6} {exp:>3} {r['chunk']:>6} "
+            lines.append(f"{res.get('variant', '')!s:>22} {n:>8} {r['chunk']:>6} "
                          f"{r['first_token_s']:>8.2f} {r['prompt_tok_per_s']:>13,.0f} "
                          f"{r['decode_tok_per_s']:>13,.1f} {r['peak_allocated_mib']:>9,.0f} "
                          f"{r['peak_reserved_mib']:>9,.0f}")  # fmt: skip
@@ -205,13 +225,16 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     args.out.mkdir(parents=True, exist_ok=True)
     res: dict[str, Any] = {"make": make(E2B_DIR)}
-    res["capped"] = _child(["--cap", str(CAP_MIB)], args.out / "long_prompt_capped.json", 150)
-    os.environ["GPURIG_EXPANDABLE_SEGMENTS"] = "0"  # the allocator as it was: fragmentation?
-    res["capped_fixed_segments"] = _child(["--cap", str(CAP_MIB)],
-                                          args.out / "long_prompt_capped_fixed.json", 120)  # fmt: skip
-    del os.environ["GPURIG_EXPANDABLE_SEGMENTS"]
-    res["uncapped"] = _child(["--checks"], args.out / "long_prompt_uncapped.json", 250)
-    res["summary"] = summary(res["capped"], res["capped_fixed_segments"], res["uncapped"])
+    cap = ["--cap", str(CAP_MIB)]
+    for name, env, extra, timeout in VARIANTS:
+        for key, value in env.items():
+            os.environ[key] = value
+        argv = cap if extra else ["--checks"]
+        res[name] = _child(argv, args.out / f"long_prompt_{name}.json", timeout)
+        res[name]["variant"] = name
+        for key in env:
+            del os.environ[key]
+    res["summary"] = summary(*(res[name] for name, *_ in VARIANTS))
     (args.out / "long_prompt.json").write_text(json.dumps(res, indent=1))
     print("\n".join(res["summary"]))
     return 0

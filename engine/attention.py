@@ -24,6 +24,8 @@ not before), so results agree to rounding (fp32: ~1e-7), not bit for bit.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 SCORE_BYTES = 6  # peak bytes per score element of one slice: bf16 scores + their fp32 copy
@@ -58,6 +60,8 @@ def attend_chunk(
         qg = qb.reshape(a1 - a0, hkv, group, d).permute(1, 2, 0, 3).reshape(hkv, -1, d)
         state = _Online(hkv, qg.shape[1], d, q.device)
         for keys, values, kpos, masked in segments:
+            if not masked and keys.shape[0] and _sdpa_ok(qg) and state.add_whole(qg, keys, values):
+                continue
             for s0 in range(0, keys.shape[0], keys_per_slice):
                 s1 = min(keys.shape[0], s0 + keys_per_slice)
                 kp = kpos[s0:s1] if masked else None
@@ -81,6 +85,20 @@ def _segments(cache_k, cache_v, cache_pos, k_new, v_new, q_pos, window, a0, a1, 
         lo = a0
     segs.append((k_new[lo:a1], v_new[lo:a1], q_pos[lo:a1], True))
     return segs
+
+
+def _sdpa_ok(qg: torch.Tensor) -> bool:
+    """Unmasked key ranges (a full layer's prefix) go through torch's memory-efficient
+    attention kernel on CUDA: one launch, no scores in memory, its log-sum-exp merged into
+    the online softmax. Only without a mask and without broadcast keys (the query heads
+    sharing a KV head are folded into rows), not the arrangement that returned wrong rows for
+    the seed. GPURIG_PREFIX_SDPA=0: the sliced softmax everywhere."""
+    return (
+        qg.is_cuda
+        and os.environ.get("GPURIG_PREFIX_SDPA", "1") != "0"
+        and qg.shape[-1] % 8 == 0
+        and qg.dtype in (torch.float16, torch.bfloat16, torch.float32)
+    )
 
 
 class _Online:
@@ -111,6 +129,27 @@ class _Online:
         del s
         self.acc.mul_(corr).add_(torch.bmm(p, values.to(qg.dtype).transpose(0, 1)))
         self.m = m_new
+
+    def add_whole(self, qg, keys, values) -> bool:
+        """Every key visible to every row: one memory-efficient attention call returns the
+        normalised output and each row's log-sum-exp, merged as one more online-softmax step.
+        False (nothing merged) where torch has no such kernel for these shapes."""
+        hkv, rows, d = qg.shape
+        k4 = keys.to(qg.dtype).transpose(0, 1).unsqueeze(0)  # [1, Hkv, S, D]
+        v4 = values.to(qg.dtype).transpose(0, 1).unsqueeze(0)
+        try:
+            out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
+                qg.unsqueeze(0), k4, v4, None, True, 0.0, False, scale=1.0
+            )[:2]
+        except (RuntimeError, NotImplementedError):
+            return False
+        lse = lse[0, :, :rows].unsqueeze(-1).float()  # [Hkv, rows, 1]
+        m_new = torch.maximum(self.m, lse)
+        corr, w = torch.exp(self.m - m_new), torch.exp(lse - m_new)
+        self.l.mul_(corr).add_(w)
+        self.acc.mul_(corr).add_(out[0].float().mul_(w))
+        self.m = m_new
+        return True
 
     def result(self, dtype: torch.dtype) -> torch.Tensor:
         return (self.acc / self.l).to(dtype)

@@ -36,3 +36,32 @@ def test_reading_stays_within_the_plan(tmp_path, monkeypatch, left_mib):
     used = torch.cuda.max_memory_allocated() - base
     assert torch.isfinite(logits).all()
     assert used <= plan.need_bytes - memory.SAFETY_BYTES + (8 << 20), (used, plan)
+
+
+@pytest.mark.parametrize("t", [1, 33, 64, 65, 97, 129])
+@pytest.mark.parametrize("d", [256, 512])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefix_through_memory_efficient_attention_equals_slices(monkeypatch, t, d, dtype):
+    """A full layer's prefix through torch's memory-efficient kernel (heads folded into rows,
+    no mask, no broadcast keys), merged by its log-sum-exp, against the sliced softmax and one
+    block, at the chunk lengths whose last row the kernel once got wrong (with a mask and
+    broadcast keys)."""
+    from engine import ops
+    from engine.attention import attend_chunk
+
+    gen = torch.Generator(device="cuda").manual_seed(t + d)
+    start, hq = 1000, 8
+    q = torch.randn(t, hq, d, device="cuda", generator=gen).to(dtype)
+    k_new, v_new = torch.randn(2, t, 1, d, device="cuda", generator=gen).to(dtype)
+    ck, cv = torch.randn(2, start, 1, d, device="cuda", generator=gen).to(dtype)
+    cp, qp = torch.arange(start, device="cuda"), torch.arange(start, start + t, device="cuda")
+    keys, values = torch.cat([ck, k_new]).float(), torch.cat([cv, v_new]).float()
+    want = ops._attend(q.float(), keys, values, torch.cat([cp, qp]), qp, None)
+    budget = hq * 32 * 300
+    fused = attend_chunk(q, k_new, v_new, ck, cv, cp, qp, None, budget, prefix_visible=True)
+    monkeypatch.setenv("GPURIG_PREFIX_SDPA", "0")
+    sliced = attend_chunk(q, k_new, v_new, ck, cv, cp, qp, None, budget, prefix_visible=True)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    assert (fused.float() - want).abs().max() < tol
+    assert (sliced.float() - want).abs().max() < tol
+    assert (fused.float() - want)[-1].abs().max() < tol  # the last row
