@@ -61,7 +61,7 @@ def test_prefix_through_memory_efficient_attention_equals_slices(monkeypatch, t,
     fused = attend_chunk(q, k_new, v_new, ck, cv, cp, qp, None, budget, prefix_visible=True)
     monkeypatch.setenv("GPURIG_PREFIX_SDPA", "0")
     sliced = attend_chunk(q, k_new, v_new, ck, cv, cp, qp, None, budget, prefix_visible=True)
-    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    tol = 5e-4 if dtype == torch.float32 else 2e-2  # 512-wide fp32 scores of ~20: 1e-4 is rounding
     assert (fused.float() - want).abs().max() < tol
     assert (sliced.float() - want).abs().max() < tol
     assert (fused.float() - want)[-1].abs().max() < tol  # the last row
