@@ -161,14 +161,14 @@ def test_unquantized_checkpoint_counts_its_plain_linears(tmp_path: Path) -> None
     assert plain.plain_linears == linears and plain.quantized_linears == 0
 
 
-def test_disk_advice_names_each_place_once_and_says_what_happened(tmp_path: Path) -> None:
-    """Two paths that do not exist yet are both measured at tmp_path: `df -h` names it once.
+def test_disk_advice_names_each_filesystem_once_and_says_what_happened(tmp_path: Path) -> None:
+    """Two paths that do not exist yet are both measured at tmp_path, and tmp_path's parent
+    is on the same filesystem: `df -h` gets one argument for it (df prints a row per argument).
     The staging advice tells what went wrong on a real host, not where the numbers came from."""
     from tools.host import check_host_capacity
 
-    report = check_host_capacity(
-        paths=[str(tmp_path / "later"), str(tmp_path / "also-later")], need_gib=999_999
-    )
+    paths = [tmp_path / "later", tmp_path.parent, tmp_path / "also-later"]
+    report = check_host_capacity(paths=[str(p) for p in paths], need_gib=999_999)
     disk = next(a for a in report.advice if a.rule == "disk_space")
     df = next(c for c in disk.commands if c.startswith("df -h"))
     assert df.split()[2:] == [str(tmp_path)]

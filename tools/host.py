@@ -358,8 +358,12 @@ def rule_disk_space(f: Facts) -> Advice:
     lines = ", ".join(
         f"{p.path} ({p.free_bytes / GIB:.1f} GiB free on {p.mount_point})" for p in short
     )
-    # one df argument per place measured: ~/.cache and a not-yet-made HF cache share one
-    commands = [f"df -h {' '.join(dict.fromkeys(p.measured_at for p in short))}"]
+    # one df argument per filesystem: df prints a row per argument, and paths on one
+    # filesystem (/, /tmp; ~/.cache and a not-yet-made HF cache) would repeat the same row
+    per_fs: dict[str, str] = {}
+    for p in short:
+        per_fs.setdefault(p.mount_point, p.measured_at)
+    commands = [f"df -h {' '.join(per_fs.values())}"]
     if biggest.free_bytes >= need * GIB:
         target = Path(biggest.mount_point) / "huggingface"
         commands += [f"mkdir -p {target}", f"export HF_HOME={target}"]
