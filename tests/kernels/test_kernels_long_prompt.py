@@ -55,13 +55,16 @@ def test_prefix_through_memory_efficient_attention_equals_slices(monkeypatch, t,
     k_new, v_new = torch.randn(2, t, 1, d, device="cuda", generator=gen).to(dtype)
     ck, cv = torch.randn(2, start, 1, d, device="cuda", generator=gen).to(dtype)
     cp, qp = torch.arange(start, device="cuda"), torch.arange(start, start + t, device="cuda")
-    keys, values = torch.cat([ck, k_new]).float(), torch.cat([cv, v_new]).float()
-    want = ops._attend(q.float(), keys, values, torch.cat([cp, qp]), qp, None)
+    keys, values = torch.cat([ck, k_new]), torch.cat([cv, v_new])
+    pos = torch.cat([cp, qp])
+    want = ops._attend(q.float(), keys.float(), values.float(), pos, qp, None)
+    # the engine's one-block attention in this dtype: how far rounding alone takes it
+    base = (ops._attend(q, keys, values, pos, qp, None).float() - want).abs().max()
     budget = hq * 32 * 300
     fused = attend_chunk(q, k_new, v_new, ck, cv, cp, qp, None, budget, prefix_visible=True)
     monkeypatch.setenv("GPURIG_PREFIX_SDPA", "0")
     sliced = attend_chunk(q, k_new, v_new, ck, cv, cp, qp, None, budget, prefix_visible=True)
-    tol = 5e-4 if dtype == torch.float32 else 2e-2  # 512-wide fp32 scores of ~20: 1e-4 is rounding
-    assert (fused.float() - want).abs().max() < tol
-    assert (sliced.float() - want).abs().max() < tol
+    tol = max(5e-4 if dtype == torch.float32 else 2e-2, 1.5 * float(base))
+    assert (fused.float() - want).abs().max() < tol, float(base)
+    assert (sliced.float() - want).abs().max() < tol, float(base)
     assert (fused.float() - want)[-1].abs().max() < tol  # the last row
