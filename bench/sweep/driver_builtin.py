@@ -5,7 +5,9 @@ Each request streams (`stream: true`, `stream_options.include_usage`) with `igno
 flight. The times are the client's own, taken as `vllm bench serve` takes them: TTFT at the first
 chunk that carries a choice, an ITL per later chunk, the output token count from the final
 usage (the chunk count where a server sends no usage). One event loop per cell, one connection
-per stream: the driver's own CPU cost is measured by bench/sweep_cost.py.
+per request through the lean client in sse_client.py (httpx for https); a chunk is parsed as
+JSON only when it carries usage or an error. The driver's own CPU cost is measured by
+bench/sweep_cost.py.
 """
 
 from __future__ import annotations
@@ -13,13 +15,14 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import httpx
 
 from bench.sweep.models import RequestResult
 from bench.sweep.prompts import sha
+from bench.sweep.sse_client import HttpError, StreamClosed, stream_events
 
 Prompt = list[int] | str
 OnDone = Callable[[RequestResult], None]
@@ -38,25 +41,41 @@ def _error_text(body: bytes, status: int) -> str:
 
 
 def _describe(exc: BaseException) -> str:
-    if isinstance(exc, httpx.ConnectError):
+    if isinstance(exc, ConnectionRefusedError | httpx.ConnectError):
         return f"connection refused or unreachable ({exc})"
-    if isinstance(exc, httpx.RemoteProtocolError):
+    if isinstance(exc, StreamClosed | httpx.RemoteProtocolError):
         return f"server closed the connection mid-stream ({exc})"
-    if isinstance(exc, httpx.TimeoutException):
+    if isinstance(exc, TimeoutError | httpx.TimeoutException):
         return f"timed out ({type(exc).__name__})"
     return f"{type(exc).__name__}: {exc}"
 
 
+async def _httpx_events(
+    client: httpx.AsyncClient, url: str, body: dict[str, Any]
+) -> AsyncIterator[tuple[bytes, float]]:
+    """The same events as sse_client.stream_events, through httpx (https servers)."""
+    async with client.stream("POST", url, json=body) as resp:
+        if resp.status_code != 200:
+            raise HttpError(resp.status_code, await resp.aread())
+        async for line in resp.aiter_lines():
+            if line.startswith("data:"):
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    return
+                yield data.encode(), time.perf_counter()
+
+
 async def one_request(
-    client: httpx.AsyncClient,
+    client: httpx.AsyncClient | None,
     url: str,
     model: str | None,
     prompt: Prompt,
     index: int,
     output_len: int,
     cell_start: float,
+    timeout_s: float = 600.0,
 ) -> RequestResult:
-    """Send one streaming completion and time it."""
+    """Send one streaming completion and time it (`client` None: the lean http:// client)."""
     body: dict[str, Any] = {
         "prompt": prompt,
         "max_tokens": output_len,
@@ -67,7 +86,7 @@ async def one_request(
     }
     if model:
         body["model"] = model
-    n_in = len(prompt) if isinstance(prompt, list) else -1
+    n_in = len(prompt) if isinstance(prompt, list) else 0
     result = RequestResult(index=index, prompt_sha=sha(prompt), input_tokens=n_in)
     start = time.perf_counter()
     result.start_s = round(start - cell_start, 6)
@@ -75,34 +94,31 @@ async def one_request(
     last = start
     chunks = 0
     usage: dict[str, Any] | None = None
+    events = stream_events(url, body) if client is None else _httpx_events(client, url, body)
     try:
-        async with client.stream("POST", url, json=body) as resp:
-            if resp.status_code != 200:
-                result.error = _error_text(await resp.aread(), resp.status_code)
-                return result
-            async for line in resp.aiter_lines():
-                if not line.startswith("data:"):
+        async with asyncio.timeout(timeout_s):
+            async for data, now in events:
+                if data.startswith(b"{") and (b'"usage"' in data or b'"error"' in data):
+                    payload = json.loads(data)
+                    if "error" in payload:
+                        err = payload["error"]
+                        msg = err.get("message") if isinstance(err, dict) else str(err)
+                        result.error = f"error in the stream: {msg}"
+                        break
+                    usage = payload.get("usage") or usage
+                    if not payload.get("choices"):
+                        continue
+                elif b'"choices": []' in data or b'"choices":[]' in data:
                     continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
-                now = time.perf_counter()
-                payload = json.loads(data)
-                if "error" in payload:
-                    err = payload["error"]
-                    msg = err.get("message") if isinstance(err, dict) else str(err)
-                    result.error = f"error in the stream: {msg}"
-                    break
-                if payload.get("usage"):
-                    usage = payload["usage"]
-                if payload.get("choices"):
-                    chunks += 1
-                    if first is None:
-                        first = now
-                    else:
-                        result.itl_ms.append(round((now - last) * 1000, 3))
-                    last = now
-    except (httpx.HTTPError, OSError, ValueError) as exc:
+                chunks += 1
+                if first is None:
+                    first = now
+                else:
+                    result.itl_ms.append(round((now - last) * 1000, 3))
+                last = now
+    except HttpError as exc:
+        result.error = _error_text(exc.body, exc.status)
+    except (httpx.HTTPError, OSError, ValueError, StreamClosed, TimeoutError) as exc:
         result.error = _describe(exc)
     end = time.perf_counter()
     result.e2e_ms = round((end - start) * 1000, 3)
@@ -130,24 +146,29 @@ async def _run(
     on_done: OnDone | None,
 ) -> tuple[list[RequestResult], float]:
     url = base_url.rstrip("/") + "/completions"
-    limits = httpx.Limits(max_connections=concurrency + 2, max_keepalive_connections=concurrency)
-    timeout = httpx.Timeout(timeout_s, connect=min(timeout_s, 10.0))
     sem = asyncio.Semaphore(concurrency)
-    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+    client = None
+    if url.startswith("https://"):  # the lean client speaks plain http only
+        limits = httpx.Limits(max_connections=concurrency + 2)
+        client = httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(timeout_s, connect=10.0))
+    try:
         cell_start = time.perf_counter()
 
         async def task(index: int, prompt: Prompt) -> RequestResult:
             async with sem:
                 result = await one_request(
-                    client, url, model, prompt, index, output_len, cell_start
+                    client, url, model, prompt, index, output_len, cell_start, timeout_s
                 )
             if on_done is not None:
                 on_done(result)
             return result
 
         results = await asyncio.gather(*(task(i, p) for i, p in prompts))
-        ends = [r.start_s + (r.e2e_ms or 0) / 1000 for r in results]
-        duration = max(ends) - min(r.start_s for r in results) if results else 0.0
+    finally:
+        if client is not None:
+            await client.aclose()
+    ends = [r.start_s + (r.e2e_ms or 0) / 1000 for r in results]
+    duration = max(ends) - min(r.start_s for r in results) if results else 0.0
     return list(results), duration
 
 
