@@ -9,6 +9,10 @@ result (report path and main table).
 
 from __future__ import annotations
 
+import contextlib
+import os
+import shutil
+import tempfile
 from pathlib import Path
 
 from bench.sweep.models import SweepResult
@@ -24,15 +28,30 @@ DEMO_PLAN = {
 }
 
 
+def _complete(path: Path) -> bool:
+    return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
+
+
 def demo_checkpoints(root: Path) -> dict[str, Path]:
-    """The demo's checkpoints under `root`, written once (a few seconds) and reused."""
+    """The demo's checkpoints under `root`, written once (a few seconds) and reused. Each is
+    written beside its final name and renamed into place, so a demo killed mid-write (or two
+    at once) never leaves a half checkpoint that the next one would serve."""
     from engine.checkpoint_maker import make_checkpoint
 
     out = {}
+    root.mkdir(parents=True, exist_ok=True)
     for preset in PRESETS:
         path = root / preset
-        if not (path / "config.json").is_file() or not list(path.glob("*.safetensors")):
-            make_checkpoint(path, preset=preset, seed=0)
+        if not _complete(path):
+            tmp = Path(tempfile.mkdtemp(prefix=f".{preset}-", dir=root))
+            try:
+                make_checkpoint(tmp / "ckpt", preset=preset, seed=0)
+                if path.is_dir() and not _complete(path):
+                    shutil.rmtree(path)  # a leftover of an interrupted demo, ours
+                with contextlib.suppress(OSError):  # another demo may have won the race
+                    os.rename(tmp / "ckpt", path)
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
         out[preset] = path
     return out
 
