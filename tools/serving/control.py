@@ -123,7 +123,7 @@ def stop_vllm_server(name: str | None = None, timeout_s: float = 30) -> StopResu
             port_free=process.port_free(record.host, record.port),
             detail=f"{record.name} was already {was}; nothing to do",
         )
-    gpu_before = _gpu_memory() if record.backend == "vllm" else []
+    gpu_before = _gpu_memory()
     sent, killed, seconds = process.stop_group(record.pid, record.pid_create_time, timeout_s)
     record.state = "stopped"
     record.stopped_at = state.now_iso()

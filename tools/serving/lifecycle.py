@@ -10,6 +10,7 @@ ready comes back with a named cause, its remedy and the log tail (failures.py).
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Callable
@@ -33,6 +34,7 @@ from tools.serving.observe import health, mark_dead, read_log_lines
 from tools.serving.startup_facts import parse_startup_facts
 from tools.settings import resolve_python
 
+log = logging.getLogger("gpurig.serving")
 Progress = Callable[[float, float | None, str], None]
 POLL_S = 0.25
 
@@ -249,6 +251,17 @@ def start_vllm_server(
     )
 
 
+def _report(progress: Progress | None, done: float, total: float, message: str) -> None:
+    """Progress is a courtesy: a client that went away must not abort a start half-way (the
+    server would run on with a record that says starting)."""
+    if progress is None:
+        return
+    try:
+        progress(done, total, message)
+    except Exception:  # noqa: BLE001 - any failure of the callback is the caller's, not ours
+        log.debug("progress callback failed", exc_info=True)
+
+
 def wait_ready(
     record: ServerRecord,
     timeout_s: float,
@@ -276,8 +289,7 @@ def wait_ready(
                 record.ready_seconds = round(observe.elapsed(record), 2)
                 record.startup_facts = parse_startup_facts(read_log_lines(record.log_path))
                 state.write_record(record)
-                if progress:
-                    progress(elapsed, timeout_s, "ready")
+                _report(progress, elapsed, timeout_s, "ready")
                 return record
         if elapsed >= timeout_s:
             process.stop_group(record.pid, record.pid_create_time, 10)
@@ -287,8 +299,7 @@ def wait_ready(
             return record
         lines = read_log_lines(record.log_path, 8192)
         last_line = lines[-1][-200:] if lines else last_line
-        if progress:
-            progress(round(elapsed, 1), timeout_s, last_line or "starting")
+        _report(progress, round(elapsed, 1), timeout_s, last_line or "starting")
         time.sleep(POLL_S)
 
 
