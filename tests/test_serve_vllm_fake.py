@@ -13,6 +13,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -131,8 +132,20 @@ def test_ready_with_startup_facts_then_stubborn_stop(fake_python):
 
 
 def test_wait_false_then_status_sees_it_become_ready(fake_python):
-    record = start(fake_python, "serve", wait=False, name="nowait")
+    record = start(
+        fake_python,
+        "serve",
+        wait=False,
+        name="nowait",
+        env={"HF_TOKEN": "hf_secret"},
+        extra_args=["--api-key", "sk-secret"],
+    )
     assert record.state == "starting"
+    # secrets stay out of the record, which is readable by its owner only
+    text = Path(record.log_path).with_suffix(".json").read_text()
+    assert "secret" not in text and record.env["HF_TOKEN"] == "***"
+    assert record.command[record.command.index("--api-key") + 1] == "***"
+    assert Path(record.log_path).with_suffix(".json").stat().st_mode & 0o077 == 0
     deadline = time.monotonic() + 20
     while server_status("nowait").servers[0].state != "ready":
         assert time.monotonic() < deadline

@@ -233,8 +233,8 @@ def start_vllm_server(
             state="starting",
             log_path=str(log),
             exit_path=str(exit_file),
-            command=command,
-            env=env,
+            command=_masked_command(command),
+            env=_masked_env(env),
             python=python,
             vllm_version=vllm_version,
             started_at=state.now_iso(),
@@ -249,6 +249,28 @@ def start_vllm_server(
         weights=weights,
         context={"gpu_memory_utilization": gpu_memory_utilization},
     )
+
+
+_SECRET_WORDS = ("TOKEN", "KEY", "SECRET", "PASSWORD")
+_SECRET_FLAGS = {"--api-key", "--hf-token", "--ssl-keyfile-password"}
+
+
+def _masked_env(env: dict[str, str]) -> dict[str, str]:
+    """The record is a file others may read: HF_TOKEN and the like are kept out of it."""
+    return {k: "***" if any(w in k.upper() for w in _SECRET_WORDS) else v for k, v in env.items()}
+
+
+def _masked_command(command: list[str]) -> list[str]:
+    out: list[str] = []
+    for i, arg in enumerate(command):
+        name, eq, _value = arg.partition("=")
+        if eq and name in _SECRET_FLAGS:
+            out.append(f"{name}=***")
+        elif i > 0 and command[i - 1] in _SECRET_FLAGS:
+            out.append("***")
+        else:
+            out.append(arg)
+    return out
 
 
 def _report(progress: Progress | None, done: float, total: float, message: str) -> None:

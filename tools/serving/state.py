@@ -65,7 +65,7 @@ def parse_iso(text: str) -> datetime:
 
 
 def write_record(record: ServerRecord) -> None:
-    write_atomic(record_path(record.name), record.model_dump_json(indent=2) + "\n", mode=0o644)
+    write_atomic(record_path(record.name), record.model_dump_json(indent=2) + "\n", mode=0o600)
 
 
 def read_record(name: str) -> ServerRecord | None:
