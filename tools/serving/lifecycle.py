@@ -209,7 +209,9 @@ def start_vllm_server(
         else:
             python = resolve_python(python_bin) if python_bin else cmd.engine_python()
             known = _engine_flags()
-            unknown = [a for a in extra_args if a.startswith("-") and a.split("=")[0] not in known]
+            unknown = [
+                a for a in extra_args if flagmod.normalize(a) and a.split("=")[0] not in known
+            ]
             _refuse_unknown(unknown, sorted(known), "gpurig engine serve", "engine")
             command = cmd.engine_command(
                 python, local or model, host, port, max_model_len, device, extra_args
