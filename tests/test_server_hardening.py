@@ -217,3 +217,16 @@ def test_big_bodies_never_freeze_the_server(server, http):
     assert len(health) >= 5
     assert max(health) < 1.0, f"/health took {max(health):.2f} s"
     assert max(gaps[1:]) < 1.0, f"the stream stalled {max(gaps[1:]):.2f} s"
+
+
+def test_errors_echo_only_an_excerpt_of_what_was_sent(http):
+    long = "m" * 100_000
+    r = http.post("/v1/completions", json={"prompt": "x", "model": long})
+    assert r.status_code == 404 and len(r.text) < 500 and "100000 characters" in r.text
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    body = {"messages": USER, "tools": tools,
+            "tool_choice": {"type": "function", "function": {"name": long}}}  # fmt: skip
+    r = http.post("/v1/chat/completions", json=body)
+    assert r.status_code == 400 and len(r.text) < 500
+    r = http.post("/v1/completions", json={"prompt": "x", "logit_bias": {long: 1.0}})
+    assert r.status_code == 400 and len(r.text) < 500

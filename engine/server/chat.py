@@ -18,7 +18,7 @@ from starlette.responses import JSONResponse, Response
 from engine.chat.render import ChatTemplateError, render_chat
 from engine.chat.tool_calls import CALL_OPEN, StreamingReplyParser, parse_reply
 from engine.server.body import parse_request, read_body
-from engine.server.errors import ApiError
+from engine.server.errors import ApiError, excerpt
 from engine.server.queue import GenerationRequest, GenerationResult
 from engine.server.schemas import (
     AssistantMessage,
@@ -68,7 +68,7 @@ def _offered_tools(req: ChatCompletionRequest) -> list[dict[str, Any]]:
         if not tools:
             raise ApiError(
                 400,
-                f"tool_choice names '{choice.function.name}', which is not in tools.",
+                f"tool_choice names '{excerpt(choice.function.name)}', which is not in tools.",
                 param="tool_choice",
             )
     return tools
@@ -82,7 +82,8 @@ def chat_prompt(state: ServerState, req: ChatCompletionRequest) -> ChatPrompt:
                 if part.type != "text":
                     raise ApiError(
                         400,
-                        f"messages[{i}] has a '{part.type}' part; this server handles text only.",
+                        f"messages[{i}] has a '{excerpt(part.type)}' part; this server handles text "
+                        "only.",
                         param=f"messages.{i}.content",
                     )
     tools = _offered_tools(req)

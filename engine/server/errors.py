@@ -14,6 +14,13 @@ from engine.errors import ContextLengthError, GenerationError
 from engine.server.schemas import ErrorBody, ErrorResponse
 
 
+def excerpt(value: object, limit: int = 60) -> str:
+    """A client's value, cut short, for an error message: a reply never echoes a whole
+    megabyte back."""
+    text = str(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
 class ApiError(Exception):
     """An error to send to the client in OpenAI's shape."""
 

@@ -128,7 +128,8 @@ class _SamplingFields(_Request):
         for key, bias in self.logit_bias.items():
             token = int(key) if key.strip().lstrip("-").isdigit() else None
             if token is None or not 0 <= token < vocab_size:
-                raise ValueError(f"logit_bias key {key!r} is not a token id in [0, {vocab_size})")
+                shown = repr(key) if len(key) <= 40 else repr(key[:40]) + "..."
+                raise ValueError(f"logit_bias key {shown} is not a token id in [0, {vocab_size})")
             out[token] = bias
         return out
 

@@ -18,7 +18,7 @@ import anyio.to_thread
 from anyio import CapacityLimiter
 
 from engine.chat.render import bundled_template, read_template
-from engine.server.errors import ApiError, context_error
+from engine.server.errors import ApiError, context_error, excerpt
 from engine.server.limits import Limits, ServerOptions, compute_limits
 from engine.server.metrics import Metrics
 from engine.server.queue import GenerationQueue
@@ -80,7 +80,7 @@ class ServerState:
         if requested and requested not in self.aliases:
             raise ApiError(
                 404,
-                f"The model '{requested}' does not exist. This server serves '{self.model_name}' "
+                f"The model '{excerpt(requested)}' does not exist. This server serves '{self.model_name}' "
                 "(see GET /v1/models).",
                 param="model",
                 code="model_not_found",
