@@ -52,6 +52,7 @@ def make_plots(
             ax.set_ylabel(title)
             ax.set_xscale("log", base=2)
             ax.set_xticks(config.concurrency, [str(c) for c in config.concurrency])
+            ax.set_ylim(bottom=0)  # a flat line must look flat, not zoomed into noise
             ax.grid(True, alpha=0.3)
             ax.legend()
         fig.tight_layout()

@@ -130,6 +130,22 @@ def _telemetry_notes(cells: list[CellRecord]) -> list[str]:
             what = ", ".join(f"{k} {v:.0%} of samples" for k, v in busy.items())
             clock = f"SM clock at {g.clock_share:.0%} of max" if g.clock_share else ""
             notes.append(f"{c.key().name()}: throttled ({what}) {clock}".rstrip())
+    gpus: dict[str, list] = {}
+    for c in cells:
+        if c.telemetry.gpu is not None:
+            gpus.setdefault(c.target, []).append(c.telemetry.gpu)
+    for t, gs in gpus.items():
+        util = [g.util_max for g in gs if g.util_max is not None]
+        clock = [g.clock_share for g in gs if g.clock_share is not None]
+        power = [g.power_mean_w for g in gs if g.power_mean_w is not None]
+        limit = next((g.power_limit_w for g in gs if g.power_limit_w), None)
+        notes.append(
+            f"{t}: {gs[0].name or 'GPU'} utilization up to {max(util, default=0):.0f}%, SM clock "
+            f"{min(clock, default=0):.0%}-{max(clock, default=0):.0%} of max, power up to "
+            f"{max(power, default=0):.0f} W"
+            + (f" of {limit:.0f} W" if limit else "")
+            + f" ({sum(g.samples for g in gs)} samples)."
+        )
     cpu = [c for c in cells if c.telemetry.server_cpu_cores is not None]
     if cpu:
         by_target: dict[str, list[float]] = {}
@@ -247,7 +263,7 @@ def build_report(store: SweepStore) -> dict:
         "failures": failures,
         "cells": [c.model_dump() for c in cells],
     }
-    write_atomic(store.dir / "results.json", json.dumps(results, indent=1) + "\n")
+    write_atomic(store.dir / "results.json", json.dumps(results, separators=(",", ":")) + "\n")
     write_atomic(store.dir / "results.csv", cells_csv(cells))
     write_atomic(store.dir / "REPORT.md", markdown)
     return {
