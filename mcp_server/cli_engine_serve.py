@@ -27,8 +27,10 @@ from tools.errors import GpurigError, InvalidInputError, NotFoundError, RefusedE
 
 DEFAULT_PORT = 8100
 DEFAULT_MAX_CTX = 131072
-DEFAULT_MAX_TOKENS_LIMIT = 4096  # engine.server.limits.DEFAULT_MAX_TOKENS_LIMIT (not imported:
-DEFAULT_MAX_BODY_MIB = 8  # engine.server pulls in starlette; this module stays light)
+# the same defaults as engine/server/limits.py, not imported from there: importing engine.server
+# pulls in starlette, and this module stays light until the command runs
+DEFAULT_MAX_TOKENS_LIMIT = 4096
+DEFAULT_MAX_BODY_MIB = 8
 API_KEY_ENV = "GPURIG_ENGINE_API_KEY"
 MAX_DEFAULT_THREADS = 8
 
