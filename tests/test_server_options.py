@@ -217,3 +217,12 @@ def test_openapi_without_a_key_has_no_security(checkpoint):
     validate_openapi(spec)
     assert "securitySchemes" not in spec["components"]
     assert json.dumps(spec)  # plain JSON
+
+
+def test_the_cli_defaults_are_the_servers():
+    from engine.server import limits
+    from mcp_server import cli_engine_serve as cli
+
+    assert cli.DEFAULT_MAX_TOKENS_LIMIT == limits.DEFAULT_MAX_TOKENS_LIMIT
+    assert cli.DEFAULT_MAX_BODY_MIB * 1024 * 1024 == limits.DEFAULT_MAX_BODY_BYTES
+    assert 1 <= cli.default_threads() <= cli.MAX_DEFAULT_THREADS
