@@ -119,7 +119,7 @@ class ProgressBar:
     def __init__(self, stream=sys.stderr) -> None:
         self.stream = stream
         self.tty = stream.isatty()
-        self.t0 = time.monotonic()
+        self.first: tuple[float, int] | None = None  # (time, done) at the first request
         self.last = 0.0
 
     def __call__(self, done: int, total: int, message: str) -> None:
@@ -130,8 +130,11 @@ class ProgressBar:
         share = done / total if total else 1.0
         fill = int(share * BAR)
         eta = ""
-        if 0 < done < total:
-            left = (now - self.t0) / done * (total - done)
+        if self.first is None and done > 0:
+            self.first = (now, done)  # server start-up and the first request are not a rate
+        elif self.first is not None and self.first[1] < done < total:
+            t1, d1 = self.first
+            left = (now - t1) / (done - d1) * (total - done)
             eta = f" ETA {int(left) // 60}:{int(left) % 60:02d}"
         line = f"[{'#' * fill}{'.' * (BAR - fill)}] {done}/{total} requests{eta}  {message}"
         if self.tty:

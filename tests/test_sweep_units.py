@@ -345,3 +345,20 @@ def test_nvml_samples_summarized_and_absence_explained() -> None:
     gpu, missing = sampler.stop()
     if gpu is None:  # this host has no GPU: the reason, never a crash
         assert missing and ("NVML" in missing or "driver" in missing or "GPU" in missing)
+
+
+# ---- the CLI's words for bad input ---------------------------------------------------------------
+
+
+def test_cli_refuses_bad_targets_and_unknown_sweeps(run_gpurig, tmp_path: Path) -> None:
+    bad = run_gpurig("sweep", "run", "--target", "nolabel")
+    assert (
+        bad.returncode == 2 and "is not LABEL=VALUE" in bad.stderr and "Traceback" not in bad.stderr
+    )
+    bad = run_gpurig("sweep", "run", "--serve", "a=docker:/m")
+    assert bad.returncode == 2 and "LABEL=BACKEND:MODEL" in bad.stderr
+    bad = run_gpurig("sweep", "run", "--target", "a=ftp://x/v1", "--out", str(tmp_path / "s"))
+    assert bad.returncode == 2 and "must start with http" in bad.stderr
+    assert not (tmp_path / "s").exists()  # nothing half-written
+    bad = run_gpurig("sweep", "status", str(tmp_path / "nope"))
+    assert bad.returncode == 2 and "no sweep at" in bad.stderr and "what to do" in bad.stderr

@@ -194,7 +194,8 @@ def execute(out_dir: str | Path, progress: Progress | None = None) -> SweepResul
     with store.running():
         done = {c.key() for c in store.load_cells(repair=True)}
         tracker = _Tracker(store, config, progress)
-        tracker.add(sum(config.requests_in_cell(k.concurrency) for k in done), "resumed", True)
+        already = sum(config.requests_in_cell(k.concurrency) for k in done)
+        tracker.add(already, f"resumed: {len(done)} cells done" if done else "starting", True)
         if store.load_roofline() is None:
             store.save_roofline(_measure_roofline(config))
         pool = pool_ids(config.pool_size or 1, config.pool_exclude) if config.pool_size else None
