@@ -13,13 +13,16 @@ own keys are read as views.
 Only the slices a row block can see are visited: a full layer's prefix (all of it) and the
 chunk's keys up to the block's last row; a sliding layer's ring only while the window still
 reaches it, and the chunk's keys inside the window. With `prefix_visible` (a full layer whose
-slots 0..start-1 hold positions 0..start-1, as `read_prompt` leaves them) the prefix slices
-need no mask at all.
+slots 0..start-1 hold positions 0..start-1, as `read_prompt` leaves them) the prefix needs no
+mask at all, and on CUDA it is one call of torch's memory-efficient attention kernel (no
+scores in memory; its log-sum-exp merged as one more online-softmax step): on the H200 that
+halved the time of a capped 131,000-token read (bench/NOTES.md, v8).
 
 Same function as `ops._attend` on the concatenated keys: scores in the activation dtype,
 softmax in fp32, probabilities cast to the activation dtype for the value product. What
 differs is the order of the sums and where the normalisation happens (after the value product,
-not before), so results agree to rounding (fp32: ~1e-7), not bit for bit.
+not before), so results agree to rounding (fp32: ~1e-7), not bit for bit; the memory-efficient
+kernel keeps its scores in fp32, so it rounds less than the reference.
 """
 
 from __future__ import annotations
