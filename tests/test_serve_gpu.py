@@ -23,6 +23,7 @@ pytestmark = [
 @pytest.fixture(autouse=True)
 def home(tmp_path, monkeypatch):
     monkeypatch.setenv("GPURIG_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf"))  # not this machine's downloads
 
 
 def test_engine_on_cuda_and_memory_back_on_stop(tmp_path):

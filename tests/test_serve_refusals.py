@@ -33,6 +33,7 @@ def fake_python(tmp_path) -> str:
 @pytest.fixture(autouse=True)
 def home(tmp_path, monkeypatch):
     monkeypatch.setenv("GPURIG_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf"))  # not this machine's downloads
     yield
     for record in st.list_records():
         stop_vllm_server(record.name, timeout_s=2)
@@ -116,6 +117,18 @@ def test_ram_and_swap_too_small_for_the_weights(fake_python, tmp_path):
     assert "14.3 GiB needed" in err.message  # 9.54 GiB x 1.5
     assert "sudo mkswap" in err.remedy and "sudo swapon" in err.remedy
     assert "gpurig host --need-gib 9.54" in err.remedy
+
+
+def test_a_cached_hub_model_is_measured_too(fake_python, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    snap = tmp_path / "hub" / "models--google--gemma-4-E2B-it" / "snapshots" / "abc123"
+    snap.mkdir(parents=True)
+    blob = tmp_path / "hub" / "blob"
+    with open(blob, "wb") as fh:  # the hub cache links snapshot files to blobs
+        fh.truncate(10_246_621_918)
+    (snap / "model.safetensors").symlink_to(blob)
+    err = refused(RefusedError, python_bin=fake_python, gpus=H200, memory=SEED_HOST)
+    assert "9.54 GiB of weights" in err.message and "sudo swapon" in err.remedy
 
 
 def test_unknown_extra_flag_refused_with_a_suggestion(fake_python):

@@ -34,6 +34,7 @@ def fake_python(tmp_path_factory) -> str:
 @pytest.fixture(autouse=True)
 def home(tmp_path, monkeypatch):
     monkeypatch.setenv("GPURIG_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf"))  # not this machine's downloads
     yield
     for record in st.list_records():  # never leave a process behind
         stop_vllm_server(record.name, timeout_s=2)

@@ -163,7 +163,7 @@ def start_vllm_server(
     name = state.check_name(name or f"{backend}-{port}")
     full_env = {**os.environ, **env, "PYTHONUNBUFFERED": "1"}
     local = preflight.check_model(model, backend)
-    weights = preflight.weights_gib(local)
+    weights = preflight.weights_gib(local, model)
     vllm_version: str | None = None
     with state.start_lock():
         preflight.check_running(state.read_record(name))

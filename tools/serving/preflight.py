@@ -122,10 +122,28 @@ def check_model(model: str, backend: str) -> str | None:
     return None
 
 
-def weights_gib(model_path: str | None) -> float | None:
-    """The weights' size from the safetensors files' sizes (None for a hub id)."""
-    if model_path is None:
+def hub_snapshot(model: str) -> Path | None:
+    """The newest cached snapshot of hub id `model` (HF_HUB_CACHE / HF_HOME aware), if any."""
+    from tools.settings import hf_cache_dir
+
+    if not HUB_ID.match(model):
         return None
+    snapshots = hf_cache_dir() / ("models--" + model.replace("/", "--")) / "snapshots"
+    try:
+        found = [p for p in snapshots.iterdir() if any(p.glob("*.safetensors"))]
+    except OSError:
+        return None
+    return max(found, key=lambda p: p.stat().st_mtime) if found else None
+
+
+def weights_gib(model_path: str | None, model: str | None = None) -> float | None:
+    """The weights' size from the safetensors files' sizes: of a local path, else of a hub id's
+    cached snapshot (None when it is not downloaded yet: nothing to measure)."""
+    if model_path is None:
+        snapshot = hub_snapshot(model) if model else None
+        if snapshot is None:
+            return None
+        model_path = str(snapshot)
     path = Path(model_path)
     files = [path] if path.is_file() else list(path.glob("*.safetensors"))
     total = sum(f.stat().st_size for f in files if f.suffix == ".safetensors")
