@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import secrets
+import signal
 import subprocess
 import sys
 import time
@@ -405,9 +406,16 @@ def sweep_report(sweep: str) -> SweepResult:
 
 def _worker_main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
     if len(argv) != 1:
         sys.stderr.write("usage: python -m bench.sweep.run SWEEP_DIR\n")
         return 2
+
+    def _terminate(signum: int, _frame: object) -> None:
+        # unwind through the finally blocks: a server this sweep started gets stopped
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, _terminate)
     result = execute(argv[0])
     sys.stderr.write(f"sweep done: {result.report}\n")
     return 0

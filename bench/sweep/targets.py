@@ -8,6 +8,7 @@ them, so only one server holds the GPU at a time.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -149,11 +150,14 @@ def start_server(target: Target, sweep_id: str) -> tuple[Any, str | None]:
     """Start a `server` target through the lifecycle tools: (record, None) once it serves, or
     (record or None, why it does not)."""
     try:
-        from tools.serving import start_vllm_server
+        from tools.serving import start_vllm_server, stop_vllm_server
     except ImportError as exc:
         return None, f"cannot start servers: tools.serving is not available ({exc})"
     spec = dict(target.server or {})
     spec.setdefault("name", f"{sweep_id}-{target.label}"[:64])
+    # a server of this sweep that a killed run left behind (it would hold the GPU and the name)
+    with contextlib.suppress(Exception):
+        stop_vllm_server(name=spec["name"])
     spec.setdefault("port", _free_port())
     spec.setdefault("wait", True)
     try:
