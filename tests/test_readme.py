@@ -33,16 +33,28 @@ ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 
 # Leading words of a README command -> why this file does not run it, and where it is tested.
+# A `tests/FILE.py` or `tests/FILE.py::test_name` named in a reason must exist.
 NOT_RUN_HERE: dict[str, str] = {
     "gpurig engine serve": "a long-running server; tests/test_server_api.py and "
     "tests/test_server_hardening.py start it on a free port",
+    "gpurig demo": "starts two engine servers and sweeps them (75 s); its function runs on a "
+    "smaller plan in tests/test_sweep_e2e.py::test_demo_starts_and_stops_its_servers",
+    "gpurig sweep run --target": "needs servers on ports 8000/8100 and /models/e2b-w4a16; "
+    "tests/test_sweep_e2e.py::test_two_engines_same_prompts_every_cell sweeps real servers",
+    "gpurig sweep run --serve": "starts vLLM (a GPU) on /models checkpoints; the engine-served "
+    "path runs in tests/test_sweep_e2e.py::test_demo_starts_and_stops_its_servers",
+    "gpurig sweep status": "needs the id of an earlier sweep; "
+    "tests/test_sweep_units.py::test_cli_refuses_bad_targets_and_unknown_sweeps",
+    "gpurig sweep run --resume": "needs an interrupted sweep; "
+    "tests/test_sweep_e2e.py::test_resume_after_killing_the_sweep_process",
+    "gpurig sweep report": "DIR stands for a finished sweep's directory; "
+    "tests/test_sweep_e2e.py::test_resume_after_killing_the_sweep_process rebuilds one",
 }
 # The first line of a README ```python block -> why this file does not run it.
 PYTHON_NOT_RUN_HERE: dict[str, str] = {}
 # Leading words -> the exit codes accepted (default: 0 only).
-EXIT_CODES: dict[str, set[int]] = {
-    "gpurig doctor": {0, 1},  # 1: a check fails, as on a machine without a GPU
-}
+# (e.g. "gpurig doctor": {0, 1}: a check fails on a machine without a GPU)
+EXIT_CODES: dict[str, set[int]] = {}
 SEPARATORS = {"&&", ";", "|", "||"}
 
 
@@ -98,7 +110,8 @@ def test_the_parser_finds_readmes_commands() -> None:
     """Guards the test itself: a parser that found nothing would pass everything."""
     found = [" ".join(c) for c in readme_gpurig_commands()]
     assert "gpurig engine make-checkpoint --preset tiny --out ckpt/" in found
-    assert "gpurig doctor" in found  # from `pip install -e . && gpurig doctor  # ...`
+    assert "gpurig --version" in found
+    assert "pip install -e ." in [" ".join(c) for c in commands("pip install -e . && gpurig x")]
     assert all(len(b.strip()) > 0 for b in blocks(README.read_text(), "python"))
     curl = [c for b in blocks(README.read_text(), "bash") for c in commands(b) if c[0] == "curl"]
     assert all(any(w.startswith("{") for w in c) for c in curl if "-d" in c)  # JSON kept whole
@@ -109,8 +122,10 @@ def test_every_not_run_entry_is_used_and_says_why() -> None:
     for prefix, why in NOT_RUN_HERE.items():
         assert any(_matches(prefix, a) for a in argvs), f"stale NOT_RUN_HERE entry: {prefix}"
         assert len(why) > 10, f"say why {prefix} is not run here"
-        for named in re.findall(r"tests/\S+\.py", why):
+        for named, test in re.findall(r"(tests/\S+?\.py)(?:::(\w+))?", why):
             assert (ROOT / named).is_file(), f"{prefix}: {named} does not exist"
+            if test:
+                assert f"def {test}(" in (ROOT / named).read_text(), f"{prefix}: no {test}"
     firsts = [b.strip().splitlines()[0] for b in blocks(README.read_text(), "python")]
     for first in PYTHON_NOT_RUN_HERE:
         assert first in firsts, f"stale PYTHON_NOT_RUN_HERE entry: {first}"
