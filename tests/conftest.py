@@ -13,6 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from venv_support import make_venv
 
 
 @pytest.fixture(scope="session")
@@ -41,16 +42,6 @@ def run_gpurig(gpurig_bin: str) -> Callable[..., subprocess.CompletedProcess[str
         )
 
     return run
-
-
-def make_venv(where: Path) -> Path:
-    """A real, empty virtual environment (no pip: fast); returns its python."""
-    subprocess.run(
-        [sys.executable, "-m", "venv", "--without-pip", str(where)], check=True, timeout=60
-    )
-    python = where / "bin" / "python"
-    assert python.exists()
-    return python
 
 
 @pytest.fixture

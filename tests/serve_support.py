@@ -7,8 +7,8 @@ import shutil
 import socket
 from pathlib import Path
 
-from conftest import make_venv
 from patch_support import STOCK_0_33_0, install_fake_wheel
+from venv_support import make_venv
 
 from tools.serving import GpuDevice, GpuFacts
 
