@@ -88,7 +88,9 @@ def _add_load_args(p: argparse.ArgumentParser) -> None:
         "more is capped to it, with a note)",
     )
     p.add_argument(
-        "--prefill-chunk", type=_positive, help="prompt tokens per forward pass (default 256)"
+        "--prefill-chunk",
+        type=_positive,
+        help="most prompt tokens per chunk (default: the largest that fits the memory left, at most 4096 on CUDA)",
     )
     p.add_argument("--memory-cap-mib", type=_positive, help="cap this process's CUDA memory (MiB)")
     p.add_argument(

@@ -89,7 +89,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_query)
 
-    p = sub.add_parser("spot-check", help="the seeds' checks (391, Canberra, Au) and yours")
+    p = sub.add_parser("spot-check", help="the three built-in checks (391, Canberra, Au) and yours")
     p.add_argument("--name")
     p.add_argument("--base-url")
     p.add_argument(
@@ -99,7 +99,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         metavar="PROMPT=>EXPECT",
         help='another check, e.g. "What is 2+2?=>4" (repeatable)',
     )
-    p.add_argument("--no-seed-checks", action="store_true", help="run only the --check ones")
+    p.add_argument("--no-builtin-checks", action="store_true", help="run only the --check ones")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_spot_check)
 
@@ -292,7 +292,7 @@ def _spot_check(args: argparse.Namespace) -> int:
         checks.append({"prompt": prompt.strip(), "expect": expect.strip()})
     result = spot_check(
         name=args.name, base_url=args.base_url, checks=checks,
-        seed_checks=not args.no_seed_checks,
+        builtin_checks=not args.no_builtin_checks,
     )  # fmt: skip
 
     def render(r) -> str:

@@ -166,13 +166,17 @@ def register(mcp: MCPServer) -> None:
         checks: Annotated[
             list[Check] | None, Field(description="more {prompt, expect} checks to run")
         ] = None,
-        seed_checks: bool = True,
+        builtin_checks: bool = True,
     ) -> SpotCheckResult:
-        """Does the served model answer right? The seeds' checks at temperature 0 (17*23 ->
+        """Does the served model answer right? The three built-in checks at temperature 0 (17*23 ->
         391, the capital of Australia -> Canberra, the chemical symbol for gold -> Au) plus
         `checks`, each pass/fail with the answer. Run it after start_vllm_server and after any
         change (patch, dtype, checkpoint) before measuring speed."""
         extra = [c.model_dump() for c in checks or []]
         return await _in_thread(
-            serving.spot_check, name=name, base_url=base_url, checks=extra, seed_checks=seed_checks
+            serving.spot_check,
+            name=name,
+            base_url=base_url,
+            checks=extra,
+            builtin_checks=builtin_checks,
         )

@@ -22,7 +22,7 @@ from tools.serving.models import (
     StopResult,
 )
 from tools.serving.observe import TAIL_BYTES, elapsed, health, mark_dead, read_log_lines
-from tools.serving.query import SEED_CHECKS, chat, normalize_base_url, run_checks
+from tools.serving.query import BUILTIN_CHECKS, chat, normalize_base_url, run_checks
 
 # ---------------------------------------------------------------------------------------------
 # status, stop, logs
@@ -201,12 +201,12 @@ def spot_check(
     name: str | None = None,
     base_url: str | None = None,
     checks: list[dict[str, str]] | None = None,
-    seed_checks: bool = True,
+    builtin_checks: bool = True,
 ) -> SpotCheckResult:
     """The seeds' checks (17*23 -> 391, capital of Australia -> Canberra, gold -> Au) and the
     caller's {prompt, expect} pairs, at temperature 0; each pass/fail with the answer."""
     url, model = _target(name, base_url)
-    todo = (list(SEED_CHECKS) if seed_checks else []) + list(checks or [])
+    todo = (list(BUILTIN_CHECKS) if builtin_checks else []) + list(checks or [])
     if not todo:
-        raise InvalidInputError("no checks to run", remedy="keep seed_checks on or pass checks")
+        raise InvalidInputError("no checks to run", remedy="keep builtin_checks on or pass checks")
     return run_checks(url, model, todo)

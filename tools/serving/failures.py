@@ -57,8 +57,8 @@ def _swap_remedy(ctx: dict) -> str:
             "sudo swapon /swapfile",
         ]
     return (
-        "host RAM + swap is too small to stage the weights (the seeds' 7.8 GB host needed a "
-        "16 GB swapfile; swap peaked at 6.6 GiB). Add swap, then start again: "
+        "host RAM + swap is too small to stage the weights (a 7.8 GB host without swap was OOM-killed loading Gemma 4 E2B; a "
+        "16 GB swapfile fixed it, and swap peaked at 6.6 GiB). Add swap, then start again: "
         + "; ".join(commands)
         + " (check first: gpurig host)"
     )

@@ -1,5 +1,5 @@
 """One chat completion against a running server (streamed, so time to first token is real), and
-the seeds' spot checks: three questions with one right answer each, at temperature 0."""
+the built-in spot checks: three questions with one right answer each, at temperature 0."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import httpx
 from tools.errors import InvalidInputError, NotFoundError, RefusedError
 from tools.serving.models import QueryResult, SpotCheckItem, SpotCheckResult
 
-SEED_CHECKS: list[dict[str, str]] = [
+BUILTIN_CHECKS: list[dict[str, str]] = [
     {"prompt": "What is 17*23? Answer with the number only.", "expect": "391"},
     {"prompt": "What is the capital of Australia? Answer with one word.", "expect": "Canberra"},
     {
