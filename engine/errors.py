@@ -1,31 +1,148 @@
-"""The engine's own small error hierarchy.
+"""gpurig's one error hierarchy, the engine's errors included, and each front door's words.
 
-engine/ must not import tools/, so it cannot raise `tools.errors.GpurigError`; the CLI and the
-OpenAI server turn these into clean messages. Each error carries a `remedy` (what to do), like
-the tools' errors, so the front doors can show both.
+Every error a user can act on is a `GpurigError(message, remedy)`: a message that says what went
+wrong and a remedy that says what to do. It lives here, in engine/, because the engine may import
+none of tools/, mcp_server/ or bench/, while the tools and both front doors can import the engine's
+(cheap) errors module; tools/errors.py re-exports all of it. Each front door understands every
+error alike, so no code translates between hierarchies:
+
+- the CLI prints the message and the remedy and exits 2 (mcp_server/output.py);
+- the MCP server returns them as the tool's error result (mcp_server/mcp_errors.py);
+- the engine's OpenAI server answers with the HTTP status of the error's `category`
+  (engine/server/errors.py: the caller's mistake 400, anything else 500).
+
+The `category` says whose move it is: `invalid_input` (an argument is wrong), `not_found`
+(something needed is not there), `refused` (it would fail or destroy something), `failed` (it was
+tried and did not work). InvalidInputError, NotFoundError and RefusedError are the categories as
+classes; the engine's errors subclass EngineError and the category class that fits them, so a
+caller catching NotFoundError also catches a missing checkpoint.
+
+Each front door speaks its own words: the CLI's user types `--need-gib`, an MCP caller passes
+`need_gib`. A tool does not know which door called it, so text that names an argument (in an
+error's message or remedy, or in a report's remedy field) names it through `arg()`:
+
+    remedy=f"pass the size of the weights in GiB, e.g. {arg('need_gib')}=10"
+
+`arg("need_gib")` is the placeholder `{arg:need_gib}`; `render_for("cli", text)` turns it into
+`--need-gib` (the flag: the name with dashes, or the flag in `CLI_FLAGS` where they differ, e.g.
+python_bin -> --python) and `render_for("mcp", text)` into `need_gib`. Text that must differ by
+more than a name uses `either(cli=..., mcp=...)` (e.g. a command: `gpurig patch apply` versus the
+tool apply_turing_patch). The CLI renders in `output.report_error` and `output.print_result`; the
+MCP server renders every error and every tool result (mcp_server/mcp_errors.py). `str(err)`
+renders for the CLI (logs, tests).
+
+Importing this module is cheap (the standard library only): `gpurig --help` imports it.
 """
 
 from __future__ import annotations
 
+import re
+from typing import ClassVar, Literal
 
-class EngineError(Exception):
-    """Base of every error the engine raises for a problem the caller can act on."""
+Front = Literal["cli", "mcp"]
+Category = Literal["invalid_input", "not_found", "refused", "failed"]
+
+# An argument whose CLI flag is not its name with dashes. Everything else: --name-with-dashes.
+CLI_FLAGS: dict[str, str] = {
+    "python_bin": "--python",
+    "timeout_s": "--timeout",
+}
+
+_ARG = re.compile(r"\{arg:([A-Za-z_][A-Za-z0-9_]*)\}")
+_EITHER = re.compile(r"\{cli:([^{}|]*)\|mcp:([^{}|]*)\}")
+
+
+def arg(name: str) -> str:
+    """The placeholder for argument `name` in text that any front door may show."""
+    if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+        raise ValueError(f"not an argument name: {name!r}")
+    return "{arg:" + name + "}"
+
+
+def either(cli: str, mcp: str) -> str:
+    """Text that reads `cli` on the command line and `mcp` over MCP (no braces or '|' in them)."""
+    for text in (cli, mcp):
+        if any(c in text for c in "{}|"):
+            raise ValueError(f"either() text may not hold braces or '|': {text!r}")
+    return "{cli:" + cli + "|mcp:" + mcp + "}"
+
+
+def cli_flag(name: str) -> str:
+    """The CLI flag for argument `name`: python_bin -> --python, need_gib -> --need-gib."""
+    return CLI_FLAGS.get(name, "--" + name.replace("_", "-"))
+
+
+def render_for(front: Front, text: str | None) -> str | None:
+    """`text` with its placeholders in the words of `front` ("cli" or "mcp")."""
+    if not text or "{" not in text:
+        return text
+    if front == "cli":
+        text = _ARG.sub(lambda m: cli_flag(m.group(1)), text)
+        return _EITHER.sub(lambda m: m.group(1), text)
+    text = _ARG.sub(lambda m: m.group(1), text)
+    return _EITHER.sub(lambda m: m.group(2), text)
+
+
+class GpurigError(Exception):
+    """Base of all errors a user can act on: a message, and a remedy saying what to do."""
+
+    category: ClassVar[Category] = "failed"
 
     def __init__(self, message: str, remedy: str | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.remedy = remedy
 
+    def rendered(self, front: Front) -> tuple[str, str | None]:
+        """(message, remedy) in the words of `front`."""
+        return render_for(front, self.message) or "", render_for(front, self.remedy)
+
     def __str__(self) -> str:
-        return f"{self.message} -> {self.remedy}" if self.remedy else self.message
+        message, remedy = self.rendered("cli")
+        if remedy:
+            return f"{message} -> {remedy}"
+        return message
 
 
-class CheckpointError(EngineError):
+class InvalidInputError(GpurigError):
+    """An argument is wrong: a bad path, a bad flag, an impossible value."""
+
+    category: ClassVar[Category] = "invalid_input"
+
+
+class NotFoundError(GpurigError):
+    """Something the tool needs is not there: an interpreter, a package, a file."""
+
+    category: ClassVar[Category] = "not_found"
+
+
+class RefusedError(GpurigError):
+    """The tool will not do this because it would fail or destroy something."""
+
+    category: ClassVar[Category] = "refused"
+
+
+# ---------------------------------------------------------------------------------------------
+# The engine's errors
+
+
+class EngineError(GpurigError):
+    """Base of every error the engine raises for a problem the caller can act on (as such: the
+    engine could not do it, e.g. another generation took its cache)."""
+
+    category: ClassVar[Category] = "failed"
+
+
+class CheckpointError(EngineError, NotFoundError):
     """The checkpoint directory is unusable: missing files or shards, wrong model type, bad tensors."""
 
+    category: ClassVar[Category] = "not_found"
 
-class ContextLengthError(EngineError):
+
+class ContextLengthError(EngineError, RefusedError):
     """A prompt does not fit in the context the engine was loaded with."""
+
+    category: ClassVar[Category] = "refused"
 
     def __init__(self, requested: int, limit: int) -> None:
         super().__init__(
@@ -37,5 +154,7 @@ class ContextLengthError(EngineError):
         self.limit = limit
 
 
-class GenerationError(EngineError):
+class GenerationError(EngineError, InvalidInputError):
     """A generation request is malformed (empty prompt, bad sampling values, token ids out of range)."""
+
+    category: ClassVar[Category] = "invalid_input"

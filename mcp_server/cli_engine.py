@@ -11,12 +11,10 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from mcp_server.output import kv_table, print_result
-from tools.errors import InvalidInputError, NotFoundError, RefusedError
+from tools.errors import NotFoundError, RefusedError
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -203,27 +201,13 @@ def _check_out_dir(path: str, flag: str) -> None:
         )
 
 
-def _call(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """Run an engine function, turning its errors into the CLI's error types."""
-    from engine.errors import CheckpointError, ContextLengthError, EngineError
-
-    try:
-        return fn(*args, **kwargs)
-    except ContextLengthError as err:
-        raise RefusedError(err.message, err.remedy) from err
-    except CheckpointError as err:
-        raise NotFoundError(err.message, err.remedy) from err
-    except EngineError as err:
-        raise InvalidInputError(err.message, err.remedy) from err
-
-
 def _load(args: argparse.Namespace):
     """Check the checkpoint (no torch yet), cap --max-context at the model's limit with a note
     (as `engine serve` does), set the CPU threads, then load."""
     from engine.config import load_config  # json only: no torch
 
     model_dir = _check_model_dir(args.model, "--model")
-    limit = _call(load_config, model_dir).max_position_embeddings
+    limit = load_config(model_dir).max_position_embeddings
     max_context = args.max_context
     if max_context is not None and max_context > limit:
         sys.stderr.write(
@@ -235,8 +219,7 @@ def _load(args: argparse.Namespace):
 
     import engine
 
-    return _call(
-        engine.load,
+    return engine.load(
         model_dir,
         device=args.device,
         max_context=max_context,
@@ -264,8 +247,7 @@ def _run_make(args: argparse.Namespace) -> int:
     _check_out_dir(args.out, "--out")
     from engine.checkpoint_maker import make_checkpoint
 
-    info = _call(
-        make_checkpoint,
+    info = make_checkpoint(
         args.out,
         preset=args.preset,
         seed=args.seed,
@@ -280,8 +262,8 @@ def _run_quantize(args: argparse.Namespace) -> int:
     from engine.config import parse_config, read_config_json  # json only: no torch
 
     in_dir = _check_model_dir(args.in_dir, "--in", "`gpurig engine make-checkpoint --unquantized`")
-    raw = _call(read_config_json, in_dir)
-    _call(parse_config, raw)  # a Gemma 4 config, or exit 2 now
+    raw = read_config_json(in_dir)
+    parse_config(raw)  # a Gemma 4 config, or exit 2 now
     if raw.get("quantization_config") or (raw.get("text_config") or {}).get("quantization_config"):
         raise RefusedError(
             f"--in {args.in_dir} is already quantized (config.json has a quantization_config)",
@@ -290,7 +272,7 @@ def _run_quantize(args: argparse.Namespace) -> int:
     _check_out_dir(args.out, "--out")
     from engine.checkpoint_maker import quantize_checkpoint
 
-    info = _call(quantize_checkpoint, args.in_dir, args.out, emb4=args.emb4)
+    info = quantize_checkpoint(args.in_dir, args.out, emb4=args.emb4)
     print_result(info, args.json, _render_info)
     return 0
 
@@ -303,8 +285,7 @@ def _run_generate(args: argparse.Namespace) -> int:
         sys.stdout.write(piece)
         sys.stdout.flush()
 
-    result = _call(
-        generate_text,
+    result = generate_text(
         eng,
         on_text=None if args.json else show,
         prompt=args.prompt,

@@ -183,13 +183,6 @@ def _exposure_warning(host: str, port: int, api_key: str | None) -> str:
     )
 
 
-def _engine_error(exc: Exception) -> GpurigError:
-    from engine.errors import CheckpointError
-
-    cls = NotFoundError if isinstance(exc, CheckpointError) else InvalidInputError
-    return cls(getattr(exc, "message", str(exc)), getattr(exc, "remedy", None))
-
-
 def _check_args(args: argparse.Namespace) -> None:
     if args.max_context < 1:
         raise InvalidInputError(
@@ -232,12 +225,10 @@ def _serve(args: argparse.Namespace) -> int:
         sys.stderr.flush()
 
     from engine.config import load_config  # light: no torch yet
-    from engine.errors import EngineError
 
-    try:  # a directory that is no checkpoint fails here, before torch is imported
-        limit = load_config(model_dir).max_position_embeddings
-    except EngineError as exc:
-        raise _engine_error(exc) from None
+    # a directory that is no checkpoint fails here (a CheckpointError: a GpurigError like every
+    # tool's, so main() prints it and exits 2), before torch is imported
+    limit = load_config(model_dir).max_position_embeddings
 
     import torch
     import uvicorn
@@ -250,10 +241,7 @@ def _serve(args: argparse.Namespace) -> int:
     if threads is not None:
         torch.set_num_threads(threads)
     max_ctx = min(args.max_context, limit)
-    try:
-        eng = engine.load(model_dir, device=args.device, max_context=max_ctx)
-    except EngineError as exc:
-        raise _engine_error(exc) from None
+    eng = engine.load(model_dir, device=args.device, max_context=max_ctx)
     if not args.no_warmup:  # first-use costs (kernel builds, allocations) stay out of timings
         import time
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from starlette.responses import JSONResponse
 
-from engine.errors import ContextLengthError, GenerationError
+from engine.errors import ContextLengthError, GpurigError
 from engine.server.schemas import ErrorBody, ErrorResponse
 
 
@@ -67,6 +67,11 @@ def context_error(limit: int, prompt_len: int, asked: int | None, param: str) ->
     )
 
 
+# Error categories (engine/errors.py) that are the client's to fix: 400. Anything else the
+# engine raises while running a job (a prompt that does not fit in memory, say) is a 500.
+CLIENT_CATEGORIES = ("invalid_input", "refused")
+
+
 def engine_error_to_api(exc: BaseException | None) -> ApiError:
     """The client's view of an error raised by the engine while running a job."""
     if isinstance(exc, ContextLengthError):
@@ -77,6 +82,6 @@ def engine_error_to_api(exc: BaseException | None) -> ApiError:
             param="messages",
             code="context_length_exceeded",
         )
-    if isinstance(exc, GenerationError):
+    if isinstance(exc, GpurigError) and exc.category in CLIENT_CATEGORIES:  # GenerationError
         return ApiError(400, str(exc))
     return ApiError(500, f"Generation failed: {type(exc).__name__}: {exc}", type_="server_error")
