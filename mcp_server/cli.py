@@ -8,23 +8,25 @@ time: `gpurig --help` has to be instant.
 from __future__ import annotations
 
 import argparse
-import importlib
 import logging
 import sys
 
+from mcp_server import (
+    cli_demo,
+    cli_engine,
+    cli_engine_serve,
+    cli_host,
+    cli_patch,
+    cli_serve,
+    cli_sweep,
+)
 from mcp_server.output import report_error
 from tools.errors import GpurigError
 
 # Each module has `register(subparsers)` adding its subcommands.
-TOP_LEVEL_MODULES = [
-    "mcp_server.cli_host",
-    "mcp_server.cli_patch",
-    "mcp_server.cli_serve",
-    "mcp_server.cli_sweep",
-    "mcp_server.cli_demo",
-]
+TOP_LEVEL_MODULES = [cli_host, cli_patch, cli_serve, cli_sweep, cli_demo]
 # Modules adding subcommands under `gpurig engine ...`.
-ENGINE_MODULES = ["mcp_server.cli_engine", "mcp_server.cli_engine_serve"]
+ENGINE_MODULES = [cli_engine, cli_engine_serve]
 
 
 def _register_mcp(subparsers: argparse._SubParsersAction) -> None:
@@ -83,19 +85,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"gpurig {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     _register_mcp(sub)
-    for name in TOP_LEVEL_MODULES:
-        _load(name).register(sub)
+    for module in TOP_LEVEL_MODULES:
+        module.register(sub)
     engine = sub.add_parser("engine", help="the in-process 4-bit Gemma 4 engine")
     engine_sub = engine.add_subparsers(dest="engine_command", metavar="ENGINE_COMMAND")
     engine.set_defaults(func=lambda _a: (engine.print_help(), 2)[1])
-    for name in ENGINE_MODULES:
-        _load(name).register(engine_sub)
+    for module in ENGINE_MODULES:
+        module.register(engine_sub)
     _mark_parsers(parser)
     return parser
-
-
-def _load(name: str):
-    return importlib.import_module(name)
 
 
 def _version() -> str:

@@ -13,7 +13,6 @@ Logging goes to stderr only: over stdio, stdout is the wire.
 
 from __future__ import annotations
 
-import importlib
 import logging
 import socket
 import sys
@@ -22,6 +21,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a file by `mcp dev mcp_server/server.py`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from mcp_server import mcp_host, mcp_patch, mcp_resources, mcp_serve, mcp_sweep
 from mcp_server.mcp_base import GpurigMCP
 
 log = logging.getLogger("gpurig.mcp")
@@ -34,17 +34,17 @@ INSTRUCTIONS = (
 
 # Modules with `register(mcp)`, in the order their tools appear.
 TOOL_MODULES = [
-    "mcp_server.mcp_host",
-    "mcp_server.mcp_patch",
-    "mcp_server.mcp_serve",
-    "mcp_server.mcp_sweep",
-    "mcp_server.mcp_resources",  # resources (server logs), not tools
+    mcp_host,
+    mcp_patch,
+    mcp_serve,
+    mcp_sweep,
+    mcp_resources,  # resources (server logs), not tools
 ]
 
 mcp: GpurigMCP = GpurigMCP("gpurig", instructions=INSTRUCTIONS, log_level="WARNING")
 
-for _name in TOOL_MODULES:
-    importlib.import_module(_name).register(mcp)
+for _module in TOOL_MODULES:
+    _module.register(mcp)
 mcp.drop_empty_capabilities()  # after every module: advertise prompts/resources only if any
 
 

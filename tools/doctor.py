@@ -1,9 +1,9 @@
 """The readiness report: every read-only check for this host, in one list.
 
-Each area adds ONE entry to `CHECKS`: "module:function", where the function takes the shared
-`DoctorContext` and returns a `Check` (or a list of them, for an area whose report has several
-independent parts). A module that does not exist yet is skipped, like the CLI's and the MCP
-server's module lists, so the list can name areas before they land.
+Each area adds ONE function to `CHECKS`: it takes the shared `DoctorContext` and returns a
+`Check` (or a list of them, for an area whose report has several independent parts). A check
+imports its area's module inside the function, so importing doctor stays cheap (the CLI imports
+it for `gpurig --help`).
 
 Checks run concurrently (the GPU probe imports torch for ~2 s; nothing else should wait on
 it), each in its own guard: a check that raises becomes a `fail` entry, never a crashed report.
@@ -11,7 +11,6 @@ it), each in its own guard: a check that raises becomes a `fail` entry, never a 
 
 from __future__ import annotations
 
-import importlib
 import logging
 import threading
 import time
@@ -84,13 +83,6 @@ class DoctorContext:
 
 
 CheckFn = Callable[[DoctorContext], "Check | list[Check]"]
-
-# One entry per area, in report order: "module:function".
-CHECKS: list[str] = [
-    "tools.doctor:check_host",
-    "tools.doctor:check_gpu",
-    "tools.doctor:check_turing_patch",
-]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -207,31 +199,23 @@ def _component_ok(component: str, report) -> Check | None:
 # ---------------------------------------------------------------------------------------------
 # Running
 
-
-def _load(entry: str) -> CheckFn | None:
-    module_name, _, attr = entry.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as exc:
-        if exc.name == module_name:  # that area has not landed yet
-            return None
-        raise
-    return getattr(module, attr)
+# One function per area, in report order.
+CHECKS: list[CheckFn] = [check_host, check_gpu, check_turing_patch]
 
 
-def _check_name(entry: str) -> str:
-    """A person's name for a check entry: "tools.doctor:check_turing_patch" -> "turing patch"."""
-    return entry.partition(":")[2].removeprefix("check_").replace("_", " ")
+def _check_name(fn: CheckFn) -> str:
+    """A person's name for a check: check_turing_patch -> "turing patch"."""
+    return getattr(fn, "__name__", "check").removeprefix("check_").replace("_", " ")
 
 
-def _run_one(entry: str, fn: CheckFn, ctx: DoctorContext) -> list[Check]:
-    name = _check_name(entry)
+def _run_one(fn: CheckFn, ctx: DoctorContext) -> list[Check]:
+    name = _check_name(fn)
     try:
         result = fn(ctx)
     except GpurigError as err:
         return [Check(name=name, status="fail", detail=err.message, remedy=err.remedy)]
     except Exception as exc:  # a broken check must not hide the others
-        log.exception("doctor check %s crashed", entry)
+        log.exception("doctor check %s crashed", name)
         return [Check(name=name, status="fail", detail=f"the check crashed: {exc!r}")]
     return result if isinstance(result, list) else [result]
 
@@ -242,7 +226,7 @@ def overall(checks: list[Check]) -> Literal["ok", "warn", "fail"]:
 
 
 def doctor(python_bin: str | None = None, need_gib: float | None = None) -> DoctorReport:
-    """Run every registered check concurrently and return them in registry order."""
+    """Run every check in CHECKS concurrently and return their lines in that order."""
     started = time.monotonic()
     # Bad arguments are the caller's to fix: raise before running anything.
     if need_gib is not None and not need_gib > 0:
@@ -256,10 +240,8 @@ def doctor(python_bin: str | None = None, need_gib: float | None = None) -> Doct
 
     python_bin = resolve_python(python_bin)
     ctx = DoctorContext(python_bin=python_bin, need_gib=need_gib)
-    loaded = [(entry, _load(entry)) for entry in CHECKS]
-    runnable = [(entry, fn) for entry, fn in loaded if fn is not None]
-    with ThreadPoolExecutor(max_workers=max(1, len(runnable))) as pool:
-        futures = [pool.submit(_run_one, entry, fn, ctx) for entry, fn in runnable]
+    with ThreadPoolExecutor(max_workers=max(1, len(CHECKS))) as pool:
+        futures = [pool.submit(_run_one, fn, ctx) for fn in CHECKS]
         checks = [check for fut in futures for check in fut.result()]
     return DoctorReport(
         status=overall(checks), checks=checks, seconds=round(time.monotonic() - started, 3)
