@@ -31,7 +31,7 @@ from tools.settings import hf_cache_dir
 GIB = 2**30
 
 # ---------------------------------------------------------------------------------------------
-# The numbers behind the rules (Gemma 4 E2B, measured on that VM; docs/vllm.md)
+# The numbers behind the rules (Gemma 4 E2B, measured on the T4 VM described above)
 
 # The bf16 Gemma 4 E2B checkpoint is one 10,246,621,918-byte model.safetensors (9.54 GiB); the
 # QAT w4a16 build is smaller. When need_gib is not given, this is what must fit in the HF cache.

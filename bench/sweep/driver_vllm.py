@@ -1,11 +1,11 @@
 """The vllm-bench driver: one `vllm bench serve` run per cell, its saved JSON read back.
 
 The command runs under the serving interpreter (the `vllm` console script beside it, else
-`python -m vllm.entrypoints.cli.main`) with the flags of /work/shared/docs/vllm.md: the random
+`python -m vllm.entrypoints.cli.main`) with the flags of `vllm bench serve`: the random
 dataset at fixed lengths (`--random-range-ratio 0.0`), the cell's seed, `--ignore-eos`,
 `--max-concurrency`, warm-ups, `--save-result --save-detailed` into the sweep's directory, and
-percentiles 50 and 99 of TTFT, TPOT, ITL and end-to-end latency. The saved JSON (keys listed in
-the doc: `completed failed duration output_throughput request_throughput median_tpot_ms
+percentiles 50 and 99 of TTFT, TPOT, ITL and end-to-end latency. The saved JSON (keys as vLLM
+writes them: `completed failed duration output_throughput request_throughput median_tpot_ms
 p99_ttft_ms ...`, and per request `input_lens output_lens ttfts itls errors ...`) becomes the same
 CellRecord fields as the builtin driver's.
 """

@@ -1,8 +1,9 @@
 """Why a server died (or never got ready), read from its log tail, its exit and the kernel log.
 
-Each cause in docs/vllm.md has a pattern, a title and a remedy with the command that fixes it;
-the first cause whose pattern is in the tail wins (ordered most specific first). An unknown
-failure still returns the tail and how the process ended, so nothing is hidden.
+Each cause seen on real installs (their log tails: tests/data/vllm_logs/) has a pattern, a title
+and a remedy with the command that fixes it; the first cause whose pattern is in the tail wins
+(ordered most specific first). An unknown failure still returns the tail and how the process
+ended, so nothing is hidden.
 """
 
 from __future__ import annotations

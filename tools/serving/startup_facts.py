@@ -1,5 +1,5 @@
 """Start-up facts read from a server's log: what the weights cost, how big the KV cache came out,
-which kernels were picked. Every log format in docs/vllm.md (0.26-0.27: KV size and concurrency
+which kernels were picked. Every log format vLLM has printed (0.26-0.27: KV size and concurrency
 on two lines; 0.28-0.29: on one; 0.30+: "%s KV cache size" with a device prefix), plus the
 engine's own "gpurig engine:" lines. Numbers carry thousands separators ("519,568 tokens").
 """
