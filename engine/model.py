@@ -4,7 +4,8 @@ Weights stay as stored: packed 4-bit linears (`PackedLinear`), plain ones (`Plai
 embedding tables plain or 4-bit; every product and lookup goes through engine/ops.py, which
 dequantizes one weight at a time (the model is never expanded to a 16-bit copy).
 
-Facts followed (transformers 5.24 `Gemma4ForCausalLM` is the reference; see docs/gemma4.md):
+Facts followed (transformers 5.24 `Gemma4ForCausalLM` is the reference, checked against it by
+tests/test_engine_parity.py):
 embeddings scaled by sqrt(hidden) rounded to the compute dtype; per-layer embeddings (PLE) mixed
 from a table lookup and a projection of the embeddings; q/k RMS-normed with weights, v without;
 attention scale 1.0; RoPE 'default' on sliding layers and 'proportional' (partial) on full
