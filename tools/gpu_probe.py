@@ -10,16 +10,17 @@ tell "this is a Python that crashed in torch" from "this is not a Python at all"
 `import vllm` runs in its own subprocess with a timeout because it can hang or abort the process
 (a CPU torch under a CUDA vLLM fails on libcudart), and the probe must still report.
 
-tools/gpu.py validates the JSON against its pydantic models and diagnoses it.
+tools/gpu_probe_run.py runs it and validates the JSON against its pydantic models;
+tools/gpu_rules.py diagnoses it.
 
 What this process imports must be the serving interpreter's own packages, never a file that
 happens to lie in a working directory (a `torch.py` or `vllm.py` there would run as us). Why not
 `python -I`: isolated mode also drops the user site and PYTHONUSERBASE (how vLLM is often
 installed: README) and PYTHONPATH, so the probe would judge another environment than the one
 vLLM runs in. Instead the probe keeps the environment and removes only the implicit entries:
-gpu.py runs it with PYTHONSAFEPATH=1 (Python >= 3.11: no script dir or cwd on sys.path; older
-versions ignore it) from cwd "/", this file drops its own folder from sys.path below, and the
-`import vllm` child drops '' (its cwd) before importing (`_IMPORT_VLLM`).
+gpu_probe_run.py runs it with PYTHONSAFEPATH=1 (Python >= 3.11: no script dir or cwd on
+sys.path; older versions ignore it) from cwd "/", this file drops its own folder from sys.path
+below, and the `import vllm` child drops '' (its cwd) before importing (`_IMPORT_VLLM`).
 """
 
 from __future__ import annotations
