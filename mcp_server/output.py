@@ -32,8 +32,9 @@ def grid(rows: list[list[object]], headers: list[str]) -> str:
 
 
 def report_error(err: GpurigError) -> int:
-    """Print a tool error for a person, in the CLI's words (`--need-gib`, not `need_gib`), and
-    return the CLI's exit code for it (2)."""
+    """Print a tool's or the engine's error for a person, in the CLI's words (`--need-gib`, not
+    `need_gib`), and return the CLI's exit code for it: 2 whatever its category (README, Exit
+    codes: 2 is input the user can fix, with what to do, which is what every GpurigError is)."""
     message, remedy = err.rendered("cli")
     sys.stderr.write(f"gpurig: error: {message}\n")
     if remedy:
