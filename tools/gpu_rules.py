@@ -5,10 +5,10 @@ over the `Facts` (the probe's report, the driver's view through NVML, how the pr
 that returns a `Finding` or None, registered with its stable code and component. A reader finds
 why a diagnosis fired in one place, and tests replay recorded probe reports through `diagnose`.
 
-The failure modes come from real installs: a `+cpu` torch under a CUDA vLLM (pip resolved torch
-from PyPI's CPU index), the GPU's capability missing from torch's arch list, `libcudnn.so.9`
-missing after `pip install --no-deps torch`, `import vllm` failing on libcudart, and Turing
-(sm_7x): no bf16 -> `--dtype float16`, 64 KiB of shared memory per block -> the Turing patch
+The failure modes come from real installs: a `+cpu` torch under a CUDA vLLM, the GPU's
+capability missing from torch's arch list, `libcudnn.so.9` missing after
+`pip install --no-deps torch`, `import vllm` failing on libcudart, and Turing (sm_7x): no bf16
+-> `--dtype float16`, 64 KiB of shared memory per block -> the Turing patch
 (patches/turing_smem_clamp.py) for Gemma 4's 512-wide attention.
 """
 
