@@ -6,8 +6,9 @@ Public surface (the contract engine-speed and engine-server build on):
     eng = engine.load("ckpt/", device=None, max_context=None, memory_cap_mib=None, prefill_chunk=None)
     new_ids = eng.generate(ids, max_new_tokens=64, temperature=0.0, top_k=None, top_p=None,
                            seed=None, stop_ids=None, logit_bias=None)  # {id: bias}
-                                                          # eng.last_finish_reason: "stop" | "length"
-    for tok in eng.stream(ids, 64): ...                   # generator; .close() stops it
+    gen = eng.stream(ids, 64)                             # a Generation (engine/generation.py)
+    for tok in gen: ...                                   # .close() stops it; then
+    gen.finish_reason, gen.completion_tokens, gen.timings # "stop" | "length" | None
     eng.tokenizer, eng.chat_template, eng.bos_id, eng.eos_ids, eng.max_context,
     eng.model_dir, eng.model_name, eng.device, eng.memory_report()
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -154,27 +154,52 @@ def load_config(model_dir: Path) -> TextConfig:
     """Read and validate config.json (and generation_config.json for the stop ids)."""
     raw = read_config_json(model_dir)
     cfg = parse_config(raw)
-    eos = _generation_eos(Path(model_dir))
+    eos = read_generation_config(Path(model_dir)).eos_token_ids
     if eos:
-        cfg = _replace_eos(cfg, eos)
+        cfg = replace(cfg, eos_token_ids=eos)
     return cfg
 
 
-def _replace_eos(cfg: TextConfig, eos: tuple[int, ...]) -> TextConfig:
-    from dataclasses import replace
+@dataclass(frozen=True)
+class GenerationConfig:
+    """What a checkpoint's generation_config.json says about generating: its stop ids, and
+    whether (and how) it samples by default."""
 
-    return replace(cfg, eos_token_ids=eos)
+    eos_token_ids: tuple[int, ...] = ()
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+
+    def sampling_defaults(self) -> dict[str, Any]:
+        """The sampling defaults a server applies, as vLLM does: a checkpoint that samples by
+        default (do_sample) gets its temperature/top_p/top_k; otherwise greedy."""
+        if not self.do_sample:
+            return {"temperature": 0.0}
+        return {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k}
 
 
-def _generation_eos(model_dir: Path) -> tuple[int, ...]:
-    path = model_dir / "generation_config.json"
+def read_generation_config(model_dir: Path) -> GenerationConfig:
+    """generation_config.json of a checkpoint; the defaults when it has none. A file that is
+    not a JSON object is a CheckpointError (refused at load, not guessed around)."""
+    path = Path(model_dir) / "generation_config.json"
     if not path.is_file():
-        return ()
+        return GenerationConfig()
     try:
-        eos = json.loads(path.read_text()).get("eos_token_id")
-    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as exc:
-        raise CheckpointError(f"{path} is not a JSON object: {exc}", "restore the file") from exc
-    return _as_ids(eos)
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{path} is not valid JSON: {exc}", "restore the file") from exc
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{path} is not a JSON object", "restore the file")
+    top_k, top_p, temperature = raw.get("top_k"), raw.get("top_p"), raw.get("temperature")
+    return GenerationConfig(
+        eos_token_ids=_as_ids(raw.get("eos_token_id")),
+        do_sample=bool(raw.get("do_sample")),
+        temperature=float(temperature) if isinstance(temperature, int | float) else 1.0,
+        # transformers reads top_k 0 and top_p 1.0 as "off"; so do we
+        top_k=top_k if isinstance(top_k, int) and top_k > 0 else None,
+        top_p=float(top_p) if isinstance(top_p, int | float) and 0 < top_p < 1 else None,
+    )
 
 
 def _as_ids(value: Any) -> tuple[int, ...]:

@@ -20,6 +20,7 @@ from engine.memory import plan_prompt
 from engine.model import Gemma4Model
 
 DEFAULT_PREFILL_CHUNK = 256
+MIN_TEMPERATURE = 1e-5  # below it sampling is greedy (see SamplingParams.greedy)
 
 
 @dataclass(frozen=True)
@@ -57,7 +58,10 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return not self.temperature
+        """Below MIN_TEMPERATURE a temperature is greedy, as in vLLM (_SAMPLING_EPS): dividing
+        the logits by 1e-40 overflows float32 to inf, and softmax of inf is NaN; the pick is
+        the argmax either way."""
+        return not self.temperature or self.temperature < MIN_TEMPERATURE
 
 
 class Sampler:

@@ -17,6 +17,7 @@ from engine.chat.render import read_template
 from engine.checkpoint import CheckpointReader
 from engine.config import TextConfig, load_config
 from engine.errors import CheckpointError, EngineError, GenerationError
+from engine.generation import Generation
 from engine.generate import (
     DEFAULT_PREFILL_CHUNK,
     GenerationState,
@@ -56,7 +57,6 @@ class Engine:
         self.max_context = cache.max_context
         self.bos_id: int | None = cfg.bos_token_id
         self.eos_ids: list[int] = list(cfg.eos_token_ids)
-        self.last_finish_reason: str | None = None
         self._run_id = 0
 
     def stream(
@@ -69,11 +69,13 @@ class Engine:
         seed: int | None = None,
         stop_ids: list[int] | None = None,
         logit_bias: dict[int, float] | None = None,
-    ) -> Iterator[int]:
-        """Yield new token ids as they are made. stop_ids None means the checkpoint's eos ids
-        (generation_config.json); pass [] to stop only at max_new_tokens. The stop id that ends
-        the generation is not yielded. logit_bias {token id: bias} is added to the logits
-        before sampling (greedy too). Bad arguments raise before the first token."""
+    ) -> Generation:
+        """The new token ids as they are made: a `Generation` (engine/generation.py), which
+        also carries finish_reason, the token counts and timings. stop_ids None means the
+        checkpoint's eos ids (generation_config.json); pass [] to stop only at max_new_tokens.
+        The stop id that ends the generation is not yielded. logit_bias {token id: bias} is
+        added to the logits before sampling (greedy too). Bad arguments raise before the
+        first token."""
         stops = set(self.eos_ids if stop_ids is None else stop_ids)
         sampling = SamplingParams(
             temperature=temperature or 0.0,
@@ -88,12 +90,11 @@ class Engine:
             raise GenerationError(f"max_new_tokens {max_new_tokens} is negative", "use 0 or more")
         if max_new_tokens:  # refused now, not as an out-of-memory error halfway through reading
             plan_prompt(self.model, len(token_ids), self.prefill_chunk, self.memory_cap_mib)
-        self.last_finish_reason = None
         return self._run(list(token_ids), max_new_tokens, sampling, stops)
 
     def _run(
         self, prompt: list[int], max_new: int, sampling: SamplingParams, stops: set[int]
-    ) -> Iterator[int]:
+    ) -> Generation:
         """One generation; a newer one on this engine reuses the cache, so this one then stops
         with an error instead of yielding tokens from a cache that is no longer its own."""
         self._run_id += 1
@@ -102,21 +103,26 @@ class Engine:
             self.model, self.cache, prompt, max_new, sampling, stops, self.prefill_chunk, state,
             self.memory_cap_mib,
         )  # fmt: skip
-        try:
-            while True:
-                if self._run_id != run_id:  # checked before touching the cache again
-                    raise EngineError(
-                        "another generation started on this engine while this one was open",
-                        "run one generation at a time (close or finish a stream before the next)",
-                    )
-                tok = next(steps, None)
-                if tok is None:
-                    return
-                yield tok
-        finally:
-            steps.close()
-            if self._run_id == run_id:
-                self.last_finish_reason = state.finish_reason
+
+        def guarded() -> Iterator[int]:
+            try:
+                while True:
+                    if self._run_id != run_id:  # checked before touching the cache again
+                        raise EngineError(
+                            "another generation started on this engine while this one was open",
+                            "run one generation at a time (close or finish a stream before the "
+                            "next)",
+                        )
+                    tok = next(steps, None)
+                    if tok is None:
+                        return
+                    yield tok
+            finally:
+                steps.close()
+
+        device = self.device
+        sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else None
+        return Generation(guarded(), state, len(prompt), sync)
 
     def generate(
         self,
@@ -129,7 +135,8 @@ class Engine:
         stop_ids: list[int] | None = None,
         logit_bias: dict[int, float] | None = None,
     ) -> list[int]:
-        """The new token ids (the ending stop id excluded); see `last_finish_reason`."""
+        """The new token ids (the ending stop id excluded). For the finish reason, counts and
+        timings, iterate `stream` (same arguments) and read its `Generation`."""
         return list(
             self.stream(
                 token_ids, max_new_tokens, temperature, top_k, top_p, seed, stop_ids, logit_bias

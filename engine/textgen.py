@@ -1,35 +1,71 @@
-"""Text in, text out, with timings: the function behind `gpurig engine generate`.
+"""Text in, text out, with timings: `GenerationResult`, the one result type of a generation,
+and `generate_text`, the function behind `gpurig engine generate`.
 
-Takes a loaded `Engine`, either raw prompt text (bos prepended, no template) or one user chat
-message (rendered with the checkpoint's chat template), and returns the reply with the prompt
-read time and the decode speed, plus the bytes-per-token bound figure gpt-fast reports.
+The OpenAI server (engine/server/queue.py) and the CLI both run `Engine.stream` through
+engine/detokenize.py's `TextStream` and describe the outcome with `GenerationResult.of`; the CLI
+adds where it ran and the bandwidth achieved (`GenerationReport`).
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from pydantic import BaseModel
 
+from engine.chat.render import ChatFormat, encode_prompt
+from engine.detokenize import TextStream
 from engine.errors import GenerationError
-from engine.runtime import Engine
+
+if TYPE_CHECKING:
+    from engine.runtime import Engine
 
 
 class GenerationResult(BaseModel):
-    """One generation: the text, its token counts and how fast each phase ran."""
+    """One finished generation: its text, token counts, why it ended and how fast each phase
+    ran. prefill: reading the prompt up to the first new token; decode: the first new token to
+    the last; decode_tokens: the tokens decode steps made (the ending stop id included);
+    decode_tokens_per_s is None when no decode step ran. finish_reason: "stop" (a stop id or
+    stop string), "length", or "cancelled" (the server's: a client that left)."""
+
+    text: str
+    finish_reason: str | None
+    prompt_tokens: int
+    new_tokens: int
+    time_to_first_token_seconds: float
+    prefill_seconds: float
+    prefill_tokens_per_s: float
+    decode_seconds: float
+    decode_tokens: int
+    decode_tokens_per_s: float | None
+
+    @classmethod
+    def of(cls, stream: TextStream, finish_reason: str | None = None) -> GenerationResult:
+        """The result of a finished (or closed) text stream; finish_reason overrides its own."""
+        gen = stream.generation
+        t = gen.timings
+        rate = t.decode_tokens_per_s
+        return cls(
+            text=stream.text,
+            finish_reason=finish_reason or stream.finish_reason,
+            prompt_tokens=gen.prompt_tokens,
+            new_tokens=gen.completion_tokens,
+            time_to_first_token_seconds=round(t.time_to_first_token, 6),
+            prefill_seconds=round(t.prompt_seconds, 6),
+            prefill_tokens_per_s=round(gen.prompt_tokens / max(t.prompt_seconds, 1e-9), 2),
+            decode_seconds=round(t.decode_seconds, 6),
+            decode_tokens=t.decode_tokens,
+            decode_tokens_per_s=round(rate, 2) if rate else None,
+        )
+
+
+class GenerationReport(GenerationResult):
+    """What `gpurig engine generate` prints: the result, where it ran, and the weight bytes one
+    decode step reads against the bandwidth that achieved (the figure gpt-fast reports)."""
 
     model: str
     device: str
     cpu_threads: int | None = None  # torch's CPU threads, on the CPU (the speed depends on it)
-    prompt_tokens: int
-    new_tokens: int
-    finish_reason: str | None
-    text: str
-    prefill_seconds: float
-    prefill_tokens_per_s: float
-    decode_seconds: float
-    decode_tokens_per_s: float | None
     weight_bytes_per_token: int
     effective_gb_per_s: float | None
 
@@ -43,20 +79,8 @@ def prompt_ids(engine: Engine, prompt: str | None = None, chat: str | None = Non
     if prompt is not None:
         ids = engine.tokenizer.encode(prompt, add_special_tokens=False).ids
         return ([engine.bos_id] if engine.bos_id is not None else []) + list(ids)
-    text = _render_chat(engine, chat or "")
-    return list(engine.tokenizer.encode(text, add_special_tokens=False).ids)
-
-
-def _render_chat(engine: Engine, message: str) -> str:
-    """The generation prompt for one user message, with the checkpoint's template when it has one."""
-    from engine.chat.render import bundled_template, render_chat
-
-    bos = engine.tokenizer.id_to_token(engine.bos_id) if engine.bos_id is not None else None
-    return render_chat(
-        engine.chat_template or bundled_template(),
-        [{"role": "user", "content": message}],
-        bos_token=bos or "<bos>",
-    )
+    text = ChatFormat.of(engine).render([{"role": "user", "content": chat or ""}])
+    return encode_prompt(engine.tokenizer, text)
 
 
 def generate_text(
@@ -69,50 +93,28 @@ def generate_text(
     top_p: float | None = None,
     seed: int | None = None,
     on_text: Callable[[str], None] | None = None,
-) -> GenerationResult:
-    """Generate a reply and time it: prefill = until the first token, decode = the rest.
+) -> GenerationReport:
+    """Generate a reply and time it.
 
     on_text, if given, receives the reply's text piece by piece as tokens arrive (a piece that
     ends inside a multi-byte character waits for the next token)."""
     ids = prompt_ids(engine, prompt, chat)
-    start = time.perf_counter()
-    first_at = None
-    out: list[int] = []
-    shown = ""
-    for tok in engine.stream(ids, max_new_tokens, temperature, top_k, top_p, seed):
-        if first_at is None:
-            _sync(engine)
-            first_at = time.perf_counter()
-        out.append(tok)
-        if on_text is not None:
-            text = engine.tokenizer.decode(out, skip_special_tokens=False)
-            if not text.endswith("\ufffd") and text.startswith(shown):
-                on_text(text[len(shown) :])
-                shown = text
-    _sync(engine)
-    if on_text is not None:
-        text = engine.tokenizer.decode(out, skip_special_tokens=False)
-        if text.startswith(shown) and text != shown:
-            on_text(text[len(shown) :])
-    end = time.perf_counter()
-    first_at = first_at or end
-    decode_s = end - first_at
-    decode_rate = (len(out) - 1) / decode_s if len(out) > 1 and decode_s > 0 else None
+    stream = TextStream(
+        engine.stream(ids, max_new_tokens, temperature, top_k, top_p, seed), engine.tokenizer
+    )
+    for piece in stream:
+        if piece and on_text is not None:
+            on_text(piece)
+    result = GenerationResult.of(stream)
     bytes_per_token = engine.model.decode_weight_bytes()
-    return GenerationResult(
+    rate = result.decode_tokens_per_s
+    return GenerationReport(
+        **result.model_dump(),
         model=engine.model_name,
         device=str(engine.device),
         cpu_threads=_cpu_threads(engine),
-        prompt_tokens=len(ids),
-        new_tokens=len(out),
-        finish_reason=engine.last_finish_reason,
-        text=engine.tokenizer.decode(out, skip_special_tokens=False),
-        prefill_seconds=round(first_at - start, 4),
-        prefill_tokens_per_s=round(len(ids) / max(first_at - start, 1e-9), 2),
-        decode_seconds=round(decode_s, 4),
-        decode_tokens_per_s=round(decode_rate, 2) if decode_rate else None,
         weight_bytes_per_token=bytes_per_token,
-        effective_gb_per_s=round(bytes_per_token * decode_rate / 1e9, 3) if decode_rate else None,
+        effective_gb_per_s=round(bytes_per_token * rate / 1e9, 3) if rate else None,
     )
 
 
@@ -122,10 +124,3 @@ def _cpu_threads(engine: Engine) -> int | None:
     import torch
 
     return torch.get_num_threads()
-
-
-def _sync(engine: Engine) -> None:
-    if engine.device.type == "cuda":
-        import torch
-
-        torch.cuda.synchronize(engine.device)

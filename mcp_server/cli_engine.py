@@ -305,7 +305,7 @@ def _threads(n: int | None) -> str:
     return "" if n is None else f" ({n} thread{'' if n == 1 else 's'}; --threads)"
 
 
-def render_generation(r) -> str:  # r: engine.textgen.GenerationResult
+def render_generation(r) -> str:  # r: engine.textgen.GenerationReport
     """The speed report under the streamed reply. With fewer than two new tokens there is no
     decode step to time: say so instead of printing "None tok/s"."""
     if r.decode_tokens_per_s is None:

@@ -93,10 +93,12 @@ def test_stop_ids_end_without_the_stop_token(eng):
     j = 6
     stop = greedy[j]
     first = greedy.index(stop)
-    out = eng.generate(PROMPT, 24, stop_ids=[stop])
-    assert out == greedy[:first] and eng.last_finish_reason == "stop"
-    assert eng.generate(PROMPT, 5, stop_ids=[]) == greedy[:5] and eng.last_finish_reason == "length"
-    assert eng.generate(PROMPT, 0) == [] and eng.last_finish_reason == "length"
+    gen = eng.stream(PROMPT, 24, stop_ids=[stop])
+    assert list(gen) == greedy[:first] and gen.finish_reason == "stop"
+    gen = eng.stream(PROMPT, 5, stop_ids=[])
+    assert list(gen) == greedy[:5] and gen.finish_reason == "length"
+    gen = eng.stream(PROMPT, 0)
+    assert list(gen) == [] and gen.finish_reason == "length"
 
 
 def test_stream_yields_and_cancels(eng):
@@ -115,8 +117,8 @@ def test_context_limit(ckpt):
     with pytest.raises(ContextLengthError) as info:
         small.stream(list(range(3, 52)), 4)  # raised at the call, before any token
     assert (info.value.requested, info.value.limit) == (49, 48)
-    out = small.generate(PROMPT, 100, stop_ids=[])  # 41 prompt tokens: room for 8 positions
-    assert len(out) == 48 - len(PROMPT) + 1 and small.last_finish_reason == "length"
+    gen = small.stream(PROMPT, 100, stop_ids=[])  # 41 prompt tokens: room for 8 positions
+    assert len(list(gen)) == 48 - len(PROMPT) + 1 and gen.finish_reason == "length"
     assert len(small.generate(list(range(3, 51)), 5, stop_ids=[])) == 1  # prompt fills it exactly
     with pytest.raises(EngineError, match="max_context"):
         engine.load(ckpt, device="cpu", max_context=10**7)

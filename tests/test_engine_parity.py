@@ -149,8 +149,9 @@ def test_engine_matches_transformers(case):
     greedy = None
     for chunk in chunks:
         eng.prefill_chunk = chunk
-        out = eng.generate(prompt, NEW_TOKENS, stop_ids=[])
-        assert len(out) == NEW_TOKENS and eng.last_finish_reason == "length"
+        gen = eng.stream(prompt, NEW_TOKENS, stop_ids=[])
+        out = list(gen)
+        assert len(out) == NEW_TOKENS and gen.finish_reason == "length"
         if greedy is None:
             greedy = out
         assert out == greedy, f"{name}: chunk {chunk} changed the greedy continuation"

@@ -85,14 +85,15 @@ def test_chat_matches_the_engine_and_reports_usage_and_timings(client, reference
         model=MODEL, messages=messages, max_tokens=12, temperature=0
     )
     ids = chat_ids(reference, messages)
-    expected_ids = reference.generate(ids, 12, stop_ids=CHAT_STOPS)
+    reference_run = reference.stream(ids, 12, stop_ids=CHAT_STOPS)
+    expected_ids = list(reference_run)
     expected = parse_reply(
         reference.tokenizer.decode(expected_ids, skip_special_tokens=False), parse_calls=False
     )
     choice = resp.choices[0]
     assert choice.message.role == "assistant"
     assert choice.message.content == expected.content
-    assert choice.finish_reason == reference.last_finish_reason
+    assert choice.finish_reason == reference_run.finish_reason
     assert resp.usage.prompt_tokens == len(ids)
     assert resp.usage.completion_tokens == len(expected_ids)
     assert resp.usage.total_tokens == len(ids) + len(expected_ids)

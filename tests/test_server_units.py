@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
+from engine.detokenize import Detokenizer, StopMatcher
 from engine.server.metrics import Metrics
-from engine.server.queue import GenerationRequest, GenerationResult
 from engine.server.schemas import ChatCompletionRequest, CompletionRequest
-from engine.server.textstream import IncrementalDecoder, StopMatcher
+from engine.textgen import GenerationResult
 from engine.tokenizer_synth import build_tokenizer
 
 
@@ -21,7 +21,7 @@ def test_incremental_decoder_never_splits_a_character(tokenizer):
     text = 'Grüße aus 東京 🙂 <|"|> {"a": [1, 2]}\n<|tool_call>done'
     ids = tokenizer.encode(text, add_special_tokens=False).ids
     assert len(tokenizer.encode("東", add_special_tokens=False).ids) == 3  # one token per byte
-    decoder = IncrementalDecoder(tokenizer)
+    decoder = Detokenizer(tokenizer)
     pieces = [decoder.push(i) for i in ids]
     pieces.append(decoder.flush())
     assert "".join(pieces) == text
@@ -30,7 +30,7 @@ def test_incremental_decoder_never_splits_a_character(tokenizer):
 
 def test_incremental_decoder_can_skip_special_tokens(tokenizer):
     ids = tokenizer.encode("a<turn|>b", add_special_tokens=False).ids
-    decoder = IncrementalDecoder(tokenizer, skip_special_tokens=True)
+    decoder = Detokenizer(tokenizer, skip_special_tokens=True)
     assert "".join([decoder.push(i) for i in ids] + [decoder.flush()]) == "ab"
 
 
@@ -128,10 +128,19 @@ def test_metrics_prometheus_text_and_json():
     m.record_request("/v1/completions", 200)
     m.record_request("/v1/completions", 200)
     m.record_request("/v1/completions", 422)
-    req = GenerationRequest(prompt_ids=[1] * 10, max_new_tokens=5)
-    m.record_generation(
-        GenerationResult("t", len(req.prompt_ids), 5, "length", 100.0, 400.0, 10.0, 3.0)
+    result = GenerationResult(
+        text="t",
+        finish_reason="length",
+        prompt_tokens=10,
+        new_tokens=5,
+        time_to_first_token_seconds=0.1,
+        prefill_seconds=0.1,
+        prefill_tokens_per_s=100.0,
+        decode_seconds=0.4,
+        decode_tokens=4,
+        decode_tokens_per_s=10.0,
     )
+    m.record_generation(result, queue_ms=3.0)
     snap = m.snapshot()
     assert snap["requests_total"] == 3 and snap["completion_tokens_total"] == 5
     assert snap["decode_tok_per_s_avg"] == pytest.approx(10.0)

@@ -14,6 +14,7 @@ rides along under `content_object`, which gpurig's own template renders in Gemma
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
@@ -164,3 +165,45 @@ def encode_prompt(tokenizer: Any, text: str) -> list[int]:
     """Token ids for rendered prompt text. The template already wrote `<bos>`, so the
     tokenizer must not add special tokens of its own."""
     return list(tokenizer.encode(text, add_special_tokens=False).ids)
+
+
+@dataclass(frozen=True)
+class ChatFormat:
+    """How one served model turns a chat into prompt text: its template (the checkpoint's,
+    else gpurig's bundled Gemma 4 one) and the text of its BOS token (the tokenizer's, else
+    "<bos>"). The CLI's `--chat` and the server's /v1/chat/completions both render with it."""
+
+    template: str
+    bos_token: str = "<bos>"
+
+    @classmethod
+    def of(cls, engine: Any) -> ChatFormat:
+        """The format of a loaded engine (or any object with its tokenizer, chat_template,
+        bos_id and model_dir)."""
+        model_dir = getattr(engine, "model_dir", None)
+        template = (
+            getattr(engine, "chat_template", None)
+            or (read_template(model_dir) if model_dir is not None else None)
+            or bundled_template()  # a checkpoint without a template: gpurig's Gemma 4 one
+        )
+        bos_id = getattr(engine, "bos_id", None)
+        bos = engine.tokenizer.id_to_token(int(bos_id)) if bos_id is not None else None
+        return cls(template, bos or "<bos>")
+
+    def render(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        *,
+        add_generation_prompt: bool = True,
+        enable_thinking: bool = False,
+    ) -> str:
+        """The prompt text (see `render_chat`); raises ChatTemplateError."""
+        return render_chat(
+            self.template,
+            messages,
+            tools,
+            add_generation_prompt=add_generation_prompt,
+            enable_thinking=enable_thinking,
+            bos_token=self.bos_token,
+        )

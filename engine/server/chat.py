@@ -15,11 +15,11 @@ from typing import Any, NamedTuple
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from engine.chat.render import ChatTemplateError, render_chat
+from engine.chat.render import ChatTemplateError
 from engine.chat.tool_calls import CALL_OPEN, StreamingReplyParser, parse_reply
 from engine.server.body import parse_request, read_body
 from engine.server.errors import ApiError, excerpt
-from engine.server.queue import GenerationRequest, GenerationResult
+from engine.server.queue import Event, GenerationRequest
 from engine.server.schemas import (
     AssistantMessage,
     ChatChoice,
@@ -45,11 +45,14 @@ class ChatPrompt(NamedTuple):
     forced: str
 
 
-def usage(result: GenerationResult) -> dict[str, int]:
+def usage(done: Event) -> dict[str, int]:
+    """OpenAI's usage of a finished job."""
+    result = done.result
+    assert result is not None
     return Usage(
         prompt_tokens=result.prompt_tokens,
-        completion_tokens=result.completion_tokens,
-        total_tokens=result.prompt_tokens + result.completion_tokens,
+        completion_tokens=result.new_tokens,
+        total_tokens=result.prompt_tokens + result.new_tokens,
     ).model_dump()
 
 
@@ -91,14 +94,7 @@ def chat_prompt(state: ServerState, req: ChatCompletionRequest) -> ChatPrompt:
     # within a tool-calling turn and drops it from earlier turns; gpurig's own ignores it
     messages = [m.model_dump(exclude_none=True) for m in req.messages]
     try:
-        text = render_chat(
-            state.template,
-            messages,
-            tools or None,
-            add_generation_prompt=True,
-            enable_thinking=req.thinking(),
-            bos_token=state.bos_token,
-        )
+        text = state.chat.render(messages, tools or None, enable_thinking=req.thinking())
     except ChatTemplateError as exc:
         raise ApiError(400, str(exc), param="messages") from None
     except RecursionError:  # tool-call arguments or a tool result parsed into a deep object
@@ -140,7 +136,8 @@ async def chat_completions(request: Request) -> Response:
     completion_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     capped = {"max_tokens_capped": budget.capped} if budget.capped is not None else {}
     if not req.stream:
-        result = await run_to_end(request.receive, job)
+        done = await run_to_end(request.receive, job)
+        result = done.result
         reply = parse_reply(forced + result.text, parse_calls=parse_calls)
         calls = [ToolCallOut(**c.to_openai()) for c in reply.tool_calls] or None
         finish = "tool_calls" if calls and result.finish_reason == "stop" else result.finish_reason
@@ -158,8 +155,8 @@ async def chat_completions(request: Request) -> Response:
                     finish_reason=finish,
                 )
             ],
-            usage=Usage(**usage(result)),
-            timings=Timings(**result.timings()),
+            usage=Usage(**usage(done)),
+            timings=Timings(**done.timings()),
         )
         return JSONResponse({**out.model_dump(exclude_none=False), **capped},
                             headers=budget.headers())  # fmt: skip
@@ -204,13 +201,12 @@ async def chat_completions(request: Request) -> Response:
                 yield error_payload(event.error)
                 return
             else:
-                result: GenerationResult = event.result
                 for d in deltas(parser.finish()):
                     yield chunk(d)
-                finish = result.finish_reason
+                finish = event.result.finish_reason
                 if n_calls and finish == "stop":
                     finish = "tool_calls"
-                use, timings = usage(result), result.timings()
+                use, timings = usage(event), event.timings()
                 yield chunk({}, finish, usage=use, timings=timings, **capped)
                 if include_usage:
                     yield {**chunk({}), "choices": [], "usage": use, "timings": timings}

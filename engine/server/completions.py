@@ -14,10 +14,11 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from engine.errors import ContextLengthError, GenerationError
 from engine.server.body import parse_request, read_body
 from engine.server.chat import usage
 from engine.server.errors import ApiError, context_error
-from engine.server.queue import GenerationRequest, GenerationResult
+from engine.server.queue import GenerationRequest
 from engine.server.schemas import Completion, CompletionChoice, CompletionRequest, Timings, Usage
 from engine.server.sse import SSEResponse, error_payload, first_event_or_error, run_to_end
 from engine.server.state import ServerState, sampling, token_budget
@@ -45,15 +46,16 @@ def completion_prompt(state: ServerState, req: CompletionRequest) -> list[int]:
         ids = state.encode(prompt, add_special_tokens=True, param="prompt")
     else:
         ids = [int(i) for i in prompt]
-        bad = next((i for i in ids if not 0 <= i < state.vocab_size), None)
-        if bad is not None:
-            raise ApiError(
-                400,
-                f"Token id {bad} is outside the vocabulary (0..{state.vocab_size - 1}).",
-                param="prompt",
-            )
-    if not ids:
-        raise ApiError(400, "The prompt is empty.", param="prompt")
+    from engine.generate import check_prompt  # the engine's own checks (the engine is loaded)
+
+    try:
+        check_prompt(ids, state.vocab_size, state.max_context)
+    except ContextLengthError as exc:
+        raise context_error(exc.limit, exc.requested, None, "prompt") from None
+    except GenerationError as exc:
+        raise ApiError(
+            400, f"{exc.message[:1].upper()}{exc.message[1:]}.", param="prompt"
+        ) from None
     return ids
 
 
@@ -83,14 +85,15 @@ async def completions(request: Request) -> Response:
     completion_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     capped = {"max_tokens_capped": budget.capped} if budget.capped is not None else {}
     if not req.stream:
-        result = await run_to_end(request.receive, job)
+        done = await run_to_end(request.receive, job)
+        result = done.result
         out = Completion(
             id=completion_id,
             created=created,
             model=state.model_name,
             choices=[CompletionChoice(text=echo + result.text, finish_reason=result.finish_reason)],
-            usage=Usage(**usage(result)),
-            timings=Timings(**result.timings()),
+            usage=Usage(**usage(done)),
+            timings=Timings(**done.timings()),
         )
         return JSONResponse({**out.model_dump(), **capped}, headers=budget.headers())
 
@@ -117,9 +120,8 @@ async def completions(request: Request) -> Response:
                 yield error_payload(event.error)
                 return
             else:
-                result: GenerationResult = event.result
-                use, timings = usage(result), result.timings()
-                yield chunk("", result.finish_reason, usage=use, timings=timings, **capped)
+                use, timings = usage(event), event.timings()
+                yield chunk("", event.result.finish_reason, usage=use, timings=timings, **capped)
                 if include_usage:
                     yield {**chunk(""), "choices": [], "usage": use, "timings": timings}
                 return

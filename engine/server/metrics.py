@@ -13,7 +13,7 @@ from collections import Counter
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from engine.server.queue import GenerationResult
+    from engine.textgen import GenerationResult
 
 PREFIX = "gpurig_engine_"
 
@@ -50,18 +50,18 @@ class Metrics:
             self.queue_waiting = waiting
             self.busy = busy
 
-    def record_generation(self, r: GenerationResult) -> None:
+    def record_generation(self, r: GenerationResult, queue_ms: float) -> None:
         with self._lock:
             self.generations += 1
             self.prompt_tokens += r.prompt_tokens
-            self.completion_tokens += r.completion_tokens
-            self.prompt_seconds += r.prompt_ms / 1000
-            self.decode_seconds += r.decode_ms / 1000
-            self.decode_tokens += r.decode_tok_per_s * r.decode_ms / 1000
-            self.queue_seconds += r.queue_ms / 1000
-            self.last_decode_tok_per_s = r.decode_tok_per_s
-            if r.prompt_ms > 0:
-                self.last_prompt_tok_per_s = r.prompt_tokens / (r.prompt_ms / 1000)
+            self.completion_tokens += r.new_tokens
+            self.prompt_seconds += r.prefill_seconds
+            self.decode_seconds += r.decode_seconds
+            self.decode_tokens += r.decode_tokens
+            self.queue_seconds += queue_ms / 1000
+            self.last_decode_tok_per_s = r.decode_tokens_per_s or 0.0
+            if r.prefill_seconds > 0:
+                self.last_prompt_tok_per_s = r.prompt_tokens / r.prefill_seconds
 
     def snapshot(self) -> dict[str, Any]:
         with self._lock:

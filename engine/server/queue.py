@@ -22,8 +22,9 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.detokenize import TextStream
 from engine.server.metrics import Metrics
-from engine.server.textstream import IncrementalDecoder, StopMatcher
+from engine.textgen import GenerationResult
 
 log = logging.getLogger(__name__)
 
@@ -43,31 +44,27 @@ class GenerationRequest:
 
 
 @dataclass
-class GenerationResult:
-    text: str
-    prompt_tokens: int
-    completion_tokens: int
-    finish_reason: str  # "stop" | "length" | "cancelled"
-    prompt_ms: float
-    decode_ms: float
-    decode_tok_per_s: float
-    queue_ms: float
-
-    def timings(self) -> dict[str, float]:
-        return {
-            "prompt_ms": round(self.prompt_ms, 2),
-            "decode_ms": round(self.decode_ms, 2),
-            "decode_tok_per_s": round(self.decode_tok_per_s, 2),
-            "queue_ms": round(self.queue_ms, 2),
-        }
-
-
-@dataclass
 class Event:
     kind: str  # "delta" | "done" | "error"
     text: str = ""
     result: GenerationResult | None = None
+    queue_ms: float = 0.0  # with "done": how long the job waited for the engine
     error: BaseException | None = None
+
+    def timings(self) -> dict[str, float]:
+        """The reply's `timings` (a "done" event's): where the request's time went."""
+        return timings(self.result, self.queue_ms) if self.result is not None else {}
+
+
+def timings(result: GenerationResult, queue_ms: float) -> dict[str, float]:
+    """prompt_ms: reading the prompt up to the first new token; decode_ms: the first new token
+    to the last; decode_tok_per_s: tokens decode steps made per second; queue_ms: waiting."""
+    return {
+        "prompt_ms": round(result.prefill_seconds * 1000, 2),
+        "decode_ms": round(result.decode_seconds * 1000, 2),
+        "decode_tok_per_s": round(result.decode_tokens_per_s or 0.0, 2),
+        "queue_ms": round(queue_ms, 2),
+    }
 
 
 class Job:
@@ -158,19 +155,12 @@ class GenerationQueue:
 
     def _execute(self, job: Job) -> None:
         req = job.request
-        start = time.perf_counter()
-        queue_ms = (start - job.enqueued_at) * 1000
+        queue_ms = (time.perf_counter() - job.enqueued_at) * 1000
         if job.cancelled:  # the client left while waiting: skip the engine entirely
             self.metrics.record_cancelled()
-            job.put(Event("done", result=_result("", req, 0, "cancelled", 0, 0, 0, queue_ms)))
+            job.put(Event("done", result=_skipped(req), queue_ms=queue_ms))
             return
-        decoder = IncrementalDecoder(self.engine.tokenizer, req.skip_special_tokens)
-        stops = StopMatcher(req.stop_strings)
-        pieces: list[str] = []
-        n = 0
-        first_at: float | None = None
-        finish: str | None = None
-        stream = self.engine.stream(
+        generation = self.engine.stream(
             req.prompt_ids,
             req.max_new_tokens,
             temperature=req.temperature,
@@ -180,66 +170,37 @@ class GenerationQueue:
             stop_ids=req.stop_ids,
             logit_bias=req.logit_bias,
         )
+        stream = TextStream(
+            generation, self.engine.tokenizer, req.stop_strings, req.skip_special_tokens
+        )
+        cancelled = False
         try:
-            for token in stream:
-                n += 1
-                if first_at is None:
-                    first_at = time.perf_counter()
-                text = stops.push(decoder.push(int(token)))
+            for text in stream:
                 if text:
-                    pieces.append(text)
                     job.put(Event("delta", text=text))
-                if stops.hit is not None:
-                    finish = "stop"
-                    break
                 if job.cancelled:
-                    finish = "cancelled"
+                    cancelled = True
                     break
         finally:
-            close = getattr(stream, "close", None)
-            if close is not None:
-                close()  # stops the engine now, whether we finished, broke off or failed
-        end = time.perf_counter()
-        if finish is None:
-            finish = getattr(self.engine, "last_finish_reason", None) or "length"
-            tail = stops.push(decoder.flush()) + stops.flush()
-            if stops.hit is not None:
-                finish = "stop"
-            if tail:
-                pieces.append(tail)
-                job.put(Event("delta", text=tail))
-        # tokens made after the first one, plus the end-of-turn token the model chose (computed,
-        # though not returned)
-        decode_tokens = max(n - 1, 0) + (1 if finish == "stop" and stops.hit is None else 0)
-        if first_at is None:
-            prompt_ms, decode_ms = (end - start) * 1000, 0.0
-        else:
-            prompt_ms, decode_ms = (first_at - start) * 1000, (end - first_at) * 1000
-        tok_per_s = decode_tokens / (decode_ms / 1000) if decode_ms > 0 else 0.0
-        result = _result("".join(pieces), req, n, finish, prompt_ms, decode_ms, tok_per_s, queue_ms)
-        if finish == "cancelled":
+            stream.close()  # stops the engine now, whether we finished, broke off or failed
+        result = GenerationResult.of(stream, "cancelled" if cancelled else None)
+        if cancelled:
             self.metrics.record_cancelled()
-        self.metrics.record_generation(result)
-        job.put(Event("done", result=result))
+        self.metrics.record_generation(result, queue_ms)
+        job.put(Event("done", result=result, queue_ms=queue_ms))
 
 
-def _result(
-    text: str,
-    req: GenerationRequest,
-    n: int,
-    finish: str,
-    prompt_ms: float,
-    decode_ms: float,
-    tok_per_s: float,
-    queue_ms: float,
-) -> GenerationResult:
+def _skipped(req: GenerationRequest) -> GenerationResult:
+    """The result of a job cancelled before it reached the engine."""
     return GenerationResult(
-        text=text,
+        text="",
+        finish_reason="cancelled",
         prompt_tokens=len(req.prompt_ids),
-        completion_tokens=n,
-        finish_reason=finish,
-        prompt_ms=prompt_ms,
-        decode_ms=decode_ms,
-        decode_tok_per_s=tok_per_s,
-        queue_ms=queue_ms,
+        new_tokens=0,
+        time_to_first_token_seconds=0.0,
+        prefill_seconds=0.0,
+        prefill_tokens_per_s=0.0,
+        decode_seconds=0.0,
+        decode_tokens=0,
+        decode_tokens_per_s=None,
     )

@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from engine.server.errors import ApiError, engine_error_to_api, server_error
-from engine.server.queue import GenerationResult, Job
+from engine.server.queue import Event, Job
 
 log = logging.getLogger(__name__)
 
@@ -30,15 +30,15 @@ async def watch_disconnect(receive: Callable[[], Awaitable[dict]], job: Job) -> 
             return
 
 
-async def run_to_end(receive: Callable[[], Awaitable[dict]], job: Job) -> GenerationResult:
-    """The job's result, or its error as an ApiError."""
+async def run_to_end(receive: Callable[[], Awaitable[dict]], job: Job) -> Event:
+    """The job's "done" event (its result and queue time), or its error as an ApiError."""
     watcher = asyncio.create_task(watch_disconnect(receive, job))
     try:
         async for event in job.events():
             if event.kind == "error":
                 raise engine_error_to_api(event.error)
             if event.kind == "done":
-                return event.result
+                return event
         raise ApiError(500, "generation ended without a result", type_="server_error")
     finally:
         watcher.cancel()

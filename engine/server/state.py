@@ -8,7 +8,6 @@ streams whatever a body holds.
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -17,7 +16,8 @@ from typing import Any, NamedTuple, TypeVar
 import anyio.to_thread
 from anyio import CapacityLimiter
 
-from engine.chat.render import bundled_template, read_template
+from engine.chat.render import ChatFormat
+from engine.config import read_generation_config
 from engine.server.errors import ApiError, context_error, excerpt
 from engine.server.limits import Limits, ServerOptions, compute_limits
 from engine.server.metrics import Metrics
@@ -27,9 +27,6 @@ T = TypeVar("T")
 
 # Chat turns end on these even if generation_config.json forgot them.
 CHAT_STOP_TOKENS = ("<eos>", "<turn|>", "<|tool_response>")
-# Below this a temperature is greedy, as in vLLM (_SAMPLING_EPS): dividing logits by 1e-40
-# overflows float32 to inf, and softmax of inf is NaN. The pick is the argmax either way.
-MIN_TEMPERATURE = 1e-5
 PREPARE_THREADS = 4  # requests parsed/rendered/tokenised at once
 CAPPED_HEADER = "x-gpurig-max-tokens-capped"
 
@@ -52,11 +49,7 @@ class ServerState:
         self.options = options or ServerOptions()
         self.limits: Limits = compute_limits(self.options, self.tokenizer, self.max_context)
         model_dir = getattr(engine, "model_dir", None)
-        self.template = (
-            getattr(engine, "chat_template", None)
-            or (read_template(model_dir) if model_dir is not None else None)
-            or bundled_template()  # a checkpoint without a template: gpurig's Gemma 4 one
-        )
+        self.chat = ChatFormat.of(engine)
         config = getattr(engine, "config", None)
         self.vocab_size = int(
             getattr(config, "vocab_size", None) or self.tokenizer.get_vocab_size()
@@ -64,17 +57,11 @@ class ServerState:
         self.created = int(time.time())
         self.metrics = Metrics(self.model_name)
         self.queue = GenerationQueue(engine, self.metrics)
-        self.bos_token = self._token_text(getattr(engine, "bos_id", None), "<bos>")
         self.eos_ids = [int(i) for i in (getattr(engine, "eos_ids", None) or [])]
         chat_ids = {self.tokenizer.token_to_id(t) for t in CHAT_STOP_TOKENS}
         self.chat_stop_ids = sorted({*self.eos_ids, *(i for i in chat_ids if i is not None)})
         self.defaults = sampling_defaults(model_dir)
         self._limiter: CapacityLimiter | None = None
-
-    def _token_text(self, token_id: int | None, fallback: str) -> str:
-        if token_id is None:
-            return fallback
-        return self.tokenizer.id_to_token(int(token_id)) or fallback
 
     def check_model(self, requested: str | None) -> None:
         if requested and requested not in self.aliases:
@@ -114,31 +101,18 @@ class ServerState:
 
 
 def sampling_defaults(model_dir: Any) -> dict[str, Any]:
-    """Sampling defaults from generation_config.json, as vLLM does: a checkpoint that samples
-    by default (do_sample) gets its temperature/top_p/top_k; otherwise greedy."""
+    """The checkpoint's sampling defaults (engine/config.py's generation_config.json reader);
+    greedy for an engine without a directory."""
     if model_dir is None:
         return {"temperature": 0.0}
-    path = Path(model_dir) / "generation_config.json"
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {"temperature": 0.0}
-    if not isinstance(config, dict) or not config.get("do_sample"):
-        return {"temperature": 0.0}
-    top_k, top_p = config.get("top_k"), config.get("top_p")
-    return {  # transformers reads top_k 0 and top_p 1.0 as "off"; so do we
-        "temperature": float(config.get("temperature", 1.0)),
-        "top_p": float(top_p) if isinstance(top_p, int | float) and 0 < top_p < 1 else None,
-        "top_k": int(top_k) if isinstance(top_k, int) and top_k > 0 else None,
-    }
+    return read_generation_config(Path(model_dir)).sampling_defaults()
 
 
 def sampling(state: ServerState, req: Any) -> dict[str, Any]:
     """The engine's sampling arguments for a request (its values, else the checkpoint's)."""
     d = state.defaults
+    # a temperature below engine.generate.MIN_TEMPERATURE is greedy there
     temperature = req.temperature if req.temperature is not None else d.get("temperature", 0.0)
-    if temperature < MIN_TEMPERATURE:
-        temperature = 0.0
     try:
         logit_bias = req.logit_bias_ids(state.vocab_size)
     except ValueError as exc:
