@@ -71,7 +71,8 @@ class GenerationReport(GenerationResult):
 
 
 def prompt_ids(engine: Engine, prompt: str | None = None, chat: str | None = None) -> list[int]:
-    """Token ids for raw text (bos + text) or one user message through the chat template."""
+    """Token ids for raw text (bos + text) or one user message through the chat template (a
+    chat reply then ends on ChatFormat.stop_ids, as the server's do)."""
     if (prompt is None) == (chat is None):
         raise GenerationError(
             "give exactly one of prompt text or a chat message", "use --prompt or --chat"
@@ -99,9 +100,9 @@ def generate_text(
     on_text, if given, receives the reply's text piece by piece as tokens arrive (a piece that
     ends inside a multi-byte character waits for the next token)."""
     ids = prompt_ids(engine, prompt, chat)
-    stream = TextStream(
-        engine.stream(ids, max_new_tokens, temperature, top_k, top_p, seed), engine.tokenizer
-    )
+    stops = list(ChatFormat.of(engine).stop_ids) if chat is not None else None
+    generation = engine.stream(ids, max_new_tokens, temperature, top_k, top_p, seed, stops)
+    stream = TextStream(generation, engine.tokenizer)
     for piece in stream:
         if piece and on_text is not None:
             on_text(piece)

@@ -86,10 +86,10 @@ def test_generation_closed_early_has_no_finish_reason(eng):
 
 def test_tiny_temperatures_are_greedy(eng):
     greedy = eng.generate(PROMPT, 5, stop_ids=[])
-    for t in (1e-40, 1e-6, 9.9e-6):  # 1e-40 made softmax of inf: "probability tensor contains nan"
+    for t in (1e-40, 9.9e-6):  # 1e-40 made softmax of inf: "probability tensor contains nan"
         assert eng.generate(PROMPT, 5, temperature=t, stop_ids=[]) == greedy
     sampled = {
-        tuple(eng.generate(PROMPT, 5, temperature=5.0, seed=s, stop_ids=[])) for s in range(4)
+        tuple(eng.generate(PROMPT, 5, temperature=5.0, seed=s, stop_ids=[])) for s in range(3)
     }
     assert len(sampled) > 1  # a real temperature still samples
 
@@ -258,6 +258,10 @@ def test_chat_format_falls_back_to_the_bundled_template_and_bos_text(tokenizer, 
     assert ChatFormat.of(bare).bos_token == tokenizer.id_to_token(2)
     own = ChatFormat.of(eng)
     assert own.template == eng.chat_template
+    # a reply ends on the eos ids and the end-of-turn markers, found by their text
+    assert own.stop_ids == (1, 50, 106) and ChatFormat.of(bare).stop_ids == (1, 50, 106)
+    bare.eos_ids = [7]
+    assert ChatFormat.of(bare).stop_ids == (1, 7, 50, 106)
     text = own.render([{"role": "user", "content": "hi"}])
     assert text.startswith("<bos>") and "hi" in text
 

@@ -26,6 +26,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 TEMPLATE_FILE = "chat_template.jinja"
 CONTENT_OBJECT = "content_object"  # a tool result's JSON object, parsed (see the docstring)
 BUNDLED_TEMPLATE = Path(__file__).with_name("gemma4_chat_template.jinja")
+# A chat turn ends on these even if generation_config.json forgot them.
+CHAT_STOP_TOKENS = ("<eos>", "<turn|>", "<|tool_response>")
 
 
 class ChatTemplateError(ValueError):
@@ -171,10 +173,12 @@ def encode_prompt(tokenizer: Any, text: str) -> list[int]:
 class ChatFormat:
     """How one served model turns a chat into prompt text: its template (the checkpoint's,
     else gpurig's bundled Gemma 4 one) and the text of its BOS token (the tokenizer's, else
-    "<bos>"). The CLI's `--chat` and the server's /v1/chat/completions both render with it."""
+    "<bos>"); and the ids a reply ends on (the eos ids and the end-of-turn markers). The CLI's
+    `--chat` and the server's /v1/chat/completions both render with it."""
 
     template: str
     bos_token: str = "<bos>"
+    stop_ids: tuple[int, ...] = ()
 
     @classmethod
     def of(cls, engine: Any) -> ChatFormat:
@@ -186,9 +190,13 @@ class ChatFormat:
             or (read_template(model_dir) if model_dir is not None else None)
             or bundled_template()  # a checkpoint without a template: gpurig's Gemma 4 one
         )
+        tokenizer = engine.tokenizer
         bos_id = getattr(engine, "bos_id", None)
-        bos = engine.tokenizer.id_to_token(int(bos_id)) if bos_id is not None else None
-        return cls(template, bos or "<bos>")
+        bos = tokenizer.id_to_token(int(bos_id)) if bos_id is not None else None
+        markers = (tokenizer.token_to_id(t) for t in CHAT_STOP_TOKENS)
+        eos = (int(i) for i in getattr(engine, "eos_ids", None) or ())
+        stops = tuple(sorted({*eos, *(i for i in markers if i is not None)}))
+        return cls(template, bos or "<bos>", stops)
 
     def render(
         self,

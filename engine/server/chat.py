@@ -127,7 +127,7 @@ async def chat_completions(request: Request) -> Response:
         GenerationRequest(
             prompt_ids=prompt_ids,
             max_new_tokens=budget.max_new,
-            stop_ids=[] if req.ignore_eos else state.chat_stop_ids,
+            stop_ids=[] if req.ignore_eos else list(state.chat.stop_ids),
             stop_strings=req.stop_strings(),
             skip_special_tokens=False,  # the parser needs the markers
             **sampling(state, req),

@@ -25,8 +25,6 @@ from engine.server.queue import GenerationQueue
 
 T = TypeVar("T")
 
-# Chat turns end on these even if generation_config.json forgot them.
-CHAT_STOP_TOKENS = ("<eos>", "<turn|>", "<|tool_response>")
 PREPARE_THREADS = 4  # requests parsed/rendered/tokenised at once
 CAPPED_HEADER = "x-gpurig-max-tokens-capped"
 
@@ -58,8 +56,6 @@ class ServerState:
         self.metrics = Metrics(self.model_name)
         self.queue = GenerationQueue(engine, self.metrics)
         self.eos_ids = [int(i) for i in (getattr(engine, "eos_ids", None) or [])]
-        chat_ids = {self.tokenizer.token_to_id(t) for t in CHAT_STOP_TOKENS}
-        self.chat_stop_ids = sorted({*self.eos_ids, *(i for i in chat_ids if i is not None)})
         self.defaults = sampling_defaults(model_dir)
         self._limiter: CapacityLimiter | None = None
 
