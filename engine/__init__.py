@@ -3,7 +3,8 @@
 Public surface (the contract engine-speed and engine-server build on):
 
     import engine
-    eng = engine.load("ckpt/", device=None, max_context=None, memory_cap_mib=None, prefill_chunk=None)
+    eng = engine.load("ckpt/", device=None, max_context=None, memory_cap_mib=None, prefill_chunk=None,
+                      dtype=None, options=EngineOptions())  # front doors: EngineOptions.from_env()
     new_ids = eng.generate(ids, max_new_tokens=64, temperature=0.0, top_k=None, top_p=None,
                            seed=None, stop_ids=None, logit_bias=None)  # {id: bias}
     gen = eng.stream(ids, 64)                             # a Generation (engine/generation.py)
@@ -12,9 +13,12 @@ Public surface (the contract engine-speed and engine-server build on):
     eng.tokenizer, eng.chat_template, eng.bos_id, eng.eos_ids, eng.max_context,
     eng.model_dir, eng.model_name, eng.device, eng.memory_report()
 
+Options: engine.options.EngineOptions, one frozen object for every switch (fast path, CUDA
+graph, fused prefill, half2 GEMV, ...); `EngineOptions.from_env()` reads the GPURIG_* variables.
 Errors: engine.errors.EngineError, CheckpointError, ContextLengthError (.limit, .requested).
 Checkpoints: engine.checkpoint_maker.make_checkpoint / quantize_checkpoint. Kernel dispatch
-points: engine/ops.py. Layout of 4-bit embeddings: engine/FORMAT.md.
+points: engine/ops.py (reference) and engine/fast/ops_fast.py (Triton); which one, and the
+decode step, are chosen once at load by engine/backend.py. Layout of 4-bit embeddings: engine/FORMAT.md.
 
 Importing this package is cheap: torch loads on first use of `load`.
 """
@@ -24,6 +28,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from engine.errors import CheckpointError, ContextLengthError, EngineError, GenerationError
+from engine.options import EngineOptions
 
 if TYPE_CHECKING:
     import os
@@ -38,6 +43,7 @@ __all__ = [
     "ContextLengthError",
     "Engine",
     "EngineError",
+    "EngineOptions",
     "GenerationError",
     "MemoryReport",
     "load",
@@ -51,11 +57,13 @@ def load(
     memory_cap_mib: int | None = None,
     prefill_chunk: int | None = None,
     dtype: torch.dtype | None = None,
+    options: EngineOptions | None = None,
 ) -> Engine:
     """Load a Gemma 4 W4A16 checkpoint directory (see engine.runtime.load for every argument).
 
     device None: cuda when available, else cpu. max_context None: the model's
-    max_position_embeddings. dtype None: bfloat16 on CUDA, float32 on the CPU."""
+    max_position_embeddings. dtype None: bfloat16 on CUDA (float16 below capability 8.0),
+    float32 on the CPU. options None: EngineOptions() (the defaults, not the environment)."""
     from engine.runtime import load as _load
 
     return _load(
@@ -65,6 +73,7 @@ def load(
         memory_cap_mib=memory_cap_mib,
         prefill_chunk=prefill_chunk,
         dtype=dtype,
+        options=options,
     )
 
 

@@ -27,8 +27,6 @@ kernel keeps its scores in fp32, so it rounds less than the reference.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 SCORE_BYTES = 6  # peak bytes per score element of one slice: bf16 scores + their fp32 copy
@@ -45,6 +43,7 @@ def attend_chunk(
     window: int | None,
     score_budget: int,
     prefix_visible: bool = False,
+    prefix_sdpa: bool = True,
 ) -> torch.Tensor:
     """`ops.attention_prefill`'s result [T, Hq, D] with at most `score_budget` score elements
     alive at a time. Arguments as there; the chunk's positions must be consecutive
@@ -63,7 +62,12 @@ def attend_chunk(
         qg = qb.reshape(a1 - a0, hkv, group, d).permute(1, 2, 0, 3).reshape(hkv, -1, d)
         state = _Online(hkv, qg.shape[1], d, q.device)
         for keys, values, kpos, masked in segments:
-            if not masked and keys.shape[0] and _sdpa_ok(qg) and state.add_whole(qg, keys, values):
+            if (
+                not masked
+                and keys.shape[0]
+                and _sdpa_ok(qg, prefix_sdpa)
+                and state.add_whole(qg, keys, values)
+            ):
                 continue
             for s0 in range(0, keys.shape[0], keys_per_slice):
                 s1 = min(keys.shape[0], s0 + keys_per_slice)
@@ -90,15 +94,15 @@ def _segments(cache_k, cache_v, cache_pos, k_new, v_new, q_pos, window, a0, a1, 
     return segs
 
 
-def _sdpa_ok(qg: torch.Tensor) -> bool:
+def _sdpa_ok(qg: torch.Tensor, allowed: bool = True) -> bool:
     """Unmasked key ranges (a full layer's prefix) go through torch's memory-efficient
     attention kernel on CUDA: one launch, no scores in memory, its log-sum-exp merged into
     the online softmax. Only without a mask and without broadcast keys (the query heads
     sharing a KV head are folded into rows), not the arrangement that returned wrong rows for
-    the seed. GPURIG_PREFIX_SDPA=0: the sliced softmax everywhere."""
+    the seed. allowed False (EngineOptions.prefix_sdpa): the sliced softmax everywhere."""
     return (
-        qg.is_cuda
-        and os.environ.get("GPURIG_PREFIX_SDPA", "1") != "0"
+        allowed
+        and qg.is_cuda
         and qg.shape[-1] % 8 == 0
         and qg.dtype in (torch.float16, torch.bfloat16, torch.float32)
     )

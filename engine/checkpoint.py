@@ -27,7 +27,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from engine.errors import CheckpointError
-from engine.ops import Linear, PackedLinear, PlainLinear
+from engine.packed import Linear, PackedLinear, PlainLinear
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"

@@ -2,8 +2,9 @@
 
 The decode loop keeps the next token and its position in device tensors that it updates in
 place, so the step `model.decode_step(token, position, cache)` sees the same tensors every time
-(what a CUDA graph replay needs); `decode_step_for` hands the step to engine.fast when present. The only host sync per token is reading the sampled id, which
-streaming and the stop check need anyway.
+(what a CUDA graph replay needs); the engine's Backend (engine/backend.py) supplies the step
+(engine.fast's fused step and CUDA graph on the fast path). The only host sync per token is
+reading the sampled id, which streaming and the stop check need anyway.
 """
 
 from __future__ import annotations
@@ -14,12 +15,13 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.backend import Backend
 from engine.cache import KVCache
 from engine.errors import ContextLengthError, GenerationError
 from engine.memory import plan_prompt
 from engine.model import Gemma4Model
+from engine.options import EngineOptions
 
-DEFAULT_PREFILL_CHUNK = 256
 MIN_TEMPERATURE = 1e-5  # below it sampling is greedy (see SamplingParams.greedy)
 
 
@@ -150,22 +152,6 @@ def prefill(
     return logits
 
 
-def _last_token_by_step(model: Gemma4Model) -> bool:
-    try:
-        from engine.fast import fast_enabled
-    except ImportError:
-        return False
-    return fast_enabled(model.device)
-
-
-def _prefill_body_for(model: Gemma4Model, cache: KVCache) -> Callable[..., None]:
-    try:
-        from engine.fast import prefill_body_for
-    except ImportError:
-        return lambda ids, start, budget=None: model.prefill_chunk(ids, start, cache, False, budget)
-    return prefill_body_for(model, cache)
-
-
 def read_prompt(
     model: Gemma4Model,
     cache: KVCache,
@@ -173,6 +159,7 @@ def read_prompt(
     chunk: int,
     step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
     memory_cap_mib: int | None = None,
+    read_chunk: Callable[..., None] | None = None,
 ) -> torch.Tensor:
     """The prompt into the cache; returns the last token's logits [V].
 
@@ -182,21 +169,23 @@ def read_prompt(
     is bounded by the chunk, never by the cache (engine.attention), so a plan that fits at the
     first chunk fits at the last.
 
-    With engine.fast's decoder (CUDA), every token but the last is read in chunks that skip
-    the KV-shared layers (only the last token needs them, and they keep no cache), and the last
-    token goes through the decode step: one CUDA-graph replay instead of those ~20 layers run
-    as eager ops on a single row, which cost ~30 ms of host time on the H200 whatever the
-    prompt's length. The chunks themselves run engine.fast's fused prefill where it applies.
-    The logits are the same function either way (the decode step is the reference's
-    decode_step, tested to equal prefill). Elsewhere `prefill` reads it all."""
+    With a decode `step` (the fast path: Backend.step()), every token but the last is read in
+    chunks that skip the KV-shared layers (only the last token needs them, and they keep no
+    cache), by `read_chunk` (Backend.prefill_body(); default the model's own layers), and the
+    last token goes through the step: one CUDA-graph replay instead of those ~20 layers run as
+    eager ops on a single row, which cost ~30 ms of host time on the H200 whatever the prompt's
+    length. The logits are the same function either way (the decode step is the reference's
+    decode_step, tested to equal prefill). Without a step `prefill` reads it all."""
     plan = plan_prompt(model, len(prompt), chunk, memory_cap_mib)
-    if step is None and not _last_token_by_step(model):
+    if step is None:
         return prefill(model, cache, prompt, plan.chunk, plan.score_budget)
-    step = step or decode_step_for(model, cache)
     cache.reset()
     ids = torch.tensor(prompt, dtype=torch.int64, device=model.device)
     body = len(prompt) - 1
-    read_chunk = _prefill_body_for(model, cache)
+    if read_chunk is None:
+        read_chunk = lambda ids, start, budget=None: model.prefill_chunk(  # noqa: E731
+            ids, start, cache, False, budget
+        )
     for start in range(0, body, plan.chunk):
         read_chunk(ids[start : min(start + plan.chunk, body)], start, plan.score_budget)
     del read_chunk  # its dequantisation buffer: the step (and its first capture) come next
@@ -229,19 +218,6 @@ class _TokenReader:
         return int(self.pending.item())
 
 
-def decode_step_for(
-    model: Gemma4Model, cache: KVCache
-) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """`step(token, position) -> logits [1, V]`: engine.fast's decoder (fused kernels replayed
-    as a CUDA graph on CUDA; the model's own step elsewhere) when that package is present, else
-    the model's reference `decode_step`."""
-    try:
-        from engine.fast import decoder_for
-    except ImportError:
-        return lambda token, position: model.decode_step(token, position, cache)
-    return decoder_for(model, cache)
-
-
 def generate_stream(
     model: Gemma4Model,
     cache: KVCache,
@@ -252,11 +228,13 @@ def generate_stream(
     chunk: int,
     state: GenerationState,
     memory_cap_mib: int | None = None,
+    backend: Backend | None = None,
 ) -> Iterator[int]:
     """Yield new token ids one by one; a stop id ends the stream without being yielded.
 
     Stops at `max_new_tokens` or when the context is full ('length'). Closing the generator
-    stops it at the next token.
+    stops it at the next token. `backend`: the engine's (its decoder is made once and kept);
+    None makes one for this generation from the default EngineOptions.
     """
     check_prompt(prompt, model.cfg.vocab_size, cache.max_context)
     if max_new_tokens < 0:
@@ -266,9 +244,14 @@ def generate_stream(
     if max_new_tokens == 0:
         state.finish_reason = "length"
         return
-    step = decode_step_for(model, cache)
-    by_step = step if _last_token_by_step(model) else None
-    logits = read_prompt(model, cache, prompt, chunk, by_step, memory_cap_mib)
+    if backend is None:
+        backend = Backend(model, cache, EngineOptions())
+    step = backend.step()
+    if backend.last_token_by_step:
+        logits = read_prompt(model, cache, prompt, chunk, step, memory_cap_mib,
+                             backend.prefill_body())  # fmt: skip
+    else:
+        logits = read_prompt(model, cache, prompt, chunk, None, memory_cap_mib)
     token = sampler(logits)  # [1] int64 on the device
     position = torch.tensor([len(prompt)], dtype=torch.int64, device=model.device)
     next_pos = len(prompt)

@@ -9,13 +9,13 @@ checked against what the device really holds.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 from pydantic import BaseModel
 
 from engine.errors import EngineError
+from engine.options import allocator_configured
 
 MIB = 1 << 20
 
@@ -86,12 +86,16 @@ def build_report(
     )
 
 
-def apply_memory_cap(device: torch.device, cap_mib: int | None) -> None:
+def apply_memory_cap(
+    device: torch.device, cap_mib: int | None, expandable_segments: bool = True
+) -> None:
     """Cap this process's share of a CUDA device (torch.cuda.set_per_process_memory_fraction), so
-    a large card behaves like a small one for memory. No effect on the CPU."""
+    a large card behaves like a small one for memory; with expandable segments unless told not
+    to (EngineOptions.expandable_segments). No effect on the CPU."""
     if cap_mib is None or device.type != "cuda":
         return
-    _expandable_segments()
+    if expandable_segments:
+        _expandable_segments()
     # set_per_process_memory_fraction wants an index: "cuda" alone means the current device.
     index = device.index if device.index is not None else torch.cuda.current_device()
     total = torch.cuda.get_device_properties(index).total_memory
@@ -174,11 +178,9 @@ def _expandable_segments() -> None:
     Why: the cap counts what the allocator reserves, not what is allocated, and fixed
     segments leave holes that no large block fits: on the H200 at 3,732 MiB, a read failed
     asking for 44 MiB with 215 MiB reserved but unallocated (bench/NOTES.md). Set before the
-    weights load, so they pack too. GPURIG_EXPANDABLE_SEGMENTS=0 leaves the allocator alone
-    (PYTORCH_CUDA_ALLOC_CONF, when set, is left as the user set it)."""
-    if os.environ.get("GPURIG_EXPANDABLE_SEGMENTS", "1") == "0":
-        return
-    if "PYTORCH_CUDA_ALLOC_CONF" in os.environ or "PYTORCH_ALLOC_CONF" in os.environ:
+    weights load, so they pack too. EngineOptions.expandable_segments False leaves the
+    allocator alone (PYTORCH_CUDA_ALLOC_CONF, when set, is left as the user set it)."""
+    if allocator_configured():
         return
     setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
     if setter is None:

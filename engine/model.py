@@ -29,7 +29,7 @@ from engine.cache import KVCache
 from engine.checkpoint import CheckpointReader
 from engine.config import RopeSpec, TextConfig
 from engine.errors import CheckpointError
-from engine.ops import Linear
+from engine.packed import Linear
 
 
 @dataclass
@@ -90,8 +90,12 @@ class Gemma4Model:
         final_norm: torch.Tensor,
         device: torch.device,
         dtype: torch.dtype,
+        kernels: ops.Ops | None = None,
     ) -> None:
         self.cfg = cfg
+        # the dispatch points every product, lookup and attention goes through: the reference
+        # set, or engine.fast's FastOps (chosen once, at load)
+        self.ops = kernels if kernels is not None else ops.Ops()
         self.embed = embed
         self.lm_head = lm_head
         self.ple_table = ple_table
@@ -110,7 +114,12 @@ class Gemma4Model:
     # ---- loading ---------------------------------------------------------------------------
     @classmethod
     def load(
-        cls, reader: CheckpointReader, cfg: TextConfig, device: torch.device, dtype: torch.dtype
+        cls,
+        reader: CheckpointReader,
+        cfg: TextConfig,
+        device: torch.device,
+        dtype: torch.dtype,
+        kernels: ops.Ops | None = None,
     ) -> Gemma4Model:
         group = cfg.quant.group_size if cfg.quant else 32
 
@@ -187,24 +196,28 @@ class Gemma4Model:
             vec("norm.weight"),
             device,
             dtype,
+            kernels,
         )
 
     # ---- pieces ----------------------------------------------------------------------------
-    def _embed(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def embed_ids(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """ids [T] -> hidden [T, H] and per-layer inputs [T, L, P] (None without PLE)."""
         cfg = self.cfg
-        h = ops.embed_rows(ids, self.embed, self.dtype) * self.embed_scale
+        h = self.ops.embed_rows(ids, self.embed, self.dtype) * self.embed_scale
         if self.ple_table is None:
             return h, None
         t, n, p = ids.shape[0], cfg.num_hidden_layers, cfg.hidden_size_per_layer_input
-        tok = (ops.embed_rows(ids, self.ple_table, self.dtype) * self.ple_scale).reshape(t, n, p)
-        proj = ops.linear(h, self.ple_projection) * (cfg.hidden_size**-0.5)
-        proj = ops.rms_norm(proj.reshape(t, n, p), self.ple_projection_norm, cfg.rms_norm_eps)
+        tok = (self.ops.embed_rows(ids, self.ple_table, self.dtype) * self.ple_scale).reshape(
+            t, n, p
+        )
+        proj = self.ops.linear(h, self.ple_projection) * (cfg.hidden_size**-0.5)
+        proj = self.ops.rms_norm(proj.reshape(t, n, p), self.ple_projection_norm, cfg.rms_norm_eps)
         return h, (proj + tok) * (2.0**-0.5)
 
-    def _rope(self, positions: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    def rope(self, positions: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         return {
-            kind: ops.rope_cos_sin(positions, f, self.dtype) for kind, f in self.inv_freq.items()
+            kind: self.ops.rope_cos_sin(positions, f, self.dtype)
+            for kind, f in self.inv_freq.items()
         }
 
     def _layer(
@@ -221,7 +234,7 @@ class Gemma4Model:
         """One decoder layer on h [T, H]. prefill_start is the chunk's first position when
         reading a prompt chunk (attend, then write the chunk's K/V), None when the layer's cache
         already holds what it needs (decode: write first, then attend over the whole buffer).
-        score_budget bounds a prompt chunk's attention scores (ops.attention_prefill)."""
+        score_budget bounds a prompt chunk's attention scores (self.ops.attention_prefill)."""
         cfg, w = self.cfg, self.layers[i]
         eps, t = cfg.rms_norm_eps, h.shape[0]
         hd, kvh = cfg.layer_head_dims[i], cfg.layer_kv_heads[i]
@@ -229,45 +242,49 @@ class Gemma4Model:
         window = cfg.sliding_window if cfg.is_sliding(i) else None
         cos, sin = rope[kind]
 
-        x = ops.rms_norm(h, w.input_norm, eps)
-        q_out = ops.linear(x, w.q)
-        k_out = ops.linear(x, w.k) if w.k is not None else None
-        v_out = ops.linear(x, w.v) if w.v is not None else None
-        q = ops.apply_rope(ops.rms_norm(q_out.reshape(t, -1, hd), w.q_norm, eps), cos, sin)
+        x = self.ops.rms_norm(h, w.input_norm, eps)
+        q_out = self.ops.linear(x, w.q)
+        k_out = self.ops.linear(x, w.k) if w.k is not None else None
+        v_out = self.ops.linear(x, w.v) if w.v is not None else None
+        q = self.ops.apply_rope(
+            self.ops.rms_norm(q_out.reshape(t, -1, hd), w.q_norm, eps), cos, sin
+        )
         if k_out is not None:
             k_raw = k_out.reshape(t, kvh, hd)
             v_raw = v_out.reshape(t, kvh, hd) if v_out is not None else k_raw
-            k = ops.apply_rope(ops.rms_norm(k_raw, w.k_norm, eps), cos, sin)
-            v = ops.rms_norm(v_raw, None, eps)
+            k = self.ops.apply_rope(self.ops.rms_norm(k_raw, w.k_norm, eps), cos, sin)
+            v = self.ops.rms_norm(v_raw, None, eps)
             lc = cache.layers[i]
             if prefill_start is not None:
                 if lc.window is None:  # full layer: the filled prefix
                     ck, cv, cp = lc.k[:prefill_start], lc.v[:prefill_start], lc.pos[:prefill_start]
                 else:  # sliding ring: all of it
                     ck, cv, cp = lc.k, lc.v, lc.pos
-                attn = ops.attention_prefill(q, k, v, ck, cv, cp, positions, window, score_budget)
+                attn = self.ops.attention_prefill(
+                    q, k, v, ck, cv, cp, positions, window, score_budget
+                )
                 lc.write(k, v, positions)
             else:
                 lc.write(k, v, positions)
-                attn = ops.attention_decode(q, lc.k, lc.v, lc.pos, positions, window)
+                attn = self.ops.attention_decode(q, lc.k, lc.v, lc.pos, positions, window)
         else:
             lc = cache.layers[cfg.kv_producer(i)]
-            attn = ops.attention_decode(q, lc.k, lc.v, lc.pos, positions, window)
+            attn = self.ops.attention_decode(q, lc.k, lc.v, lc.pos, positions, window)
 
-        h = h + ops.rms_norm(ops.linear(attn.reshape(t, -1), w.o), w.post_attn_norm, eps)
-        x = ops.rms_norm(h, w.pre_ffn_norm, eps)
-        gate, up = ops.linear(x, w.gate), ops.linear(x, w.up)
-        mlp = ops.linear(ops.gelu_tanh(gate) * up, w.down)
-        h = h + ops.rms_norm(mlp, w.post_ffn_norm, eps)
+        h = h + self.ops.rms_norm(self.ops.linear(attn.reshape(t, -1), w.o), w.post_attn_norm, eps)
+        x = self.ops.rms_norm(h, w.pre_ffn_norm, eps)
+        gate, up = self.ops.linear(x, w.gate), self.ops.linear(x, w.up)
+        mlp = self.ops.linear(self.ops.gelu_tanh(gate) * up, w.down)
+        h = h + self.ops.rms_norm(mlp, w.post_ffn_norm, eps)
         if ple is not None:
-            g = ops.gelu_tanh(ops.linear(h, w.ple_gate)) * ple[:, i]
-            h = h + ops.rms_norm(ops.linear(g, w.ple_proj), w.ple_norm, eps)
+            g = self.ops.gelu_tanh(self.ops.linear(h, w.ple_gate)) * ple[:, i]
+            h = h + self.ops.rms_norm(self.ops.linear(g, w.ple_proj), w.ple_norm, eps)
         return h * w.layer_scalar
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final norm, tied lm_head and soft-capping: h [T, H] -> [T, V] in the compute dtype."""
-        x = ops.rms_norm(h, self.final_norm, self.cfg.rms_norm_eps)
-        out = ops.lm_head(x, self.lm_head)
+        x = self.ops.rms_norm(h, self.final_norm, self.cfg.rms_norm_eps)
+        out = self.ops.lm_head(x, self.lm_head)
         cap = self.cfg.final_logit_softcapping
         if cap:
             out = torch.tanh(out / cap) * cap
@@ -290,8 +307,8 @@ class Gemma4Model:
         score elements alive at once (default ops.SCORE_BUDGET; see engine.memory.plan_prompt).
         """
         positions = torch.arange(start, start + ids.shape[0], device=self.device)
-        h, ple = self._embed(ids)
-        rope = self._rope(positions)
+        h, ple = self.embed_ids(ids)
+        rope = self.rope(positions)
         first_shared = self.cfg.first_shared_layer
         for i in range(first_shared):
             h = self._layer(i, h, ple, positions, rope, cache, start, score_budget)
@@ -309,8 +326,8 @@ class Gemma4Model:
         self, token: torch.Tensor, position: torch.Tensor, cache: KVCache
     ) -> torch.Tensor:
         """One token: token [1] and position [1] device tensors -> logits [1, V]."""
-        h, ple = self._embed(token)
-        rope = self._rope(position)
+        h, ple = self.embed_ids(token)
+        rope = self.rope(position)
         for i in range(self.cfg.num_hidden_layers):
             h = self._layer(i, h, ple, position, rope, cache, prefill_start=None)
         return self.logits(h)

@@ -1,136 +1,32 @@
 """The engine's kernel dispatch points, with their PyTorch reference bodies.
 
-Every 4-bit matrix product, embedding lookup and attention of the model goes through one of the
-functions here, so a faster implementation (Triton / CUDA, in engine/kernels/) can be slotted in
-by adding a branch at the top of a function, keeping its signature. The reference bodies stay
-forever: they are the CPU path and the ground truth the kernel tests compare against.
+Every 4-bit matrix product, embedding lookup and attention of the model goes through `Ops`, the
+set of these functions a model is built with (`Gemma4Model.ops`). The reference set is `Ops()`;
+engine/fast/ops_fast.py's `FastOps` subclass puts the Triton kernels first, with these bodies
+as the fallback. The reference bodies stay forever: they are the CPU path and the ground truth
+the kernel tests compare against. This module imports nothing of the engine above it.
 
 Conventions shared by every function:
 - Activations are 16- or 32-bit floats (`x.dtype` is the compute dtype); results come back in
   that dtype. No function needs a Python int that changes from token to token: positions,
   lengths and cache-slot positions are device tensors, so a decode step can be captured in a
   CUDA graph.
-- 4-bit weights arrive as a `PackedLinear` (compressed-tensors "pack-quantized" layout):
-  `packed` int32 [N, K // 8]: element k of row n sits in word k // 8 at bits 4 * (k % 8)..+3
-  (element 0 lowest), stored unsigned as q + 8 with q in [-8, 7]; `scales` bf16/fp16
-  [N, K // group_size]; the weight is `w[n, k] = q[n, k] * scales[n, k // group_size]`.
-  Row-wise packing means fusing projections that read the same input (q/k/v, gate/up) is a
-  concatenation of `packed` and `scales` along N: see `PackedLinear.concat`.
-- Plain (16-bit) weights arrive as a `PlainLinear` (`weight` [N, K], like nn.Linear).
+- 4-bit weights arrive as a `PackedLinear`, plain (16-bit) ones as a `PlainLinear`; both and
+  their layout are in engine/packed.py.
 """
 
 from __future__ import annotations
 
-import os
-import sys
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 
-# ---------------------------------------------------------------------------------------------
-# weights
+from engine.attention import attend_chunk
+from engine.packed import Linear, PackedLinear, PlainLinear, dequantize, unpack_codes
 
-
-@dataclass
-class PackedLinear:
-    """A W4A16 weight kept packed on the device: 8 codes per int32 word, one scale per group."""
-
-    packed: torch.Tensor  # int32 [N, K // 8]
-    scales: torch.Tensor  # bf16 / fp16 [N, K // group_size]
-    out_features: int  # N
-    in_features: int  # K
-    group_size: int = 32
-
-    def nbytes(self) -> int:
-        return _nbytes(self.packed) + _nbytes(self.scales)
-
-    @staticmethod
-    def concat(parts: list[PackedLinear]) -> PackedLinear:
-        """Stack linears that read the same input into one (output rows concatenated)."""
-        first = parts[0]
-        if any(
-            p.in_features != first.in_features or p.group_size != first.group_size for p in parts
-        ):
-            raise ValueError("only linears with the same input width and group size fuse")
-        return PackedLinear(
-            packed=torch.cat([p.packed for p in parts]),
-            scales=torch.cat([p.scales for p in parts]),
-            out_features=sum(p.out_features for p in parts),
-            in_features=first.in_features,
-            group_size=first.group_size,
-        )
-
-
-@dataclass
-class PlainLinear:
-    """A weight stored plain in the checkpoint (listed in `ignore`, or a width not divisible by
-    the group size): used as is."""
-
-    weight: torch.Tensor  # [N, K]
-
-    @property
-    def out_features(self) -> int:
-        return int(self.weight.shape[0])
-
-    @property
-    def in_features(self) -> int:
-        return int(self.weight.shape[1])
-
-    def nbytes(self) -> int:
-        return _nbytes(self.weight)
-
-
-Linear = PackedLinear | PlainLinear
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
-def unpack_codes(packed: torch.Tensor, in_features: int) -> torch.Tensor:
-    """int32 [N, K // 8] -> signed 4-bit codes as int8 [N, K] (q in [-8, 7]).
-
-    On little-endian machines (every CUDA device, x86, arm64) byte j of a word holds elements 2j
-    (low nibble) and 2j + 1 (high nibble), so splitting bytes avoids 32-bit temporaries.
-    """
-    n = packed.shape[0]
-    if sys.byteorder == "little":
-        b = packed.contiguous().view(torch.uint8)  # [N, K // 2]
-        nibbles = torch.stack((b & 0xF, b >> 4), dim=-1).reshape(n, -1)
-    else:
-        shifts = torch.arange(0, 32, 4, device=packed.device, dtype=torch.int32)
-        nibbles = ((packed.unsqueeze(-1) >> shifts) & 0xF).reshape(n, -1)
-    return (nibbles[:, :in_features].to(torch.int8) - 8).contiguous()
-
-
-def dequantize(w: PackedLinear, dtype: torch.dtype) -> torch.Tensor:
-    """The 16/32-bit matrix [N, K] a PackedLinear stands for (exact in fp32; in 16-bit the
-    product q * scale is rounded once, as a 16-bit multiply would)."""
-    n, k, g = w.packed.shape[0], w.in_features, w.group_size
-    codes = unpack_codes(w.packed, k).to(torch.float32).view(n, k // g, g)
-    return (codes * w.scales.to(torch.float32).unsqueeze(-1)).view(n, k).to(dtype)
-
+__all__ = ["Linear", "PackedLinear", "PlainLinear", "dequantize", "unpack_codes"]
 
 # ---------------------------------------------------------------------------------------------
 # matrix products
-
-
-def _fast(t: torch.Tensor):
-    """engine.fast.ops_fast (Triton kernels) when `t` lives where the fast path serves (CUDA;
-    any device with GPURIG_FAST=force), else None and the reference body runs. A fast function
-    returns None for a case its kernels do not cover, which also falls back to the reference."""
-    if t.device.type != "cuda" and os.environ.get("GPURIG_FAST") != "force":
-        return None
-    try:
-        from engine import fast
-    except ImportError:
-        return None
-    if not fast.fast_enabled(t.device):
-        return None
-    from engine.fast import ops_fast
-
-    return ops_fast
 
 
 def linear4(x: torch.Tensor, w: PackedLinear) -> torch.Tensor:
@@ -138,11 +34,9 @@ def linear4(x: torch.Tensor, w: PackedLinear) -> torch.Tensor:
 
     Reference: dequantize the whole matrix for this call (one layer's weight at a time; the
     model never holds a 16-bit copy), then a dense matmul in x's dtype.
-    Fast path: the int4 GEMV for decode-sized x, else a Triton dequantise + cuBLAS.
+    Fast path (engine.fast.ops_fast.FastOps): the int4 GEMV for decode-sized x, else a Triton
+    dequantise + cuBLAS.
     """
-    fast = _fast(x)
-    if fast is not None and (y := fast.linear4(x, w)) is not None:
-        return y
     return F.linear(x, dequantize(w, x.dtype))
 
 
@@ -168,9 +62,6 @@ def embed4_rows(ids: torch.Tensor, table: PackedLinear, dtype: torch.dtype) -> t
     The table uses the PackedLinear layout with one row per token (see engine/FORMAT.md).
     Only the looked-up rows are unpacked.
     """
-    fast = _fast(table.packed)
-    if fast is not None and (out := fast.embed4_rows(ids, table, dtype)) is not None:
-        return out
     rows = PackedLinear(
         packed=table.packed.index_select(0, ids),
         scales=table.scales.index_select(0, ids),
@@ -194,9 +85,6 @@ def lm_head4(x: torch.Tensor, table: PackedLinear) -> torch.Tensor:
     Reference: dequantizes LM_HEAD_BLOCK vocabulary rows at a time, so the temporary stays small
     even for a 262144-row table on a small GPU. Fast path: the int4 GEMV over the same table.
     """
-    fast = _fast(x)
-    if fast is not None and (y := fast.linear4(x, table)) is not None:
-        return y
     out = []
     for start in range(0, table.out_features, LM_HEAD_BLOCK):
         rows = slice(start, start + LM_HEAD_BLOCK)
@@ -291,6 +179,7 @@ def attention_prefill(
     window: int | None,
     score_budget: int | None = None,
     prefix_visible: bool = False,
+    prefix_sdpa: bool = True,
 ) -> torch.Tensor:
     """Attention of a prompt chunk: T queries over the cached keys plus the chunk's own keys.
 
@@ -313,10 +202,8 @@ def attention_prefill(
     hkv, d = k_new.shape[1], k_new.shape[2]
     # one block only while its scores and the keys it concatenates are small beside the budget
     if q.shape[1] * q.shape[0] * keys * 2 > budget or hkv * d * keys * 8 > budget:
-        from engine.attention import attend_chunk
-
         return attend_chunk(q, k_new, v_new, cache_k, cache_v, cache_pos, q_pos, window, budget,
-                            prefix_visible)  # fmt: skip
+                            prefix_visible, prefix_sdpa)  # fmt: skip
     keys = torch.cat([cache_k, k_new.to(cache_k.dtype)]).to(q.dtype)
     values = torch.cat([cache_v, v_new.to(cache_v.dtype)]).to(q.dtype)
     key_pos = torch.cat([cache_pos, q_pos])
@@ -335,12 +222,7 @@ def attention_decode(
     cache that already holds its own key: q [T, Hq, D]; cache_k / cache_v [S, Hkv, D] the whole
     cache buffer (S = max context for full layers, the window for sliding rings); cache_pos [S]
     each slot's position (-1 = empty); q_pos [T]. Returns [T, Hq, D].
-    Fast path: the split-cache Triton kernel (one KV head, T = 1)."""
-    fast = _fast(q)
-    if fast is not None:
-        out = fast.attention_decode(q, cache_k, cache_v, cache_pos, q_pos, window)
-        if out is not None:
-            return out
+    Fast path (FastOps): the split-cache Triton kernel (one KV head, T = 1)."""
     return _attend(q, cache_k.to(q.dtype), cache_v.to(q.dtype), cache_pos, q_pos, window)
 
 
@@ -375,3 +257,42 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(x, approximate="tanh")
+
+
+class Ops:
+    """The dispatch points one model computes with: the reference bodies above, bound to the
+    engine's options. engine.fast.ops_fast.FastOps overrides the kernel-backed ones."""
+
+    def __init__(self, prefix_sdpa: bool = True) -> None:
+        self.prefix_sdpa = prefix_sdpa
+
+    linear4 = staticmethod(linear4)
+    linear_plain = staticmethod(linear_plain)
+    embed4_rows = staticmethod(embed4_rows)
+    lm_head4 = staticmethod(lm_head4)
+    attention_decode = staticmethod(attention_decode)
+    rms_norm = staticmethod(rms_norm)
+    rope_cos_sin = staticmethod(rope_cos_sin)
+    apply_rope = staticmethod(apply_rope)
+    gelu_tanh = staticmethod(gelu_tanh)
+
+    def linear(self, x: torch.Tensor, w: Linear) -> torch.Tensor:
+        """Dispatch on how the weight is stored."""
+        if isinstance(w, PackedLinear):
+            return self.linear4(x, w)
+        return self.linear_plain(x, w)
+
+    def embed_rows(self, ids: torch.Tensor, table: Linear, dtype: torch.dtype) -> torch.Tensor:
+        if isinstance(table, PackedLinear):
+            return self.embed4_rows(ids, table, dtype)
+        return table.weight.index_select(0, ids).to(dtype)
+
+    def lm_head(self, x: torch.Tensor, table: Linear) -> torch.Tensor:
+        if isinstance(table, PackedLinear):
+            return self.lm_head4(x, table)
+        return self.linear_plain(x, table)
+
+    def attention_prefill(self, *args, **kwargs) -> torch.Tensor:
+        """`attention_prefill` with this engine's prefix_sdpa choice."""
+        kwargs.setdefault("prefix_sdpa", self.prefix_sdpa)
+        return attention_prefill(*args, **kwargs)

@@ -12,21 +12,23 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
+from engine.backend import Backend, make_kernels, prefill_chunk_for
 from engine.cache import KVCache
 from engine.chat.render import read_template
 from engine.checkpoint import CheckpointReader
 from engine.config import TextConfig, load_config
 from engine.errors import CheckpointError, EngineError, GenerationError
-from engine.generation import Generation
 from engine.generate import (
-    DEFAULT_PREFILL_CHUNK,
     GenerationState,
     SamplingParams,
     check_prompt,
     generate_stream,
 )
+from engine.generation import Generation
+from engine.kernels.tuning import configure as configure_tuning
 from engine.memory import MemoryReport, apply_memory_cap, build_report, plan_prompt
 from engine.model import Gemma4Model
+from engine.options import EngineOptions, default_dtype
 
 
 class Engine:
@@ -42,6 +44,7 @@ class Engine:
         chat_template: str | None,
         prefill_chunk: int,
         memory_cap_mib: int | None,
+        options: EngineOptions | None = None,
     ) -> None:
         self.model_dir = model_dir
         self.model_name = model_name_of(model_dir)
@@ -57,6 +60,9 @@ class Engine:
         self.max_context = cache.max_context
         self.bos_id: int | None = cfg.bos_token_id
         self.eos_ids: list[int] = list(cfg.eos_token_ids)
+        self.options = options or EngineOptions()
+        # how this engine computes, chosen once: it owns the fused weights and the decoder
+        self.backend = Backend(model, cache, self.options)
         self._run_id = 0
 
     def stream(
@@ -101,7 +107,7 @@ class Engine:
         run_id, state = self._run_id, GenerationState()
         steps = generate_stream(
             self.model, self.cache, prompt, max_new, sampling, stops, self.prefill_chunk, state,
-            self.memory_cap_mib,
+            self.memory_cap_mib, backend=self.backend,
         )  # fmt: skip
 
         def guarded() -> Iterator[int]:
@@ -174,14 +180,19 @@ def load(
     memory_cap_mib: int | None = None,
     prefill_chunk: int | None = None,
     dtype: torch.dtype | None = None,
+    options: EngineOptions | None = None,
 ) -> Engine:
     """Load a Gemma 4 W4A16 checkpoint directory onto `device` (default: cuda if present).
 
     max_context: positions the KV cache holds (default the model's max_position_embeddings).
     prefill_chunk: the most prompt tokens read per forward pass (default 4,096 on CUDA, 256 on
     the CPU; each prompt's chunk is lowered to what the memory left holds). dtype: compute dtype
-    (default bfloat16 on CUDA, float32 on the CPU). memory_cap_mib: cap this process's CUDA memory.
+    (default `engine.options.default_dtype`: bfloat16 on CUDA from capability 8.0, float16 on
+    older GPUs, float32 on the CPU). memory_cap_mib: cap this process's CUDA memory.
+    options: every other switch (EngineOptions; default: the defaults, not the environment;
+    front doors pass `EngineOptions.from_env()`).
     """
+    options = options or EngineOptions()
     model_dir = Path(path).expanduser()
     if not model_dir.is_dir():
         raise CheckpointError(f"{model_dir} is not a directory", "pass a checkpoint directory")
@@ -202,7 +213,7 @@ def load(
         )
     if dev.type not in ("cpu", "cuda"):
         raise EngineError(f"device {dev} is not supported", "use cpu or cuda")
-    compute_dtype = dtype or (torch.bfloat16 if dev.type == "cuda" else torch.float32)
+    compute_dtype = dtype or default_dtype(dev.type, _capability(dev))
     cfg = load_config(model_dir)
     limit = cfg.max_position_embeddings
     ctx = limit if max_context is None else int(max_context)
@@ -211,29 +222,36 @@ def load(
             f"max_context {ctx} is outside [1, {limit}] (the model's max_position_embeddings)",
             f"pass a max_context between 1 and {limit}",
         )
-    chunk = _default_chunk(dev, memory_cap_mib) if prefill_chunk is None else int(prefill_chunk)
+    chunk = prefill_chunk_for(dev) if prefill_chunk is None else int(prefill_chunk)
     if chunk < 1:
         raise EngineError(f"prefill_chunk {chunk} must be at least 1", "use e.g. 256")
     tokenizer = _load_tokenizer(model_dir)
-    apply_memory_cap(dev, memory_cap_mib)
+    apply_memory_cap(dev, memory_cap_mib, options.expandable_segments)
+    configure_tuning(options.autotune, options.tuning_cache_dir)
     reader = CheckpointReader(model_dir)
     try:
-        model = Gemma4Model.load(reader, cfg, dev, compute_dtype)
+        model = Gemma4Model.load(reader, cfg, dev, compute_dtype, make_kernels(options, dev))
     finally:
         reader.close()
     cache = KVCache(cfg, ctx, dev, compute_dtype)
     return Engine(
-        model_dir, cfg, model, cache, tokenizer, read_template(model_dir), chunk, memory_cap_mib
+        model_dir,
+        cfg,
+        model,
+        cache,
+        tokenizer,
+        read_template(model_dir),
+        chunk,
+        memory_cap_mib,
+        options,
     )
 
 
-def _default_chunk(device: torch.device, memory_cap_mib: int | None) -> int:
-    """engine.fast's per-device prompt chunk when present (bigger on big GPUs), else 256."""
-    try:
-        from engine.fast import prefill_chunk_for
-    except ImportError:
-        return DEFAULT_PREFILL_CHUNK
-    return prefill_chunk_for(device, memory_cap_mib)
+def _capability(device: torch.device) -> tuple[int, int] | None:
+    """The CUDA device's compute capability (None on the CPU)."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.get_device_capability(device)
 
 
 def _load_tokenizer(model_dir: Path) -> Tokenizer:

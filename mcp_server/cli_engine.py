@@ -225,6 +225,7 @@ def _load(args: argparse.Namespace):
         max_context=max_context,
         memory_cap_mib=args.memory_cap_mib,
         prefill_chunk=args.prefill_chunk,
+        options=engine.EngineOptions.from_env(),
     )
 
 

@@ -241,7 +241,12 @@ def _serve(args: argparse.Namespace) -> int:
     if threads is not None:
         torch.set_num_threads(threads)
     max_ctx = min(args.max_context, limit)
-    eng = engine.load(model_dir, device=args.device, max_context=max_ctx)
+    eng = engine.load(
+        model_dir,
+        device=args.device,
+        max_context=max_ctx,
+        options=engine.EngineOptions.from_env(),
+    )
     if not args.no_warmup:  # first-use costs (kernel builds, allocations) stay out of timings
         import time
 

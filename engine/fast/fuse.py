@@ -65,10 +65,9 @@ def _interleave(gate, up) -> PackedLinear | None:
 
 
 def fuse_projections(model) -> list[FusedLayer]:
-    """Fuse every layer once (idempotent: the result is kept on the model)."""
-    done = getattr(model, "_gpurig_fused", None)
-    if done is not None:
-        return done
+    """Fuse every layer's q|k|v and gate|up. The layer's own q/k/v/gate/up become views into
+    the fused matrices (no second copy); the caller (engine.backend.Backend) keeps the result
+    and hands it to the fused decoder and prefill, so it is made once per engine."""
     layers: list[FusedLayer] = []
     for w in model.layers:
         qkv_parts = [p for p in (w.q, w.k, w.v) if p is not None]
@@ -97,5 +96,4 @@ def fuse_projections(model) -> list[FusedLayer]:
                 qkv=qkv, gate_up=gate_up, q_rows=w.q.out_features, mlp_width=w.gate.out_features
             )  # fmt: skip
         )
-    model._gpurig_fused = layers
     return layers

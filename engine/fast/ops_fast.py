@@ -1,10 +1,9 @@
-"""The Triton implementations behind engine/ops.py's dispatch points (CUDA fast path).
+"""FastOps: engine/ops.py's dispatch points with the Triton kernels first (the fast path).
 
-Each function takes the same arguments as its reference in engine/ops.py and returns the same
-result, or None when the case is outside what the kernels cover (the caller then runs the
-reference). The functions work on any device Triton can run on, so the CPU interpreter
-(TRITON_INTERPRET=1) can check the whole model on them in CI; engine/ops.py only routes CUDA
-tensors here.
+Each method takes the same arguments as its reference in engine/ops.py and returns the same
+result; a case outside what the kernels cover runs the reference body. The kernels work on any
+device Triton can run on, so the CPU interpreter (TRITON_INTERPRET=1) checks the whole model on
+them in CI (EngineOptions(fast="force")).
 
 * decode-sized products (up to DECODE_ROWS rows) run the int4 GEMV on the packed words;
 * larger products (prompt reading) dequantise the weight once per call into a full matrix and
@@ -22,16 +21,19 @@ import time
 import torch
 import torch.nn.functional as F
 
+from engine import ops
 from engine.kernels.attention_decode import DecodeAttention
 from engine.kernels.w4dequant import w4_dequantize, w4_gather_rows
 from engine.kernels.w4gemv import w4_gemv
+from engine.packed import PackedLinear
 
 DECODE_ROWS = 4
-_ATTENTION: dict[tuple, DecodeAttention] = {}
 
 
-def _packed_ok(w) -> bool:
-    """The kernels cover group-32 tables whose rows are whole words (every E2B linear)."""
+def packed_ok(w) -> bool:
+    """The kernels cover group-32 packed tables whose rows are whole words (every E2B linear)."""
+    if not isinstance(w, PackedLinear):
+        return False
     k = w.in_features
     return (
         w.group_size == 32
@@ -76,95 +78,71 @@ def prefill_dtype(device_index: int, compute_dtype: torch.dtype) -> torch.dtype:
     return best
 
 
-def linear4(x: torch.Tensor, w) -> torch.Tensor | None:
-    """x [..., K] @ W^T for a PackedLinear; None if the layout is outside the kernels."""
-    if not _packed_ok(w):
-        return None
-    k = w.in_features
-    rows = x.numel() // k
-    if rows <= DECODE_ROWS:
-        return w4_gemv(x, w.packed, w.scales)
-    dt = x.dtype
-    if x.is_cuda:
-        dt = prefill_dtype(x.device.index or 0, x.dtype)
-    weight = w4_dequantize(w.packed, w.scales, dtype=dt)
-    if dt == x.dtype:
-        return F.linear(x, weight)
-    return F.linear(x.to(dt), weight).to(x.dtype)
+class FastOps(ops.Ops):
+    """The fast path's dispatch points, bound to one engine (its options and its attention
+    kernels' scratch buffers)."""
 
+    def __init__(self, prefix_sdpa: bool = True, half2: bool = True) -> None:
+        super().__init__(prefix_sdpa)
+        self.half2 = half2
+        self._attention: dict[tuple, DecodeAttention] = {}
 
-def embed4_rows(ids: torch.Tensor, table, dtype: torch.dtype) -> torch.Tensor | None:
-    """Rows `ids` of the 4-bit table in `dtype`, unpacked from the shared 4-bit copy."""
-    if not _packed_ok(table):
-        return None
-    return w4_gather_rows(ids, table.packed, table.scales, dtype=dtype)
+    def linear4(self, x: torch.Tensor, w: PackedLinear) -> torch.Tensor:
+        """The int4 GEMV for decode-sized x, else a Triton dequantise + cuBLAS."""
+        if not packed_ok(w):
+            return ops.linear4(x, w)
+        rows = x.numel() // w.in_features
+        if rows <= DECODE_ROWS:
+            return w4_gemv(x, w.packed, w.scales, half2=self.half2)
+        dt = x.dtype
+        if x.is_cuda:
+            dt = prefill_dtype(x.device.index or 0, x.dtype)
+        weight = w4_dequantize(w.packed, w.scales, dtype=dt)
+        if dt == x.dtype:
+            return F.linear(x, weight)
+        return F.linear(x.to(dt), weight).to(x.dtype)
 
+    def lm_head4(self, x: torch.Tensor, table: PackedLinear) -> torch.Tensor:
+        """The int4 GEMV over the tied embedding table."""
+        if not packed_ok(table):
+            return ops.lm_head4(x, table)
+        return self.linear4(x, table)
 
-def _attention_for(device, slots, d, hq, window) -> DecodeAttention:
-    ring = window is not None
-    key = (device, slots, d, hq, ring, int(window or 0))
-    att = _ATTENTION.get(key)
-    if att is None:
-        att = DecodeAttention(hq, d, slots, device, ring=ring, window=int(window or 0))
-        _ATTENTION[key] = att
-    return att
+    def embed4_rows(self, ids: torch.Tensor, table: PackedLinear, dtype: torch.dtype):
+        """Rows `ids` of the 4-bit table in `dtype`, unpacked from the shared 4-bit copy."""
+        if not packed_ok(table):
+            return ops.embed4_rows(ids, table, dtype)
+        return w4_gather_rows(ids, table.packed, table.scales, dtype=dtype)
 
+    def attention_for(self, device, slots, d, hq, window) -> DecodeAttention:
+        """The split-cache attention (and its partial-result buffers) for one cache shape."""
+        ring = window is not None
+        key = (device, slots, d, hq, ring, int(window or 0))
+        att = self._attention.get(key)
+        if att is None:
+            att = DecodeAttention(hq, d, slots, device, ring=ring, window=int(window or 0))
+            self._attention[key] = att
+        return att
 
-def attention_from_qkv(
-    qkv: torch.Tensor,
-    q_norm: torch.Tensor,
-    k_norm: torch.Tensor | None,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    eps: float,
-    num_heads: int,
-    head_dim: int,
-    position: torch.Tensor,
-    cache,
-    own_kv: bool,
-    v_from_k: bool,
-    window: int | None,
-) -> torch.Tensor | None:
-    """One token's attention from its fused q|k|v projection, the q/k/v norms, RoPE and (for
-    an own-KV layer) the cache write inside the split kernel; None when the layout is outside
-    it (the caller then runs qkv_rope + attention_decode)."""
-    d, hq = head_dim, num_heads
-    k, v = cache.k, cache.v
-    if k.dim() != 3 or k.shape[1] != 1 or d & (d - 1) or d < 16 or k.dtype != v.dtype:
-        return None
-    kv_width = (d if v_from_k else 2 * d) if own_kv else 0  # k_eq_v layers carry no v
-    if not qkv.is_contiguous() or qkv.numel() < hq * d + kv_width:
-        return None
-    if k.stride(0) != d or v.stride(0) != d or k.stride(-1) != 1 or v.stride(-1) != 1:
-        return None
-    if own_kv and k_norm is None:
-        return None
-    att = _attention_for(qkv.device, k.shape[0], d, hq, window)
-    out = torch.empty(1, hq, d, device=qkv.device, dtype=qkv.dtype)
-    att.from_qkv(qkv, q_norm, k_norm, cos, sin, eps, k[:, 0], v[:, 0], position, cache.pos,
-                 own_kv=own_kv, v_from_k=v_from_k, write_ring=cache.window is not None,
-                 out=out.view(hq, d))  # fmt: skip
-    return out
-
-
-def attention_decode(
-    q: torch.Tensor,
-    cache_k: torch.Tensor,
-    cache_v: torch.Tensor,
-    cache_pos: torch.Tensor,
-    q_pos: torch.Tensor,
-    window: int | None,
-) -> torch.Tensor | None:
-    """One query token over a one-KV-head cache; None for shapes the kernel does not cover."""
-    t, hq, d = q.shape
-    slots, hkv = cache_k.shape[0], cache_k.shape[1]
-    if t != 1 or hkv != 1 or d & (d - 1) or d < 16 or cache_k.dtype != cache_v.dtype:
-        return None
-    if cache_k.stride(-1) != 1 or cache_v.stride(-1) != 1:
-        return None
-    att = _attention_for(q.device, slots, d, hq, window)
-    out = torch.empty(1, hq, d, device=q.device, dtype=q.dtype)
-    q_in = q if q.dtype == cache_k.dtype else q.to(cache_k.dtype)
-    att(q_in.view(hq, d), cache_k[:, 0], cache_v[:, 0], q_pos, out=out.view(hq, d),
-        slot_pos=cache_pos)  # fmt: skip
-    return out
+    def attention_decode(
+        self,
+        q: torch.Tensor,
+        cache_k: torch.Tensor,
+        cache_v: torch.Tensor,
+        cache_pos: torch.Tensor,
+        q_pos: torch.Tensor,
+        window: int | None,
+    ) -> torch.Tensor:
+        """One query token over a one-KV-head cache by the split kernel; other shapes by the
+        reference."""
+        t, hq, d = q.shape
+        slots, hkv = cache_k.shape[0], cache_k.shape[1]
+        if (t != 1 or hkv != 1 or d & (d - 1) or d < 16 or cache_k.dtype != cache_v.dtype
+                or cache_k.stride(-1) != 1 or cache_v.stride(-1) != 1):  # fmt: skip
+            return ops.attention_decode(q, cache_k, cache_v, cache_pos, q_pos, window)
+        att = self.attention_for(q.device, slots, d, hq, window)
+        out = torch.empty(1, hq, d, device=q.device, dtype=q.dtype)
+        q_in = q if q.dtype == cache_k.dtype else q.to(cache_k.dtype)
+        att(q_in.view(hq, d), cache_k[:, 0], cache_v[:, 0], q_pos, out=out.view(hq, d),
+            slot_pos=cache_pos)  # fmt: skip
+        return out

@@ -20,9 +20,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine import ops
-from engine.fast import ops_fast
-from engine.fast.fuse import fuse_projections
+from engine.fast.fuse import FusedLayer
+from engine.fast.ops_fast import FastOps, packed_ok, prefill_dtype
 from engine.kernels.fused import (
     gelu_mul,
     gelu_mul_pairs,
@@ -34,10 +33,9 @@ from engine.kernels.fused import (
 from engine.kernels.w4dequant import w4_dequantize, w4_gather_rows
 
 
-def supported(model) -> bool:
+def supported(model, fused: list[FusedLayer]) -> bool:
     """True when every KV-producing layer has packed, fusable q|k|v and gate|up and a
     power-of-two head width (qkv_rope_rows spans a head with tl.arange) (E2B does)."""
-    fused = fuse_projections(model)
     cfg = model.cfg
     n = cfg.first_shared_layer
     return model.dtype in (torch.bfloat16, torch.float16, torch.float32) and all(
@@ -52,9 +50,10 @@ def supported(model) -> bool:
 class FusedPrefill:
     """`chunk(ids [T], start, cache)`: what `prefill_chunk(ids, start, cache, last=False)` does."""
 
-    def __init__(self, model) -> None:
+    def __init__(self, model, fused: list[FusedLayer], kernels: FastOps) -> None:
         self.model = model
-        self.fused = fuse_projections(model)
+        self.fused = fused
+        self.ops = kernels
         self.weights: torch.Tensor | None = None  # one buffer every dequantised matrix reuses
 
     def release(self) -> None:
@@ -64,9 +63,9 @@ class FusedPrefill:
     def _linear(self, x: torch.Tensor, w) -> torch.Tensor:
         """ops.linear for a chunk, the 4-bit matrix dequantised into the reused buffer (one
         block of the allocator for every matrix of every chunk, instead of one per call)."""
-        if not isinstance(w, ops.PackedLinear) or not ops_fast._packed_ok(w) or not x.is_cuda:
-            return ops.linear(x, w)
-        dt = ops_fast.prefill_dtype(x.device.index or 0, x.dtype)
+        if not packed_ok(w) or not x.is_cuda:
+            return self.ops.linear(x, w)
+        dt = prefill_dtype(x.device.index or 0, x.dtype)
         n, k = w.out_features, w.in_features
         buf = self.weights
         if buf is None or buf.dtype != dt or buf.numel() < n * k:
@@ -83,9 +82,9 @@ class FusedPrefill:
         by one gather each, the mix by one kernel writing over the lookup (the reference's
         seven-op chain holds ~8 per-layer-input-sized temporaries per token)."""
         m, cfg = self.model, self.model.cfg
-        tables = _packed_table(m.embed) and (m.ple_table is None or _packed_table(m.ple_table))
+        tables = packed_ok(m.embed) and (m.ple_table is None or packed_ok(m.ple_table))
         if not (tables and ids.is_cuda):  # (the CPU interpreter would run a program per row)
-            h, ple = m._embed(ids)
+            h, ple = m.embed_ids(ids)
             return h.contiguous(), ple
         h = w4_gather_rows(ids, m.embed.packed, m.embed.scales, dtype=m.dtype, mul=m.embed_scale)
         if m.ple_table is None:
@@ -104,7 +103,7 @@ class FusedPrefill:
         eps, t = cfg.rms_norm_eps, ids.shape[0]
         positions = torch.arange(start, start + t, device=m.device)
         h, ple = self._embed(ids)
-        rope = m._rope(positions)
+        rope = m.rope(positions)
         layers = m.layers
         n = cfg.first_shared_layer
         x = rmsnorm_rows(h, layers[0].input_norm, eps)
@@ -122,7 +121,7 @@ class FusedPrefill:
                 ck, cv, cp = lc.k, lc.v, lc.pos
             window = cfg.sliding_window if cfg.is_sliding(i) else None
             # a full layer's slots 0..start-1 hold positions 0..start-1 (read in order)
-            attn = ops.attention_prefill(q, k, v, ck, cv, cp, positions, window, score_budget,
+            attn = self.ops.attention_prefill(q, k, v, ck, cv, cp, positions, window, score_budget,
                                          prefix_visible=lc.window is None)  # fmt: skip
             lc.write(k, v, positions)
             o = self._linear(attn.reshape(t, -1), w.o).contiguous()
@@ -142,10 +141,6 @@ class FusedPrefill:
             p = self._linear(a2, w.ple_proj).contiguous()
             h, x = residual_norm(h, p, w.ple_norm, eps, scalar=w.layer_scalar, w_next=nxt,
                                  h_out=h)  # fmt: skip
-
-
-def _packed_table(table) -> bool:
-    return isinstance(table, ops.PackedLinear) and ops_fast._packed_ok(table)
 
 
 def _largest_matrix(model, fused) -> int:

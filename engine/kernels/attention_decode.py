@@ -36,9 +36,6 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.fused import _round, _write_new_kv
-from engine.kernels.pdl import pdl_enter, pdl_kwargs, prefetch_l2, prefetch_on
-
 # The combine: BLOCK_D head_dim columns per program (8 heads x 256 / 32 = 64 programs) and at
 # most COMBINE_TILE fp32 partial outputs in registers at a time (64 a thread at 4 warps), so up
 # to 256 slices go in one block. Measured on an H200 (8 heads, D 256, 264 slices, CUDA graph):
@@ -63,8 +60,7 @@ def _span(pos, S, window, RING: tl.constexpr):
 @triton.jit
 def _my_slice(pos_ptr, S, window, BLOCK_S: tl.constexpr, RING: tl.constexpr):
     """(position, first slot, one past the last slot) of this program's slice of the live
-    range. The position is filled by the host before the step: safe to read before the PDL
-    wait."""
+    range (the position is filled by the host before the step)."""
     pos = tl.load(pos_ptr).to(tl.int32)
     lo, hi = _span(pos, S, window, RING)
     chunk = tl.cdiv(tl.cdiv(hi - lo, tl.num_programs(0)), BLOCK_S) * BLOCK_S
@@ -142,17 +138,9 @@ def _attn_split_kernel(
     S, window, scale, stride_qh, stride_ks, stride_vs,
     H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr,
     RING: tl.constexpr, USE_DOT: tl.constexpr, HAS_KPOS: tl.constexpr,
-    PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False,
 ):  # fmt: skip
     pid = tl.program_id(0)
     pos, start, end = _my_slice(pos_ptr, S, window, BLOCK_S, RING)
-    if PREFETCH:  # noqa: SIM102 - a constexpr branch around a run-time one
-        if end > start:  # the first rows of this slice into L2 while the previous kernel runs
-            EB: tl.constexpr = k_ptr.dtype.element_ty.primitive_bitwidth // 8
-            rows = tl.minimum(end - start, 4 * BLOCK_S)
-            prefetch_l2(k_ptr + start.to(tl.int64) * stride_ks, rows * stride_ks * EB, True)
-            prefetch_l2(v_ptr + start.to(tl.int64) * stride_vs, rows * stride_vs * EB, True)
-    pdl_enter(PDL)
 
     rh = tl.arange(0, HP)
     rd = tl.arange(0, D)
@@ -164,70 +152,10 @@ def _attn_split_kernel(
 
 
 @triton.jit
-def _attn_split_qkv_kernel(
-    qkv_ptr, q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr, eps,
-    k_ptr, v_ptr, pos_ptr, kpos_ptr, po_ptr, pm_ptr, pl_ptr,
-    S, window, scale, stride_ks, stride_vs,
-    H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr,
-    RING: tl.constexpr, USE_DOT: tl.constexpr, HAS_KPOS: tl.constexpr,
-    OWN_KV: tl.constexpr, V_FROM_K: tl.constexpr, WRITE_RING: tl.constexpr,
-    PDL: tl.constexpr = False,
-):  # fmt: skip
-    """The split kernel that starts from the raw q|k|v projection, so the decode step needs no
-    kernel of its own for the q/k/v norms, RoPE and cache write: every program that has slots
-    to read normalises and rotates the 8 query heads itself (a few KB from L2), and the one
-    program whose slice holds the new position writes the new key and value (and the slot's
-    position) into the cache, then reads its slice, the new slot included, after a CTA
-    barrier. No other program reads that slot. Rounding as engine/kernels/fused.py's
-    _qkv_rope_kernel (the same helpers)."""
-    DTA: tl.constexpr = qkv_ptr.dtype.element_ty
-    pid = tl.program_id(0)
-    pos, start, end = _my_slice(pos_ptr, S, window, BLOCK_S, RING)
-    pdl_enter(PDL)
-    rh = tl.arange(0, HP)
-    rd = tl.arange(0, D)
-    h_mask = rh < H
-    if start < end:
-        half: tl.constexpr = D // 2
-        partner = (rd + half) % D
-        sign = tl.where(rd < half, -1.0, 1.0)
-        d_mask = rd < D
-        cos = tl.load(cos_ptr + rd).to(tl.float32)
-        sin = tl.load(sin_ptr + rd).to(tl.float32)
-        if OWN_KV:
-            if WRITE_RING:  # noqa: SIM108 - a constexpr branch
-                slot = pos % S
-            else:
-                slot = pos
-            if (slot >= start) & (slot < end):
-                _write_new_kv(qkv_ptr, k_norm_ptr, cos, sin, sign, rd, partner, d_mask, k_ptr,
-                              v_ptr, kpos_ptr, slot, pos, S, eps, H, D, V_FROM_K, DTA, True,
-                              True)  # fmt: skip
-            tl.debug_barrier()  # the new slot's stores, seen by every thread of this program
-        # the query heads as _norm_rope does them, all rows at once
-        x = tl.load(qkv_ptr + rh[:, None] * D + rd[None, :], mask=h_mask[:, None],
-                    other=0.0).to(tl.float32)  # fmt: skip
-        xp = tl.load(qkv_ptr + rh[:, None] * D + partner[None, :], mask=h_mask[:, None],
-                     other=0.0).to(tl.float32)  # fmt: skip
-        inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / D + eps)
-        qw = tl.load(q_norm_ptr + rd).to(tl.float32)
-        qwp = tl.load(q_norm_ptr + partner).to(tl.float32)
-        xn = _round(x * inv[:, None] * qw[None, :], DTA)
-        xpn = _round(xp * inv[:, None] * qwp[None, :], DTA)
-        q = _round(_round(xn * cos[None, :], DTA) + _round(sign[None, :] * xpn * sin[None, :],
-                                                           DTA), DTA)  # fmt: skip
-        q = q.to(DTA).to(k_ptr.dtype.element_ty)
-        _split_slice(q, k_ptr, v_ptr, kpos_ptr, po_ptr, pm_ptr, pl_ptr, pos, start, end, S,
-                     window, scale, stride_ks, stride_vs, pid, rh, rd, h_mask, H, HP, D,
-                     BLOCK_S, RING, USE_DOT, HAS_KPOS, k_ptr.dtype.element_ty)  # fmt: skip
-
-
-@triton.jit
 def _attn_combine_kernel(
     po_ptr, pm_ptr, pl_ptr, pos_ptr, o_ptr, S, window, P, stride_oh,
     H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
     BLOCK_P: tl.constexpr, CHUNK_P: tl.constexpr, RING: tl.constexpr,
-    PDL: tl.constexpr = False,
 ):  # fmt: skip
     """One program per (head, BLOCK_D columns): out = sum_i w_i o_i / sum_i w_i l_i, with
     w_i = exp(m_i - max_j m_j) over the `used` slices that got work (fp32 throughout).
@@ -236,7 +164,6 @@ def _attn_combine_kernel(
     partial outputs in blocks of CHUNK_P slices x BLOCK_D columns, weighted and summed over
     the slices axis. No dependent scalar load per slice: a handful of wide loads in all.
     """
-    pdl_enter(PDL)
     h = tl.program_id(0)
     pid_d = tl.program_id(1)
     pos = tl.load(pos_ptr).to(tl.int32)
@@ -360,7 +287,6 @@ class DecodeAttention:
             out = torch.empty(h, d, device=q.device, dtype=q.dtype)
         o2 = out.view(h, d)
         num_warps = self.num_warps
-        pdl = pdl_kwargs(q2)
         _attn_split_kernel[(self.splits,)](
             q2, k_cache, v_cache, pos, slot_pos if slot_pos is not None else pos,
             self.partial_o, self.partial_m, self.partial_l,
@@ -368,12 +294,12 @@ class DecodeAttention:
             v_cache.stride(0),
             H=h, HP=self.heads_padded, D=d, BLOCK_S=self.block_s, RING=self.ring,
             USE_DOT=self.use_dot, HAS_KPOS=slot_pos is not None, num_warps=num_warps,
-            num_stages=2, PREFETCH=prefetch_on(q2), **pdl,
+            num_stages=2,
         )  # fmt: skip
-        self._combine(pos, o2, pdl)
+        self._combine(pos, o2)
         return out.view(q.shape)
 
-    def _combine(self, pos: torch.Tensor, o2: torch.Tensor, pdl: dict[str, bool]) -> None:
+    def _combine(self, pos: torch.Tensor, o2: torch.Tensor) -> None:
         h, d = self.num_heads, self.head_dim
         block_d = min(d, COMBINE_BLOCK_D)
         block_p = triton.next_power_of_2(self.splits)
@@ -382,51 +308,7 @@ class DecodeAttention:
             self.splits, o2.stride(0),
             H=h, D=d, BLOCK_D=block_d, BLOCK_S=self.block_s, BLOCK_P=block_p,
             CHUNK_P=min(block_p, COMBINE_TILE // block_d), RING=self.ring, num_warps=4,
-            **pdl,
         )  # fmt: skip
-
-    def from_qkv(
-        self,
-        qkv: torch.Tensor,
-        q_norm: torch.Tensor,
-        k_norm: torch.Tensor | None,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        eps: float,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        pos: torch.Tensor,
-        slot_pos: torch.Tensor,
-        *,
-        own_kv: bool,
-        v_from_k: bool = False,
-        write_ring: bool = False,
-        out: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Attention of one token straight from its fused q|k|v projection [H*D (+ 2*D)]: the
-        q norms + RoPE and, for a layer with its own cache (`own_kv`), the new key/value
-        written into `k_cache`/`v_cache`/`slot_pos` happen inside the split kernel (one launch
-        fewer per layer than qkv_rope + __call__, with the same rounding). Returns [H, D]."""
-        h, d = self.num_heads, self.head_dim
-        if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
-            raise ValueError("cache rows must be contiguous along head_dim")
-        if own_kv and (k_cache.stride(0) != d or v_cache.stride(0) != d):
-            raise ValueError("a cache written here must have rows of exactly head_dim")
-        if out is None:
-            out = torch.empty(h, d, device=qkv.device, dtype=qkv.dtype)
-        o2 = out.view(h, d)
-        pdl = pdl_kwargs(qkv)
-        _attn_split_qkv_kernel[(self.splits,)](
-            qkv, q_norm, k_norm if k_norm is not None else q_norm, cos, sin, eps,
-            k_cache, v_cache, pos, slot_pos, self.partial_o, self.partial_m, self.partial_l,
-            self.slots, self.window, self.scale, k_cache.stride(0), v_cache.stride(0),
-            H=h, HP=self.heads_padded, D=d, BLOCK_S=self.block_s, RING=self.ring,
-            USE_DOT=self.use_dot, HAS_KPOS=True, OWN_KV=own_kv, V_FROM_K=v_from_k,
-            WRITE_RING=write_ring, num_warps=self.num_warps, num_stages=2,
-            **pdl,
-        )  # fmt: skip
-        self._combine(pos, o2, pdl)
-        return out
 
 
 def decode_attention_reference(

@@ -17,8 +17,6 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.pdl import pdl_enter, pdl_kwargs
-
 
 @triton.jit
 def _round(x, DT: tl.constexpr):
@@ -58,9 +56,7 @@ def _gelu_tanh(x):
 
 @triton.jit
 def _rmsnorm_rows_kernel(x_ptr, w_ptr, out_ptr, D, stride_x, stride_o, eps,
-                         HAS_W: tl.constexpr, BLOCK: tl.constexpr,
-                         PDL: tl.constexpr = False):  # fmt: skip
-    pdl_enter(PDL)
+                         HAS_W: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     mask = offs < D
@@ -73,11 +69,9 @@ def _rmsnorm_rows_kernel(x_ptr, w_ptr, out_ptr, D, stride_x, stride_o, eps,
 def _residual_norm_kernel(
     h_ptr, y_ptr, w_post_ptr, scalar_ptr, w_next_ptr, h_out_ptr, x_out_ptr, D, eps,
     HAS_SCALAR: tl.constexpr, HAS_NEXT: tl.constexpr, BLOCK: tl.constexpr,
-    PDL: tl.constexpr = False,
 ):  # fmt: skip
     """h' = round(h + rms(y) * w_post) [* scalar]; x' = rms(h') * w_next (the next norm).
     One program per row of D contiguous elements (one row when decoding)."""
-    pdl_enter(PDL)
     DT: tl.constexpr = h_out_ptr.dtype.element_ty
     row = tl.program_id(0).to(tl.int64) * D
     h_ptr = h_ptr + row
@@ -97,11 +91,9 @@ def _residual_norm_kernel(
 
 
 @triton.jit
-def _gelu_mul_kernel(g_ptr, u_ptr, out_ptr, n, BLOCK: tl.constexpr, STRIDE: tl.constexpr = 1,
-                     PDL: tl.constexpr = False):  # fmt: skip
+def _gelu_mul_kernel(g_ptr, u_ptr, out_ptr, n, BLOCK: tl.constexpr, STRIDE: tl.constexpr = 1):  # fmt: skip
     """round(round(gelu_tanh(g)) * u); g and u read every STRIDE-th element (2: pairs).
     Offsets in int64: a prompt chunk's T x 2F pair index passes 2^31 (31B: T ~ 50k)."""
-    pdl_enter(PDL)
     DT: tl.constexpr = out_ptr.dtype.element_ty
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
@@ -162,11 +154,10 @@ def _qkv_rope_kernel(
     qkv_ptr, q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr, q_out_ptr,
     cache_k_ptr, cache_v_ptr, cache_pos_ptr, pos_ptr, slots, eps,
     HQ: tl.constexpr, D: tl.constexpr, OWN_KV: tl.constexpr, V_FROM_K: tl.constexpr,
-    RING: tl.constexpr, PDL: tl.constexpr = False,
+    RING: tl.constexpr,
 ):  # fmt: skip
     """Per head: RMSNorm (q, k with weights; v without), RoPE on q and k (NeoX half split),
     and for own-KV layers the key/value written into the cache slot of this position."""
-    pdl_enter(PDL)
     DT: tl.constexpr = q_out_ptr.dtype.element_ty
     head = tl.program_id(0)
     offs, partner, sign, mask = _rope_lanes(D)
@@ -269,9 +260,8 @@ def qkv_rope_rows(
 
 @triton.jit
 def _ple_mix_kernel(proj_ptr, tok_ptr, w_ptr, out_ptr, P, eps, c_proj, c_mix,
-                    BLOCK: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
+                    BLOCK: tl.constexpr):  # fmt: skip
     """Per layer l: round(round(rms(round(proj*c_proj)) * w + tok) * c_mix) (the PLE input)."""
-    pdl_enter(PDL)
     DT: tl.constexpr = out_ptr.dtype.element_ty
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
@@ -300,7 +290,7 @@ def rmsnorm_rows(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
     out = torch.empty_like(x2) if out is None else out.view(-1, d)
     _rmsnorm_rows_kernel[(x2.shape[0],)](
         x2, weight if weight is not None else x2, out, d, x2.stride(0), out.stride(0), eps,
-        HAS_W=weight is not None, BLOCK=_block(d), num_warps=_warps(d), **pdl_kwargs(x2),
+        HAS_W=weight is not None, BLOCK=_block(d), num_warps=_warps(d),
     )  # fmt: skip
     return out.view(x.shape)
 
@@ -330,7 +320,7 @@ def residual_norm(
         h, y, w_post, scalar if scalar is not None else w_post,
         w_next if w_next is not None else w_post, h_out, x_out if x_out is not None else h_out,
         d, eps, HAS_SCALAR=scalar is not None, HAS_NEXT=w_next is not None,
-        BLOCK=_block(d), num_warps=_warps(d), **pdl_kwargs(h),
+        BLOCK=_block(d), num_warps=_warps(d),
     )  # fmt: skip
     return h_out, x_out
 
@@ -346,7 +336,7 @@ def _launch_gelu_mul(g: torch.Tensor, u: torch.Tensor, out: torch.Tensor, stride
     n = out.numel()
     block = 1024
     _gelu_mul_kernel[(triton.cdiv(n, block),)](
-        g, u, out, n, BLOCK=block, STRIDE=stride, num_warps=4, **pdl_kwargs(g)
+        g, u, out, n, BLOCK=block, STRIDE=stride, num_warps=4
     )
     return out
 
@@ -384,7 +374,7 @@ def qkv_rope(
         cache.k if own else q_out, cache.v if own else q_out, cache.pos if own else position,
         position, cache.slots if own else 1, eps,
         HQ=num_heads, D=head_dim, OWN_KV=own, V_FROM_K=v_from_k,
-        RING=bool(own and cache.window is not None), num_warps=_warps(head_dim), **pdl_kwargs(qkv),
+        RING=bool(own and cache.window is not None), num_warps=_warps(head_dim),
     )  # fmt: skip
     return q_out
 
@@ -409,6 +399,6 @@ def ple_mix(
         raise ValueError("ple_mix writes a contiguous [layers, width] out in proj's dtype")
     _ple_mix_kernel[(layers,)](
         proj, tok, weight, out, width, eps, c_proj, c_mix, BLOCK=_block(width),
-        num_warps=_warps(width), **pdl_kwargs(proj),
+        num_warps=_warps(width),
     )  # fmt: skip
     return out

@@ -5,10 +5,9 @@ gets its own configuration. The first time a shape is seen on a GPU, the kernel 
 list of candidates (outside any CUDA-graph capture) and keeps the fastest; the choice is written
 to one JSON file per GPU name under the cache directory, so later runs start tuned.
 
-| variable               | meaning                                         | default                   |
-|------------------------|-------------------------------------------------|---------------------------|
-| GPURIG_KERNEL_CACHE    | directory of the per-GPU tile-config JSON files | ~/.cache/gpurig/kernels   |
-| GPURIG_KERNEL_AUTOTUNE | "0" turns first-use tuning off (defaults only)  | on                        |
+Both settings come from the engine's options at load (`configure`; EngineOptions.autotune and
+tuning_cache_dir, which the front doors read from GPURIG_KERNEL_AUTOTUNE / GPURIG_KERNEL_CACHE).
+They are process-wide because the cache files are: one GPU, one file.
 
 Configurations shipped with the package (``engine/kernels/configs/<gpu>.json``, measured on the
 lent H200) are used when the cache has no entry, so a known card needs no tuning at all.
@@ -28,22 +27,28 @@ from typing import Any
 
 import torch
 
-CACHE_ENV = "GPURIG_KERNEL_CACHE"
-AUTOTUNE_ENV = "GPURIG_KERNEL_AUTOTUNE"
 _BUNDLED_DIR = Path(__file__).with_name("configs")
 _LOCK = threading.Lock()
 _MEMORY: dict[str, dict[str, dict[str, Any]]] = {}
 
 
+_SETTINGS: dict[str, Any] = {"autotune": True, "cache_dir": None}
+
+
+def configure(autotune: bool = True, directory: Path | None = None) -> None:
+    """Set first-use tuning on/off and the cache directory (None: ~/.cache/gpurig/kernels)."""
+    _SETTINGS["autotune"] = bool(autotune)
+    _SETTINGS["cache_dir"] = Path(directory).expanduser() if directory is not None else None
+
+
 def cache_dir() -> Path:
-    """Where tuned configurations live (GPURIG_KERNEL_CACHE, else ~/.cache/gpurig/kernels)."""
-    env = os.environ.get(CACHE_ENV)
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "gpurig" / "kernels"
+    """Where tuned configurations live (see `configure`)."""
+    return _SETTINGS["cache_dir"] or Path.home() / ".cache" / "gpurig" / "kernels"
 
 
 def autotune_enabled() -> bool:
-    """First-use tuning is on unless GPURIG_KERNEL_AUTOTUNE=0."""
-    return os.environ.get(AUTOTUNE_ENV, "1") != "0"
+    """First-use tuning is on unless `configure(autotune=False)`."""
+    return bool(_SETTINGS["autotune"])
 
 
 def gpu_key(device: torch.device | int | None = None) -> str:

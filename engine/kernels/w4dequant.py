@@ -18,16 +18,12 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.pdl import pdl_enter, pdl_kwargs
-
 
 @triton.jit
 def _w4_rows_kernel(
     ids_ptr, w_ptr, s_ptr, out_ptr, mul_ptr, K, stride_out,
     HAS_IDS: tl.constexpr, BLOCK_KW: tl.constexpr, HAS_MUL: tl.constexpr,
-    PDL: tl.constexpr = False,
 ):  # fmt: skip
-    pdl_enter(PDL)
     row = tl.program_id(0)
     pid_k = tl.program_id(1)
     KW = K // 8
@@ -74,7 +70,6 @@ def _launch(ids, packed, scales, out, mul=None) -> None:
         ids if ids is not None else packed, packed, scales, out,
         mul if mul is not None else scales, k, out.stride(0),
         HAS_IDS=ids is not None, BLOCK_KW=block_kw, HAS_MUL=mul is not None, num_warps=4,
-        **pdl_kwargs(out),
     )  # fmt: skip
 
 

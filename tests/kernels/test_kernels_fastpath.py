@@ -15,7 +15,16 @@ from engine.checkpoint_maker import make_checkpoint
 from engine.fast import ops_fast
 from engine.fast.decode import FusedDecoder, supported
 from engine.fast.fuse import fuse_projections
+from engine.fast.ops_fast import FastOps
 from engine.generate import prefill
+from engine.options import EngineOptions
+
+FORCE = EngineOptions(fast="force")  # the Triton path on any device (the CPU interpreter here)
+OFF = EngineOptions(fast="off")
+
+
+def _decoder(model, cache) -> FusedDecoder:
+    return FusedDecoder(model, cache, fuse_projections(model), FastOps())
 
 
 def _three_steps_match_the_reference(model, cache, decoder, logits, n_prompt) -> None:
@@ -34,28 +43,17 @@ def tiny_engine(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny_emb4")
     make_checkpoint(path, preset="tiny", seed=3, emb4=True)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
-    return engine.load(path, device=dev, dtype=torch.float32, max_context=256)
+    return engine.load(path, device=dev, dtype=torch.float32, max_context=256, options=OFF)
 
 
-@pytest.mark.parametrize(
-    ("epilogues", "fuse_qkv", "prologue"),
-    [("all", "1", "0"), ("glu", "1", "0"), ("0", "1", "0"), ("glu", "0", "0"), ("glu", "0", "1"),
-     ("glu", "0", "all")],
-)  # fmt: skip
-def test_fused_decode_step_matches_the_reference_step(tiny_engine, monkeypatch, epilogues,
-                                                      fuse_qkv, prologue):  # fmt: skip
-    monkeypatch.setenv("GPURIG_EPILOGUES", epilogues)  # GEMV epilogues, or separate kernels
-    monkeypatch.setenv("GPURIG_FUSE_QKV_ATTN", fuse_qkv)  # q/k/v norms inside the attention
-    monkeypatch.setenv("GPURIG_PROLOGUE", prologue)  # residual+norm inside the next GEMV
+def test_fused_decode_step_matches_the_reference_step(tiny_engine):
     eng = tiny_engine
     model = eng.model
-    assert supported(model)
+    assert supported(model, fuse_projections(model))  # every matrix the prologues need packed
     prompt = [2] + [int(t) for t in torch.randint(3, 500, (40,))]
     logits = prefill(model, eng.cache, prompt, 16)  # 40 > window 16: the rings wrap
-    eng.cache.__dict__.pop("_gpurig_decoders", None)  # copy the buffers, not a decoder
     fused_cache = copy.deepcopy(eng.cache)
-    decoder = FusedDecoder(model, fused_cache)
-    assert decoder.prologue_ok  # every matrix the prologue path needs is packed
+    decoder = _decoder(model, fused_cache)
     tok_ref = tok_fast = logits.argmax().view(1)
     pos = torch.tensor([len(prompt)], device=model.device)
     for _ in range(8):
@@ -73,28 +71,19 @@ def test_fused_decode_step_matches_the_reference_step(tiny_engine, monkeypatch, 
         )
 
 
-def test_qkv_in_attention_covers_layers_whose_values_are_their_keys(tmp_path, monkeypatch):
-    """attention_k_eq_v: the full layers carry no v projection (q|k only); with
-    GPURIG_FUSE_QKV_ATTN=1 their value still comes from the key inside the split kernel: no
-    layer may fall back to qkv_rope, and the step and cache equal the reference's."""
-    from engine.fast import decode
-
+def test_fused_step_covers_layers_whose_values_are_their_keys(tmp_path):
+    """attention_k_eq_v: the full layers carry no v projection (q|k only); their value comes
+    from the key in qkv_rope, and the step and cache equal the reference's."""
     make_checkpoint(tmp_path, preset="tiny", seed=3, emb4=True,
                     overrides={"attention_k_eq_v": True})  # fmt: skip
     dev = "cuda" if torch.cuda.is_available() else "cpu"
-    eng = engine.load(tmp_path, device=dev, dtype=torch.float32, max_context=256)
+    eng = engine.load(tmp_path, device=dev, dtype=torch.float32, max_context=256, options=OFF)
     model = eng.model
     assert any(w.k is not None and w.v is None for w in model.layers)
-    monkeypatch.setenv("GPURIG_FUSE_QKV_ATTN", "1")
-
-    def no_fallback(*a, **k):
-        raise AssertionError("a layer fell back to qkv_rope")
-
-    monkeypatch.setattr(decode, "qkv_rope", no_fallback)
     prompt = [2] + list(range(10, 50))  # 40 > window 16: the rings wrap
     logits = prefill(model, eng.cache, prompt, 16)
     fused_cache = copy.deepcopy(eng.cache)
-    decoder = FusedDecoder(model, fused_cache)
+    decoder = _decoder(model, fused_cache)
     _three_steps_match_the_reference(model, eng.cache, decoder, logits, len(prompt))
     for i, layer in eng.cache.layers.items():
         other = fused_cache.layers[i]
@@ -106,7 +95,6 @@ def test_qkv_in_attention_covers_layers_whose_values_are_their_keys(tmp_path, mo
 def test_fusion_keeps_one_copy_and_the_same_products(tiny_engine) -> None:
     model = tiny_engine.model
     fused = fuse_projections(model)
-    assert fuse_projections(model) is fused  # idempotent
     w = model.layers[0]
     assert fused[0].qkv is not None and fused[0].gate_up is not None
     assert w.q.packed.data_ptr() == fused[0].qkv.packed.data_ptr()  # a view, not a copy
@@ -120,17 +108,17 @@ def test_fusion_keeps_one_copy_and_the_same_products(tiny_engine) -> None:
 
 
 def test_fast_ops_agree_with_the_reference_ops(tiny_engine) -> None:
+    fast_ops = FastOps()
     model = tiny_engine.model
     dev = model.device
     w = model.layers[1].down
     for rows in (1, 9):  # GEMV and the dequantise + matmul path
         x = torch.randn(rows, w.in_features, device=dev)
-        assert torch.allclose(ops_fast.linear4(x, w), ops.linear4(x, w), atol=1e-4)
+        assert torch.allclose(fast_ops.linear4(x, w), ops.linear4(x, w), atol=1e-4)
     ids = torch.tensor([0, 5, 511], device=dev)
-    got = ops_fast.embed4_rows(ids, model.embed, torch.float32)
+    got = fast_ops.embed4_rows(ids, model.embed, torch.float32)
     assert torch.equal(got, ops.embed4_rows(ids, model.embed, torch.float32))
     # decode attention over a wrapped sliding ring and over a full cache, slots from the cache
-    tiny_engine.cache.__dict__.pop("_gpurig_decoders", None)
     cache = copy.deepcopy(tiny_engine.cache)
     prefill(model, cache, list(range(2, 60)), 32)
     for i, window in ((0, model.cfg.sliding_window), (2, None)):
@@ -139,60 +127,76 @@ def test_fast_ops_agree_with_the_reference_ops(tiny_engine) -> None:
         q = torch.randn(1, model.cfg.num_attention_heads, d, device=dev)
         pos = torch.tensor([57], device=dev)
         want = ops.attention_decode(q, lc.k, lc.v, lc.pos, pos, window)
-        got = ops_fast.attention_decode(q, lc.k, lc.v, lc.pos, pos, window)
+        got = fast_ops.attention_decode(q, lc.k, lc.v, lc.pos, pos, window)
         assert torch.allclose(got, want, atol=1e-4), i
 
 
-def test_shapes_outside_the_kernels_fall_back(tiny_engine) -> None:
+def test_shapes_outside_the_kernels_fall_back(tiny_engine, monkeypatch) -> None:
+    """Shapes the kernels do not cover run the reference bodies (never a kernel call)."""
     dev = tiny_engine.model.device
+    fast_ops = FastOps()
+
+    def no_kernel(*a, **k):
+        raise AssertionError("a kernel ran for a shape it does not cover")
+
+    monkeypatch.setattr(fast_ops, "attention_for", no_kernel)
+    monkeypatch.setattr(ops_fast, "w4_gemv", no_kernel)
     q = torch.randn(2, 4, 32, device=dev)  # two query tokens
-    k = torch.zeros(8, 1, 32, device=dev)
+    k = torch.randn(8, 1, 32, device=dev)
     pos = torch.arange(8, device=dev)
-    assert ops_fast.attention_decode(q, k, k, pos, torch.tensor([7, 8], device=dev), None) is None
-    k2 = torch.zeros(8, 2, 32, device=dev)  # two KV heads
-    assert ops_fast.attention_decode(q[:1], k2, k2, pos, pos[:1], None) is None
+    qpos = torch.tensor([7, 7], device=dev)
+    want = ops.attention_decode(q, k, k, pos, qpos, None)
+    assert torch.equal(fast_ops.attention_decode(q, k, k, pos, qpos, None), want)
+    k2 = torch.randn(8, 2, 32, device=dev)  # two KV heads
+    want = ops.attention_decode(q[:1], k2, k2, pos, pos[-1:], None)
+    assert torch.equal(fast_ops.attention_decode(q[:1], k2, k2, pos, pos[-1:], None), want)
     odd = ops.PackedLinear(torch.zeros(4, 2, dtype=torch.int32, device=dev),
                            torch.ones(4, 1, device=dev), 4, 16, group_size=16)  # fmt: skip
-    assert ops_fast.linear4(torch.randn(1, 16, device=dev), odd) is None
+    x = torch.randn(1, 16, device=dev)
+    assert torch.equal(fast_ops.linear4(x, odd), ops.linear4(x, odd))
 
 
-def test_engine_picks_the_fast_path_through_the_ops_dispatch(tiny_engine, monkeypatch) -> None:
-    """GPURIG_FAST=force sends the CPU through the same branches CUDA takes by default: the
-    generated tokens must be those of the reference path."""
-    eng = tiny_engine
+def test_engine_picks_the_fast_path_once_at_load(tmp_path, monkeypatch) -> None:
+    """EngineOptions(fast="force") sends the CPU through the branches CUDA takes by default:
+    the generated tokens must be those of the reference path; the choice is the engine's
+    (the environment is not read after load)."""
+    make_checkpoint(tmp_path, preset="tiny", seed=3, emb4=True)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    ref_eng = engine.load(tmp_path, device=dev, dtype=torch.float32, max_context=256, options=OFF)
+    fast_eng = engine.load(tmp_path, device=dev, dtype=torch.float32, max_context=256,
+                           options=FORCE)  # fmt: skip
+    assert type(ref_eng.model.ops) is ops.Ops and isinstance(fast_eng.model.ops, FastOps)
     prompt = [2] + list(range(10, 50))
-    monkeypatch.setenv("GPURIG_FAST", "0")
-    ref = eng.generate(prompt, 10, stop_ids=[])
+    ref = ref_eng.generate(prompt, 10, stop_ids=[])
     calls = {"gemv": 0}
-    original = ops_fast.linear4
+    original = ops_fast.w4_gemv
 
-    def counting(x, w):
+    def counting(*a, **k):
         calls["gemv"] += 1
-        return original(x, w)
+        return original(*a, **k)
 
-    monkeypatch.setattr(ops_fast, "linear4", counting)
-    monkeypatch.setenv("GPURIG_FAST", "force")
-    fast = eng.generate(prompt, 10, stop_ids=[])
+    monkeypatch.setattr(ops_fast, "w4_gemv", counting)
+    monkeypatch.setenv("GPURIG_FAST", "0")  # read by no one after load
+    fast = fast_eng.generate(prompt, 10, stop_ids=[])
     assert calls["gemv"] > 0  # the dispatch really went through the Triton branches
     assert fast == ref
+    assert fast_eng.backend.step() is fast_eng.backend.step()  # the decoder is made once
 
 
-def test_prologue_step_of_a_model_without_per_layer_inputs(tmp_path, monkeypatch) -> None:
-    """GPURIG_PROLOGUE=1 on a model with no per-layer inputs: the down GEMV's residual+norm
-    (with the layer scalar) goes into the next layer's q|k|v prologue."""
+def test_prologue_step_of_a_model_without_per_layer_inputs(tmp_path) -> None:
+    """A model with no per-layer inputs: the down GEMV's residual+norm (with the layer scalar)
+    goes into the next layer's q|k|v prologue."""
     overrides = {"hidden_size_per_layer_input": 0, "num_kv_shared_layers": 0,
                  "use_double_wide_mlp": False}  # fmt: skip
     make_checkpoint(tmp_path, preset="tiny", seed=5, emb4=True, overrides=overrides)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     eng = engine.load(tmp_path, device=dev, dtype=torch.float32, max_context=256)
     model = eng.model
-    assert model.ple_table is None and supported(model)
-    monkeypatch.setenv("GPURIG_PROLOGUE", "1")
+    assert model.ple_table is None and supported(model, fuse_projections(model))
     prompt = [2] + list(range(10, 50))
     logits = prefill(model, eng.cache, prompt, 16)
     fused_cache = copy.deepcopy(eng.cache)
-    decoder = FusedDecoder(model, fused_cache)
-    assert decoder.prologue_ok
+    decoder = _decoder(model, fused_cache)
     _three_steps_match_the_reference(model, eng.cache, decoder, logits, len(prompt))
 
 
@@ -207,12 +211,14 @@ def test_fused_prefill_chunks_fill_the_cache_as_the_reference_does(tmp_path, per
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     eng = engine.load(tmp_path, device=dev, dtype=torch.float32, max_context=256)
     model = eng.model
-    assert fast_prefill.supported(model) and (model.ple_table is not None) == per_layer_inputs
+    fused_layers = fuse_projections(model)
+    assert fast_prefill.supported(model, fused_layers)
+    assert (model.ple_table is not None) == per_layer_inputs
     ids = torch.tensor([2] + [int(t) for t in torch.randint(3, 500, (47,))], device=dev)
     ref_cache = eng.cache
     ref_cache.reset()
     fast_cache = copy.deepcopy(ref_cache)
-    fused = fast_prefill.FusedPrefill(model)
+    fused = fast_prefill.FusedPrefill(model, fused_layers, FastOps())
     for start in (0, 16, 32):
         model.prefill_chunk(ids[start : start + 16], start, ref_cache, last=False)
         fused.chunk(ids[start : start + 16], start, fast_cache)
@@ -241,7 +247,7 @@ def test_fused_prefill_in_score_slices_equals_one_whole_pass(tmp_path) -> None:
     prompt = [2] + [int(t) for t in torch.randint(3, 500, (63,))]
     whole = prefill(model, cache, prompt, len(prompt), score_budget=1 << 30).clone()
     want = {i: (c.k.clone(), c.v.clone()) for i, c in cache.layers.items()}
-    fused = fast_prefill.FusedPrefill(model)
+    fused = fast_prefill.FusedPrefill(model, fuse_projections(model), FastOps())
     cache.reset()
     ids = torch.tensor(prompt, device=dev)
     for start in range(0, len(prompt), 24):
@@ -257,7 +263,7 @@ def test_fused_prefill_in_score_slices_equals_one_whole_pass(tmp_path) -> None:
     assert (got - whole).abs().max() < 1e-4
 
 
-def test_generate_reads_prompts_through_the_fused_prefill(tiny_engine, monkeypatch) -> None:
+def test_generate_reads_prompts_through_the_fused_prefill(tmp_path, monkeypatch) -> None:
     """With the fast path forced, generate's prompt goes through FusedPrefill (body) and the
     decode step (last token); its greedy tokens equal the reference path's."""
     from engine.fast import prefill as fast_prefill
@@ -269,19 +275,20 @@ def test_generate_reads_prompts_through_the_fused_prefill(tiny_engine, monkeypat
         calls["chunks"] += 1
         return real(self, ids, start, cache, score_budget)
 
+    make_checkpoint(tmp_path, preset="tiny", seed=3, emb4=True)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
     prompt = [2] + list(range(30, 70))
-    monkeypatch.setenv("GPURIG_FAST", "0")
-    ref = tiny_engine.generate(prompt, 6, stop_ids=[])
-    monkeypatch.setenv("GPURIG_FAST", "force")
+    ref_eng = engine.load(tmp_path, device=dev, dtype=torch.float32, max_context=256, options=OFF)
+    ref = ref_eng.generate(prompt, 6, stop_ids=[])
+    fast_eng = engine.load(tmp_path, device=dev, dtype=torch.float32, max_context=256,
+                           options=FORCE)  # fmt: skip
     monkeypatch.setattr(fast_prefill.FusedPrefill, "chunk", counted)
-    fast = tiny_engine.generate(prompt, 6, stop_ids=[])
-    assert calls["chunks"] == -(-(len(prompt) - 1) // tiny_engine.prefill_chunk)
+    fast = fast_eng.generate(prompt, 6, stop_ids=[])
+    assert calls["chunks"] == -(-(len(prompt) - 1) // fast_eng.prefill_chunk)
     assert fast == ref
 
 
-def test_fused_prefill_leaves_head_widths_its_kernel_cannot_span_to_the_model(
-    tmp_path, monkeypatch
-) -> None:
+def test_fused_prefill_leaves_head_widths_its_kernel_cannot_span_to_the_model(tmp_path) -> None:
     """qkv_rope_rows spans a head with tl.arange, which takes powers of two only: a model with
     24/48-wide heads must read its prompt chunks through its own layer code, not crash."""
     from engine.fast import prefill as fast_prefill
@@ -289,10 +296,10 @@ def test_fused_prefill_leaves_head_widths_its_kernel_cannot_span_to_the_model(
     overrides = {"head_dim": 24, "global_head_dim": 48}
     make_checkpoint(tmp_path, preset="tiny", seed=6, emb4=True, overrides=overrides)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
-    eng = engine.load(tmp_path, device=dev, dtype=torch.float32, max_context=256)
-    assert not fast_prefill.supported(eng.model)
+    eng = engine.load(tmp_path, device=dev, dtype=torch.float32, max_context=256, options=OFF)
+    fast_eng = engine.load(tmp_path, device=dev, dtype=torch.float32, max_context=256,
+                           options=FORCE)  # fmt: skip
+    assert not fast_prefill.supported(fast_eng.model, fuse_projections(fast_eng.model))
     prompt = [2] + list(range(30, 50))
-    monkeypatch.setenv("GPURIG_FAST", "0")
     ref = eng.generate(prompt, 3, stop_ids=[])
-    monkeypatch.setenv("GPURIG_FAST", "force")
-    assert eng.generate(prompt, 3, stop_ids=[]) == ref
+    assert fast_eng.generate(prompt, 3, stop_ids=[]) == ref

@@ -8,7 +8,7 @@ import torch
 import engine
 from engine import memory
 from engine.checkpoint_maker import make_checkpoint
-from engine.generate import decode_step_for, read_prompt
+from engine.generate import read_prompt
 
 pytestmark = [
     pytest.mark.gpu,
@@ -24,14 +24,15 @@ def test_reading_stays_within_the_plan(tmp_path, monkeypatch, left_mib):
     make_checkpoint(tmp_path, preset="small", seed=1, emb4=True)
     eng = engine.load(tmp_path, device="cuda", max_context=8192)
     prompt = [2] + torch.randint(3, 1000, (5999,)).tolist()
-    step = decode_step_for(eng.model, eng.cache)
+    step = eng.backend.step()
     monkeypatch.setattr(memory, "available_bytes", lambda device, cap: left_mib * memory.MIB)
-    read_prompt(eng.model, eng.cache, prompt, 4096, step)  # warm-up: kernels, capture, cuBLAS
+    body = eng.backend.prefill_body
+    read_prompt(eng.model, eng.cache, prompt, 4096, step, None, body())  # warm-up: kernels, capture
     plan = memory.plan_prompt(eng.model, len(prompt), 4096, available=left_mib * memory.MIB)
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    logits = read_prompt(eng.model, eng.cache, prompt, 4096, step)
+    logits = read_prompt(eng.model, eng.cache, prompt, 4096, step, None, body())
     torch.cuda.synchronize()
     used = torch.cuda.max_memory_allocated() - base
     assert torch.isfinite(logits).all()
@@ -41,7 +42,7 @@ def test_reading_stays_within_the_plan(tmp_path, monkeypatch, left_mib):
 @pytest.mark.parametrize("t", [1, 33, 64, 65, 97, 129])
 @pytest.mark.parametrize("d", [256, 512])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_prefix_through_memory_efficient_attention_equals_slices(monkeypatch, t, d, dtype):
+def test_prefix_through_memory_efficient_attention_equals_slices(t, d, dtype):
     """A full layer's prefix through torch's memory-efficient kernel (heads folded into rows,
     no mask, no broadcast keys), merged by its log-sum-exp, against the sliced softmax and one
     block, at the chunk lengths whose last row the kernel once got wrong (with a mask and
@@ -62,8 +63,8 @@ def test_prefix_through_memory_efficient_attention_equals_slices(monkeypatch, t,
     base = (ops._attend(q, keys, values, pos, qp, None).float() - want).abs().max()
     budget = hq * 32 * 300
     fused = attend_chunk(q, k_new, v_new, ck, cv, cp, qp, None, budget, prefix_visible=True)
-    monkeypatch.setenv("GPURIG_PREFIX_SDPA", "0")
-    sliced = attend_chunk(q, k_new, v_new, ck, cv, cp, qp, None, budget, prefix_visible=True)
+    sliced = attend_chunk(q, k_new, v_new, ck, cv, cp, qp, None, budget, prefix_visible=True,
+                          prefix_sdpa=False)  # fmt: skip
     tol = max(5e-4 if dtype == torch.float32 else 2e-2, 1.5 * float(base))
     assert (fused.float() - want).abs().max() < tol, float(base)
     assert (sliced.float() - want).abs().max() < tol, float(base)

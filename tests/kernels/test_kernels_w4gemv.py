@@ -85,7 +85,8 @@ def test_bad_shapes_are_refused(device) -> None:
 
 
 def test_config_cache_round_trips_through_its_file(tmp_path, monkeypatch) -> None:
-    monkeypatch.setenv(tuning.CACHE_ENV, str(tmp_path))
+    monkeypatch.setattr(tuning, "_SETTINGS", dict(tuning._SETTINGS))  # restored after the test
+    tuning.configure(directory=tmp_path)
     tuning.forget_memory()
     cfg = {"BLOCK_N": 4, "BLOCK_KW": 128, "num_warps": 4, "num_stages": 2, "us": 3.1}
     tuning.store("w4gemv", "N2560_K1536_bfloat16_M1", "Some_GPU", cfg)
@@ -98,16 +99,26 @@ def test_config_cache_round_trips_through_its_file(tmp_path, monkeypatch) -> Non
     tuning.forget_memory()
 
 
-def test_autotune_switch_reads_the_environment(monkeypatch) -> None:
-    monkeypatch.setenv(tuning.AUTOTUNE_ENV, "0")
-    assert not tuning.autotune_enabled()
-    monkeypatch.delenv(tuning.AUTOTUNE_ENV)
+def test_autotune_switch_comes_from_the_engine_options(tmp_path, monkeypatch) -> None:
+    """EngineOptions.autotune / tuning_cache_dir reach the tuner through load; the
+    environment is read only by EngineOptions.from_env."""
+    from engine.options import EngineOptions
+
+    monkeypatch.setattr(tuning, "_SETTINGS", dict(tuning._SETTINGS))
+    opts = EngineOptions.from_env(
+        {"GPURIG_KERNEL_AUTOTUNE": "0", "GPURIG_KERNEL_CACHE": str(tmp_path)}
+    )
+    tuning.configure(opts.autotune, opts.tuning_cache_dir)
+    assert not tuning.autotune_enabled() and tuning.cache_dir() == tmp_path
+    monkeypatch.setenv("GPURIG_KERNEL_AUTOTUNE", "0")  # read by no one after configure
+    tuning.configure(EngineOptions().autotune, None)
     assert tuning.autotune_enabled()
+    assert tuning.cache_dir().parts[-3:] == (".cache", "gpurig", "kernels")
 
 
 def test_gemv_epilogues_match_their_unfused_form(device) -> None:
-    from engine.kernels.fused import gelu_mul, residual_norm
-    from engine.kernels.w4gemv import w4_gemv_gelu_mul, w4_gemv_glu, w4_gemv_residual
+    from engine.kernels.fused import gelu_mul
+    from engine.kernels.w4gemv import w4_gemv_gelu_mul, w4_gemv_glu
 
     n, k = 96, 128
     packed, scales = _random_layer(n, k, torch.float32, device)
@@ -121,15 +132,6 @@ def test_gemv_epilogues_match_their_unfused_form(device) -> None:
     # gelu(y) * aux
     aux = torch.randn(n, device=device)
     assert torch.allclose(w4_gemv_gelu_mul(x, packed, scales, aux), gelu_mul(y, aux), atol=1e-5)
-    # residual + norms in the last program, twice in a row (the counter must reset itself)
-    w_post, w_next = torch.rand(n, device=device) + 0.5, torch.rand(n, device=device) + 0.5
-    scalar = torch.tensor([0.75], device=device)
-    for _ in range(2):
-        h = torch.randn(1, n, device=device)
-        h_ref, x_ref = residual_norm(h.clone(), y, w_post, 1e-6, scalar=scalar, w_next=w_next)
-        x_next = w4_gemv_residual(x, packed, scales, h, w_post, 1e-6, scalar=scalar,
-                                  w_next=w_next)  # fmt: skip
-        assert torch.allclose(h, h_ref, atol=1e-5) and torch.allclose(x_next, x_ref, atol=1e-5)
 
 
 @pytest.mark.parametrize(("epi", "with_scalar", "with_next"), [(0, True, True), (1, False, True),

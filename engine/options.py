@@ -1,0 +1,111 @@
+"""EngineOptions: every switch of the engine in one frozen object, passed to `engine.load`.
+
+Why one object: the switches used to be GPURIG_* variables read from os.environ by six modules
+while the engine ran, so a benchmark changed the engine by mutating the environment in-process
+and a decoder cache had to be keyed by the variables. Now the front doors (the `gpurig engine`
+commands, the server, the sweep) call `EngineOptions.from_env()` once, and everything below
+`engine.load` reads the object it was given. This module is the only one in engine/ that reads
+the environment.
+
+| variable                  | field               | meaning                                          | default |
+|---------------------------|---------------------|--------------------------------------------------|---------|
+| GPURIG_FAST               | fast                | "0" off (reference ops, no graph); "force" the   | on      |
+|                           |                     | Triton path on any device (CPU interpreter)      |         |
+| GPURIG_CUDA_GRAPH         | cuda_graph          | "0": fused kernels, decoded without a graph      | on      |
+| GPURIG_FAST_PREFILL       | fused_prefill       | "0": prompt chunks through the model's own code  | on      |
+| GPURIG_GEMV_H2            | half2_gemv          | "0": exact fp32-unpack GEMV instead of half2     | on      |
+| GPURIG_PREFIX_SDPA        | prefix_sdpa         | "0": a full layer's cached prefix by the online  | on      |
+|                           |                     | softmax slices instead of torch's efficient SDPA |         |
+| GPURIG_EXPANDABLE_SEGMENTS| expandable_segments | "0": no expandable segments under a memory cap   | on      |
+| GPURIG_KERNEL_AUTOTUNE    | autotune            | "0": GEMV tile configs from defaults, no timing  | on      |
+| GPURIG_KERNEL_CACHE       | tuning_cache_dir    | directory of the per-GPU tile-config files       | ~/.cache/gpurig/kernels |
+
+The compute dtype and the prompt chunk stay arguments of `engine.load` (`dtype=`,
+`prefill_chunk=`): they were never environment switches. `default_dtype` decides the dtype when
+none is given, from the device's compute capability.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+FastMode = Literal["on", "off", "force"]
+
+
+def _flag(env: Mapping[str, str], name: str, default: bool = True) -> bool:
+    value = env.get(name)
+    if value is None:
+        return default
+    return value.strip() != "0"
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """How the engine computes; the defaults are the measured-fastest arrangement."""
+
+    fast: FastMode = "on"  # Triton kernels + fused decode on CUDA; "force": on any device
+    cuda_graph: bool = True  # replay the decode step as a CUDA graph (CUDA only)
+    fused_prefill: bool = True  # prompt chunks through engine/fast/prefill.py
+    half2_gemv: bool = True  # 16-bit GEMV multiplies in half2 (fp32 unpack when False)
+    prefix_sdpa: bool = True  # a full layer's prefix through torch's efficient attention
+    expandable_segments: bool = True  # under a memory cap, grow allocator segments in place
+    autotune: bool = True  # time GEMV tile candidates on first use of a shape
+    tuning_cache_dir: Path | None = None  # None: ~/.cache/gpurig/kernels
+
+    def __post_init__(self) -> None:
+        if self.fast not in ("on", "off", "force"):
+            raise ValueError(f"fast must be 'on', 'off' or 'force', not {self.fast!r}")
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> EngineOptions:
+        """The options the GPURIG_* variables ask for (see the table above); unset means default."""
+        env = os.environ if env is None else env
+        raw = env.get("GPURIG_FAST", "1").strip()
+        fast: FastMode = "force" if raw == "force" else "off" if raw == "0" else "on"
+        cache = env.get("GPURIG_KERNEL_CACHE")
+        return cls(
+            fast=fast,
+            cuda_graph=_flag(env, "GPURIG_CUDA_GRAPH"),
+            fused_prefill=_flag(env, "GPURIG_FAST_PREFILL"),
+            half2_gemv=_flag(env, "GPURIG_GEMV_H2"),
+            prefix_sdpa=_flag(env, "GPURIG_PREFIX_SDPA"),
+            expandable_segments=_flag(env, "GPURIG_EXPANDABLE_SEGMENTS"),
+            autotune=_flag(env, "GPURIG_KERNEL_AUTOTUNE"),
+            tuning_cache_dir=Path(cache).expanduser() if cache else None,
+        )
+
+    def fast_on(self, device: torch.device) -> bool:
+        """The Triton path serves this device: CUDA unless off; anywhere when forced."""
+        return self.fast == "force" or (device.type == "cuda" and self.fast == "on")
+
+    def graphs_on(self, device: torch.device) -> bool:
+        """The decode step is captured as a CUDA graph on this device."""
+        return device.type == "cuda" and self.fast_on(device) and self.cuda_graph
+
+
+def default_dtype(device_type: str, capability: tuple[int, int] | None = None) -> torch.dtype:
+    """The compute dtype when load is given none: float32 on the CPU; on CUDA bfloat16 from
+    Ampere (capability 8.0) up, float16 below (Turing and older emulate bf16 arithmetic, which
+    makes it several times slower there)."""
+    if device_type != "cuda":
+        return torch.float32
+    if capability is not None and capability[0] < 8:
+        return torch.float16
+    return torch.bfloat16
+
+
+def triton_interpreted() -> bool:
+    """True when Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1): no inline
+    PTX, no hardware-only features."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def allocator_configured() -> bool:
+    """The user set the CUDA allocator's own configuration variable, which then wins."""
+    return "PYTORCH_CUDA_ALLOC_CONF" in os.environ or "PYTORCH_ALLOC_CONF" in os.environ

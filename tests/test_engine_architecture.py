@@ -1,0 +1,188 @@
+"""The engine's house rules (issue 16), checked on the source: no import cycle, no module over
+500 lines, the environment read in one place, no private names reached across modules, and the
+options object deciding the backend once at load."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.options import EngineOptions, default_dtype
+
+ENGINE = Path(__file__).resolve().parent.parent / "engine"
+MODULES = {
+    ".".join(("engine", *p.relative_to(ENGINE).with_suffix("").parts)).removesuffix(".__init__"): p
+    for p in sorted(ENGINE.rglob("*.py"))
+}
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _top_level_imports(tree: ast.Module):
+    """Import statements that run when the module is imported: module level, and inside
+    module-level try/if blocks (not `if TYPE_CHECKING:`, not inside functions)."""
+    stack = list(tree.body)
+    while stack:
+        node = stack.pop()
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            yield node
+        elif isinstance(node, ast.If) and not _is_type_checking(node):
+            stack += node.body + node.orelse
+        elif isinstance(node, ast.Try):
+            stack += node.body + node.orelse + node.finalbody
+            for handler in node.handlers:
+                stack += handler.body
+
+
+def _engine_imports(name: str, path: Path) -> set[str]:
+    """The engine modules `name` imports at import time."""
+    out: set[str] = set()
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    for node in _top_level_imports(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        else:
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(parts[: len(parts) - node.level + 1] + ([base] if base else []))
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in MODULES else base
+                       for a in node.names]  # fmt: skip
+        out |= {t for t in targets if t in MODULES and t != name}
+    return out
+
+
+GRAPH = {name: _engine_imports(name, path) for name, path in MODULES.items()}
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle as a path of module names, or None."""
+    state: dict[str, int] = {}  # 1 on the stack, 2 done
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                return stack[stack.index(nxt) :] + [nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node)):
+            return found
+    return None
+
+
+def test_the_walk_sees_real_imports() -> None:
+    """The graph is not vacuous: known edges are found."""
+    assert "engine.packed" in GRAPH["engine.checkpoint"]
+    assert "engine.ops" in GRAPH["engine.model"]
+    assert "engine.kernels.w4gemv_kernel" in GRAPH["engine.kernels.w4gemv"]
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert _cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_engine_has_no_import_cycle() -> None:
+    assert _cycle(GRAPH) is None, " -> ".join(_cycle(GRAPH) or [])
+
+
+def test_ops_imports_nothing_above_it() -> None:
+    """The dispatch points depend only on the weight types and the chunked attention, which
+    import no engine module themselves; the checkpoint reader does not depend on dispatch."""
+    assert GRAPH["engine.ops"] <= {"engine.packed", "engine.attention"}
+    assert GRAPH["engine.packed"] == set() and GRAPH["engine.attention"] == set()
+    assert "engine.ops" not in GRAPH["engine.checkpoint"]
+
+
+def test_no_module_over_500_lines() -> None:
+    long = {n: len(p.read_text().splitlines()) for n, p in MODULES.items()}
+    assert {n: c for n, c in long.items() if c > 500} == {}
+
+
+def test_only_the_options_module_reads_the_environment() -> None:
+    readers = sorted(
+        n for n, p in MODULES.items() if re.search(r"os\.environ|getenv", p.read_text())
+    )
+    assert readers == ["engine.options"]
+
+
+def test_no_private_names_reached_across_modules_and_no_state_on_other_objects() -> None:
+    pattern = re.compile(r"\bm\._(rope|embed)\b|\._packed_ok\b|_gpurig_|__dict__\[")
+    hits = [
+        f"{n}: {m.group(0)}" for n, p in MODULES.items() for m in pattern.finditer(p.read_text())
+    ]
+    assert hits == []
+
+
+def test_deleted_experiments_stay_deleted() -> None:
+    """PDL / L2 prefetch, the residual epilogue, fused q/k/v attention: gone from the engine."""
+    assert "engine.kernels.pdl" not in MODULES
+    text = "\n".join(p.read_text() for p in MODULES.values())
+    for name in ("pdl_enter", "prefetch_l2", "w4_gemv_residual", "attention_from_qkv",
+                 "GPURIG_PROLOGUE", "GPURIG_EPILOGUES", "GPURIG_FUSE_QKV_ATTN", "GPURIG_PDL"):  # fmt: skip
+        assert name not in text, name
+
+
+def test_options_from_the_environment() -> None:
+    assert EngineOptions.from_env({}) == EngineOptions()
+    opts = EngineOptions.from_env({"GPURIG_FAST": "force", "GPURIG_CUDA_GRAPH": "0",
+                                   "GPURIG_FAST_PREFILL": "0", "GPURIG_GEMV_H2": "0",
+                                   "GPURIG_PREFIX_SDPA": "0", "GPURIG_EXPANDABLE_SEGMENTS": "0",
+                                   "GPURIG_KERNEL_AUTOTUNE": "0",
+                                   "GPURIG_KERNEL_CACHE": "/tmp/k"})  # fmt: skip
+    assert opts == EngineOptions(fast="force", cuda_graph=False, fused_prefill=False,
+                                 half2_gemv=False, prefix_sdpa=False, expandable_segments=False,
+                                 autotune=False, tuning_cache_dir=Path("/tmp/k"))  # fmt: skip
+    assert EngineOptions.from_env({"GPURIG_FAST": "0"}).fast == "off"
+    with pytest.raises(ValueError, match="fast"):
+        EngineOptions(fast="sometimes")  # type: ignore[arg-type]
+    with pytest.raises(AttributeError):
+        opts.fast = "on"  # type: ignore[misc]  # frozen
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert not EngineOptions().fast_on(cpu) and EngineOptions().fast_on(cuda)
+    assert EngineOptions(fast="force").fast_on(cpu) and not EngineOptions(fast="off").fast_on(cuda)
+    assert EngineOptions().graphs_on(cuda) and not EngineOptions(cuda_graph=False).graphs_on(cuda)
+    assert not EngineOptions(fast="force").graphs_on(cpu)
+
+
+@pytest.mark.parametrize(
+    ("device", "capability", "want"),
+    [("cpu", None, torch.float32), ("cuda", (7, 5), torch.float16),  # Turing: bf16 emulated
+     ("cuda", (6, 1), torch.float16), ("cuda", (8, 0), torch.bfloat16),
+     ("cuda", (9, 0), torch.bfloat16)],
+)  # fmt: skip
+def test_default_dtype_follows_the_device_capability(device, capability, want) -> None:
+    assert default_dtype(device, capability) == want
+
+
+def test_the_backend_is_chosen_once_at_load(tmp_path, monkeypatch) -> None:
+    """The options given to load decide the dispatch set and the decode step; the environment
+    changed afterwards changes nothing."""
+    import engine
+    from engine.checkpoint_maker import make_checkpoint
+    from engine.fast.ops_fast import FastOps
+    from engine.ops import Ops
+
+    make_checkpoint(tmp_path, preset="tiny", seed=1)
+    ref = engine.load(tmp_path, device="cpu", max_context=64, options=EngineOptions(fast="off"))
+    fast = engine.load(tmp_path, device="cpu", max_context=64, options=EngineOptions(fast="force"))
+    assert type(ref.model.ops) is Ops and isinstance(fast.model.ops, FastOps)
+    assert not ref.backend.fast and fast.backend.fast and fast.backend.last_token_by_step
+    monkeypatch.setenv("GPURIG_FAST", "0")
+    assert fast.backend.fast and fast.backend.step() is fast.backend.step()
+    default = engine.load(tmp_path, device="cpu", max_context=64)
+    assert default.options == EngineOptions() and default.dtype == torch.float32
