@@ -1,6 +1,6 @@
 """Do the fast path's answers equal the reference path's? Greedy tokens, and why they differ.
 
-Run on a CUDA machine: `python3 -m bench.answers --out $OUT/answers.json [--ckpt DIR]`.
+Run on a CUDA machine: `python3 -m bench.engine.answers --out $OUT/answers.json [--ckpt DIR]`.
 
 Free-running greedy decoding says only *whether* the two paths agree: after the first
 different token they read different text and every later token differs too. This script also
@@ -16,7 +16,6 @@ tokens should be identical; in bf16 each intermediate is rounded to 8 bits of ma
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import os
 from pathlib import Path
@@ -24,32 +23,31 @@ from typing import Any
 
 import torch
 
-from bench.e2e_bench import E2B_DIR, _env, greedy_pair, make
+from bench.engine.e2e_bench import E2B_DIR, greedy_pair, make, reference_engine
 
 PROMPT = [2] + list(range(100, 131))
 
 
 def teacher_forced(eng, prompt: list[int], n: int) -> dict[str, Any]:
     """Both paths read the reference's greedy tokens; per-step agreement, margins, differences."""
-    from engine.fast import decoder_for
     from engine.generate import prefill
 
-    model, cache = eng.model, eng.cache
-    with _env(GPURIG_FAST="0"):
-        logits = prefill(model, cache, prompt, eng.prefill_chunk)
-    cache.__dict__.pop("_gpurig_decoders", None)
-    fast_cache = copy.deepcopy(cache)  # the same prompt state for both paths
-    with _env(GPURIG_FAST="1"):
-        fast_step = decoder_for(model, fast_cache)
+    ref_eng = reference_engine(eng)  # the same checkpoint, fast path off
+    model, cache = ref_eng.model, ref_eng.cache
+    logits = prefill(model, cache, prompt, eng.prefill_chunk)
+    for i, layer in cache.layers.items():  # the same prompt state for both paths
+        mine = eng.cache.layers[i]
+        mine.k.copy_(layer.k)
+        mine.v.copy_(layer.v)
+        mine.pos.copy_(layer.pos)
+    fast_step = eng.backend.step()
     token = logits.reshape(-1).argmax().view(1)
     pos = torch.tensor([len(prompt)], dtype=torch.int64, device=model.device)
     steps = []
     with torch.inference_mode():
         for _ in range(n):
-            with _env(GPURIG_FAST="0"):
-                ref = model.decode_step(token, pos, cache)[0].float()
-            with _env(GPURIG_FAST="1"):
-                fast = fast_step(token, pos)[0].float()
+            ref = model.decode_step(token, pos, cache)[0].float()
+            fast = fast_step(token, pos)[0].float()
             top2 = ref.topk(2)
             diff = (fast - ref).abs()
             steps.append({
@@ -60,8 +58,6 @@ def teacher_forced(eng, prompt: list[int], n: int) -> dict[str, Any]:
             })  # fmt: skip
             token = top2.indices[:1].clone()
             pos = pos + 1
-    cache.__dict__.pop("_gpurig_decoders", None)
-    fast_cache.__dict__.pop("_gpurig_decoders", None)
     bad = [s for s in steps if not s["agree"]]
     return {
         "steps": n,
@@ -87,7 +83,7 @@ def main() -> None:
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit(
-            "bench.answers compares the CUDA fast path: run it on a machine with a GPU"
+            "bench.engine.answers compares the CUDA fast path: run it on a machine with a GPU"
         )
     make(Path(args.ckpt))
     rows = []

@@ -1,16 +1,17 @@
 """Where a decode token's time goes: every kernel of one graph replay, timed by the profiler.
 
-    python3 -m bench.decode_profile --out $OUT/profile.json
+    python3 -m bench.engine.decode_profile --out $OUT/profile.json
 
 * profile   the e2b decode step replayed as its CUDA graph under torch.profiler (CUPTI records
             the kernels inside graph launches): per kernel name, how many per token, total and
             mean microseconds; the sum of kernel time against the replay's wall time (the rest
-            is gaps between dependent kernels). With and without PDL.
+            is gaps between dependent kernels).
 * gemv_hot  each E2B GEMV shape timed with its weights resident in L2 (one copy, replayed) and
             streamed from memory (rotated copies larger than the L2): what is left when the
             bytes cost nothing is the kernel's own fixed cost.
-* prefetch  does `cp.async.bulk.prefetch.L2` work here: a 32 MB read timed cold, after a
-            prefetch kernel, and after a plain read of the same bytes.
+
+(The L2-prefetch and PDL parts this script once had measured no gain; those switches are gone
+from the engine, their results stay in bench/results/engine/ and bench/NOTES.md.)
 """
 
 from __future__ import annotations
@@ -27,10 +28,8 @@ from typing import Any
 
 import torch
 import triton
-import triton.language as tl
 
-from bench.e2e_bench import E2B_DIR, _env, fill_cache, make
-from engine.kernels.pdl import prefetch_l2
+from bench.engine.e2e_bench import E2B_DIR, fill_cache, make, read_as_generate
 
 
 def _kernels_of_trace(path: str) -> list[dict[str, Any]]:
@@ -46,10 +45,8 @@ def _short(name: str) -> str:
 
 
 def profile_decode(eng, depth: int, replays: int = 3) -> dict[str, Any]:
-    from engine.fast import decoder_for
-
     fill_cache(eng, depth)
-    dec = decoder_for(eng.model, eng.cache)
+    dec = eng.backend.step()
     tok = torch.tensor([7], device=eng.device)
     pos = torch.tensor([depth], device=eng.device)
     for _ in range(3):
@@ -97,17 +94,14 @@ def profile_decode(eng, depth: int, replays: int = 3) -> dict[str, Any]:
 def profile_prompt(eng, n: int, whole: bool) -> dict[str, Any]:
     """Reading an n-token prompt under the profiler: wall time against the GPU's kernel time
     (the rest is the host launching ops one by one), kernels launched, the costliest ops."""
-    from engine.generate import prefill, read_prompt
-
     prompt = [int(t) for t in torch.randint(3, eng.config.vocab_size, (n,))]
-    read = prefill if whole else read_prompt
     for _ in range(2):
-        read(eng.model, eng.cache, prompt, eng.prefill_chunk)
+        read_as_generate(eng, prompt, whole=whole)
     torch.cuda.synchronize()
     acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=acts) as prof:
         t0 = time.perf_counter()
-        read(eng.model, eng.cache, prompt, eng.prefill_chunk)
+        read_as_generate(eng, prompt, whole=whole)
         torch.cuda.synchronize()
         wall = time.perf_counter() - t0
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
@@ -126,7 +120,7 @@ def profile_prompt(eng, n: int, whole: bool) -> dict[str, Any]:
 
 
 def gemv_hot_cold() -> list[dict[str, Any]]:
-    from bench.engine_bench import GEMV_SHAPES, int4_bytes
+    from bench.engine.engine_bench import GEMV_SHAPES, int4_bytes
     from engine.kernels import tuning, w4gemv
 
     out = []
@@ -143,15 +137,12 @@ def gemv_hot_cold() -> list[dict[str, Any]]:
         cfg = w4gemv.config_for(n, k, torch.bfloat16, 1, torch.device("cuda"))
         row: dict[str, Any] = {"name": name, "N": n, "K": k, "per_token": per_token,
                                "config": cfg, "bytes": nbytes}  # fmt: skip
-        for flags in ("0", "1"):
-            with _env(GPURIG_PDL=flags, GPURIG_PREFETCH=flags):
-                cold = [lambda a=a, c=cfg: w4gemv.w4_gemv(a[0], a[1], a[2], out=a[3], config=c)
-                        for a in sets]  # fmt: skip
-                hot = [lambda a=sets[0], c=cfg: w4gemv.w4_gemv(a[0], a[1], a[2], out=a[3],
-                                                               config=c)] * 32  # fmt: skip
-                tag = "pdl" if flags == "1" else "plain"
-                row[f"cold_us_{tag}"] = tuning.time_graph_us(cold, repeats=7)
-                row[f"hot_us_{tag}"] = tuning.time_graph_us(hot, repeats=7)
+        cold = [lambda a=a, c=cfg: w4gemv.w4_gemv(a[0], a[1], a[2], out=a[3], config=c)
+                for a in sets]  # fmt: skip
+        hot = [lambda a=sets[0], c=cfg: w4gemv.w4_gemv(a[0], a[1], a[2], out=a[3],
+                                                       config=c)] * 32  # fmt: skip
+        row["cold_us_plain"] = tuning.time_graph_us(cold, repeats=7)
+        row["hot_us_plain"] = tuning.time_graph_us(hot, repeats=7)
         print(json.dumps(row), flush=True)
         out.append(row)
         del sets
@@ -159,54 +150,7 @@ def gemv_hot_cold() -> list[dict[str, Any]]:
     return out
 
 
-@triton.jit
-def _prefetch_kernel(x_ptr, CHUNK: tl.constexpr):
-    pid = tl.program_id(0)
-    prefetch_l2(x_ptr + pid * CHUNK, CHUNK * 2, True)
-
-
-@triton.jit
-def _sum_kernel(x_ptr, y_ptr, CHUNK: tl.constexpr):
-    pid = tl.program_id(0)
-    acc = tl.zeros([1024], dtype=tl.float32)
-    for i in range(0, CHUNK, 1024):
-        acc += tl.load(x_ptr + pid * CHUNK + i + tl.arange(0, 1024)).to(tl.float32)
-    tl.store(y_ptr + pid, tl.sum(acc, axis=0))
-
-
-def prefetch_effect() -> dict[str, Any]:
-    chunk = 16384  # fp16 elements per program (32 KB)
-    n = 32 << 20  # 32 MB of fp16 (fits the 60 MB L2)
-    progs = n // 2 // chunk
-    xs = [torch.randn(n // 2, device="cuda").half() for _ in range(8)]  # 256 MB: rotates L2
-    y = torch.empty(progs, device="cuda")
-
-    def timed(pre) -> float:
-        times = []
-        for r in range(12):
-            x = xs[r % len(xs)]
-            if pre == "prefetch":
-                _prefetch_kernel[(progs,)](x, CHUNK=chunk, num_warps=1)
-            elif pre == "read":
-                _sum_kernel[(progs,)](x, y, CHUNK=chunk, num_warps=4)
-            torch.cuda.synchronize()
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            _sum_kernel[(progs,)](x, y, CHUNK=chunk, num_warps=4)
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b) * 1000)
-            for other in xs:  # evict: read everything else
-                if other is not x:
-                    other.sum()
-        times.sort()
-        return times[len(times) // 2]
-
-    return {"bytes": n, "cold_us": timed(None), "after_prefetch_us": timed("prefetch"),
-            "after_read_us": timed("read")}  # fmt: skip
-
-
-PARTS = ("prefetch", "gemv_hot", "profile", "prompt")
+PARTS = ("gemv_hot", "profile", "prompt")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -214,7 +158,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ckpt", default=str(E2B_DIR))
     ap.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated: {', '.join(PARTS)}")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "profile.json"))
-    ap.add_argument("--with-pdl", action="store_true", help="profile with PDL + prefetch too")
     args = ap.parse_args(argv)
     parts = [p for p in args.parts.split(",") if p]
     unknown = [p for p in parts if p not in PARTS]
@@ -229,12 +172,6 @@ def main(argv: list[str] | None = None) -> int:
     def save() -> None:
         Path(args.out).write_text(json.dumps(res, indent=1))
 
-    if "prefetch" in parts and torch.cuda.get_device_capability(0)[0] < 9:
-        res["prefetch"] = {"skipped": "cp.async.bulk.prefetch needs compute capability 9.0+"}
-    elif "prefetch" in parts:
-        res["prefetch"] = prefetch_effect()
-        print(json.dumps(res["prefetch"]), flush=True)
-        save()
     if "gemv_hot" in parts:
         res["gemv_hot"] = gemv_hot_cold()
         save()
@@ -244,17 +181,15 @@ def main(argv: list[str] | None = None) -> int:
         make(Path(args.ckpt))
         eng = engine.load(Path(args.ckpt), device="cuda")
         res["profile"] = {}
-        for flags in ("1", "0") if args.with_pdl else ("0",):
-            with _env(GPURIG_PDL=flags, GPURIG_PREFETCH=flags):
-                for depth in (0, 32768):
-                    key = f"{'pdl' if flags == '1' else 'plain'}_depth_{depth}"
-                    res["profile"][key] = r = profile_decode(eng, depth)
-                    print(key, {k: v for k, v in r.items() if k.endswith("us")
-                                or k == "kernels_per_token"}, flush=True)  # fmt: skip
-                    for row in r.get("by_kernel", [])[:14]:
-                        print(f"   {row['kernel']:<40} x{row['count']:<4} "
-                              f"{row['total_us']:8.1f} us  mean {row['mean_us']:6.2f}")  # fmt: skip
-                    save()
+        for depth in (0, 32768):
+            key = f"plain_depth_{depth}"
+            res["profile"][key] = r = profile_decode(eng, depth)
+            print(key, {k: v for k, v in r.items() if k.endswith("us")
+                        or k == "kernels_per_token"}, flush=True)  # fmt: skip
+            for row in r.get("by_kernel", [])[:14]:
+                print(f"   {row['kernel']:<40} x{row['count']:<4} "
+                      f"{row['total_us']:8.1f} us  mean {row['mean_us']:6.2f}")  # fmt: skip
+            save()
     if "prompt" in parts:
         import engine
 

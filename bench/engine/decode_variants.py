@@ -1,13 +1,14 @@
-"""Decode speed of one engine under each combination of the launch switches, in one process.
+"""Decode speed of one engine under variants of its options, in one process.
 
-    python3 -m bench.decode_variants --ckpt /tmp/gpurig_e2b_emb4 --out $OUT/variants.json
+    python3 -m bench.engine.decode_variants --ckpt /tmp/gpurig_e2b_emb4 --out $OUT/variants.json
 
-The same weights, cache and tuned tiles; only the switches of VARIANTS change (by default
-GPURIG_PDL, programmatic dependent launch, and GPURIG_PREFETCH, L2 prefetch of each program's
-weight slice), so the differences are what those buy. Each variant gets its own captured CUDA
-graph. Also reports whether each variant's logits are bit-identical to the first variant's:
-PDL and the prefetch may not change a result; the exact GEMV and the other arrangements round
-or sum otherwise and may.
+The same weights, cache and tuned tiles; each variant is a Backend over the engine's model and
+cache with some EngineOptions changed (its own decoder and captured CUDA graph), so the
+differences are what those options buy. Also reports whether each variant's logits are
+bit-identical to the first variant's. The launch switches this script once compared (PDL, L2
+prefetch, GEMV epilogue and prologue arrangements, q/k/v work in the attention) measured no
+gain and are gone from the engine; their results stay in bench/results/engine/ and
+bench/NOTES.md.
 """
 
 from __future__ import annotations
@@ -22,32 +23,20 @@ from typing import Any
 
 import torch
 
-from bench.e2e_bench import E2B_DIR, _env, decode_rate, fill_cache, greedy_pair, make
+from bench.engine.e2e_bench import E2B_DIR, decode_rate, fill_cache, greedy_pair, make, with_options
 
-VARIANTS = {
-    "plain": {"GPURIG_PDL": "0", "GPURIG_PREFETCH": "0"},
-    "prefetch": {"GPURIG_PDL": "0", "GPURIG_PREFETCH": "1"},
-    "pdl": {"GPURIG_PDL": "1", "GPURIG_PREFETCH": "0"},
-    "pdl+prefetch": {"GPURIG_PDL": "1", "GPURIG_PREFETCH": "1"},
-    "exact_gemv": {"GPURIG_GEMV_H2": "0"},  # the fp32-unpack GEMV instead of half2
-    "no_epilogues": {"GPURIG_EPILOGUES": "0"},
-    "residual_kernels": {"GPURIG_EPILOGUES": "glu", "GPURIG_PROLOGUE": "0"},  # v5's default
-    "residual_in_gemv": {"GPURIG_EPILOGUES": "all"},  # ... in the GEMV's last program
-    "qkv_in_attention": {"GPURIG_FUSE_QKV_ATTN": "1"},  # norms + RoPE + cache write fused
-    "no_prologue": {"GPURIG_PROLOGUE": "0"},  # every residual+norm its own kernel
-    "prologue": {"GPURIG_PROLOGUE": "1"},  # residual+norm in the next GEMV's prologue (default)
-    "prologue_all": {"GPURIG_PROLOGUE": "all"},  # ... and in gate|up's too
+VARIANTS: dict[str, dict[str, Any]] = {  # option changes against the engine's own
+    "default": {},
+    "exact_gemv": {"half2_gemv": False},  # the fp32-unpack GEMV instead of half2
+    "no_graph": {"cuda_graph": False},  # the fused step launched eagerly
 }
 
 
-def logits_of(eng, env: dict[str, str], depth: int = 100) -> torch.Tensor:
-    from engine.fast import decoder_for
-
-    with _env(**env):
-        fill_cache(eng, depth)
-        dec = decoder_for(eng.model, eng.cache)
-        return dec(torch.tensor([7], device=eng.device), torch.tensor([depth], device=eng.device)
-                   ).clone()  # fmt: skip
+def logits_of(backend, eng, depth: int = 100) -> torch.Tensor:
+    fill_cache(eng, depth)
+    dec = backend.step()
+    return dec(torch.tensor([7], device=eng.device), torch.tensor([depth], device=eng.device)
+               ).clone()  # fmt: skip
 
 
 def run(ckpt: Path, depths: list[int], names: list[str], greedy: int = 0) -> dict[str, Any]:
@@ -57,15 +46,15 @@ def run(ckpt: Path, depths: list[int], names: list[str], greedy: int = 0) -> dic
     t0 = time.time()
     eng = engine.load(ckpt, device="cuda")
     res: dict[str, Any] = {"load_s": round(time.time() - t0, 1), "rows": []}
-    base = logits_of(eng, VARIANTS[names[0]])
+    backends = {name: with_options(eng, **VARIANTS[name]) for name in names}
+    base = logits_of(backends[names[0]], eng)
     for name in names:
-        env = VARIANTS[name]
-        same = torch.equal(base, logits_of(eng, env))
+        logits = logits_of(backends[name], eng)
+        same = torch.equal(base, logits)
         for depth in depths:
-            with _env(**env):
-                r = decode_rate(eng, depth)
+            r = decode_rate(eng, depth, backend=backends[name])
             r.update(variant=name, logits_identical_to_plain=same,
-                     logits_max_abs_diff=float((base - logits_of(eng, env)).abs().max()))  # fmt: skip
+                     logits_max_abs_diff=float((base - logits).abs().max()))  # fmt: skip
             res["rows"].append(r)
             print(json.dumps(r), flush=True)
     if greedy:  # the default arrangement's greedy tokens against the reference path's
@@ -80,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--ckpt", default=str(E2B_DIR))
     ap.add_argument("--depths", default="0,4096,32768")
-    ap.add_argument("--variants", default="plain,prefetch,pdl,pdl+prefetch",
+    ap.add_argument("--variants", default="default,exact_gemv,no_graph",
                     help=f"comma-separated, the first is the baseline: {', '.join(VARIANTS)}")  # fmt: skip
     ap.add_argument("--greedy", type=int, default=0, help="also N greedy tokens, fast vs reference")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "variants.json"))

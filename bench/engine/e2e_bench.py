@@ -1,11 +1,11 @@
 """The whole engine on the GPU: decode and prompt-reading speed, memory, the 4 GB cap, a peer.
 
-Called by `bench.engine_bench` (section e2e) or on its own:
+Called by `bench.engine.engine_bench` (section e2e) or on its own:
 
-    python3 -m bench.e2e_bench all --out $OUT/e2e.json          # everything below
-    python3 -m bench.e2e_bench make --ckpt /tmp/e2b             # the random e2b checkpoint
-    python3 -m bench.e2e_bench capped --ckpt /tmp/e2b --json x  # a 131k prompt in 3,732 MiB
-    python3 -m bench.e2e_bench peer --ckpt /tmp/e2b --mode eager --json x
+    python3 -m bench.engine.e2e_bench all --out $OUT/e2e.json          # everything below
+    python3 -m bench.engine.e2e_bench make --ckpt /tmp/e2b             # the random e2b checkpoint
+    python3 -m bench.engine.e2e_bench capped --ckpt /tmp/e2b --json x  # a 131k prompt in 3,732 MiB
+    python3 -m bench.engine.e2e_bench peer --ckpt /tmp/e2b --mode eager --json x
 
 What it measures, on the e2b preset's random weights (4-bit linears and 4-bit embedding tables):
 * greedy tokens of the fast path (Triton kernels, fused decode step, CUDA graph) against the
@@ -26,6 +26,7 @@ What it measures, on the e2b preset's random weights (4-bit linears and 4-bit em
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -36,6 +37,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from engine.options import EngineOptions
 
 E2B_DIR = Path(os.environ.get("GPURIG_BENCH_CKPT", "/tmp/gpurig_e2b_emb4"))
 TINY_DIR = Path("/tmp/gpurig_tiny_emb4")
@@ -58,34 +61,47 @@ def make(ckpt: Path, preset: str = "e2b") -> dict[str, Any]:
             "bytes_on_disk": info.bytes_on_disk, "parameters": info.parameters}  # fmt: skip
 
 
-def _env(**kv: str):
-    """Set environment variables for a block (the fast-path switches are read per call)."""
+def reference_engine(eng):
+    """The same checkpoint loaded again with the fast path off (reference ops, the model's own
+    step): what the fast path is compared against. A second engine, not a switch: the
+    backend is chosen once at load."""
+    import engine
 
-    class _Ctx:
-        def __enter__(self):
-            self.old = {k: os.environ.get(k) for k in kv}
-            os.environ.update(kv)
+    return engine.load(eng.model_dir, device=eng.device, dtype=eng.dtype,
+                       max_context=eng.max_context, options=EngineOptions(fast="off"))  # fmt: skip
 
-        def __exit__(self, *exc):
-            for k, v in self.old.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
 
-    return _Ctx()
+def with_options(eng, **changes):
+    """A Backend over `eng`'s model and cache with some options changed (a variant of the decode
+    step or the prompt reading in the same process; its own decoder and fused weights)."""
+    from engine.backend import Backend
+
+    return Backend(eng.model, eng.cache, dataclasses.replace(eng.options, **changes))
+
+
+def read_as_generate(eng, prompt: list[int], backend=None, whole: bool = False):
+    """The prompt's last-token logits as `generate` reads it (fast path: chunks + the decode
+    step) or, with `whole`, every token through `prefill`'s chunks."""
+    from engine.generate import prefill, read_prompt
+
+    backend = backend or eng.backend
+    if whole or not backend.last_token_by_step:
+        return prefill(eng.model, eng.cache, prompt, eng.prefill_chunk)
+    return read_prompt(eng.model, eng.cache, prompt, eng.prefill_chunk, backend.step(), None,
+                       backend.prefill_body())  # fmt: skip
 
 
 def greedy_pair(eng, prompt: list[int], n: int) -> dict[str, Any]:
-    """Greedy tokens with the fast path and with the reference path, from the same prompt."""
-    with _env(GPURIG_FAST="1"):
-        t0 = time.time()
-        fast = eng.generate(prompt, n, stop_ids=[])
-        t_fast = time.time() - t0
-    with _env(GPURIG_FAST="0"):
-        t0 = time.time()
-        ref = eng.generate(prompt, n, stop_ids=[])
-        t_ref = time.time() - t0
+    """Greedy tokens with the fast path (`eng`) and with the reference path (the same
+    checkpoint loaded with the fast path off), from the same prompt."""
+    t0 = time.time()
+    fast = eng.generate(prompt, n, stop_ids=[])
+    t_fast = time.time() - t0
+    ref_eng = reference_engine(eng)
+    t0 = time.time()
+    ref = ref_eng.generate(prompt, n, stop_ids=[])
+    t_ref = time.time() - t0
+    del ref_eng
     same = sum(1 for a, b in zip(fast, ref, strict=False) if a == b)
     first_diff = next((i for i, (a, b) in enumerate(zip(fast, ref, strict=False)) if a != b), None)
     return {"tokens": n, "identical": fast == ref, "first_difference": first_diff,
@@ -116,14 +132,13 @@ def fill_cache(eng, depth: int) -> None:
             layer.pos[sl] = ps
 
 
-def decode_rate(eng, depth: int, steps: int = 64) -> dict[str, Any]:
+def decode_rate(eng, depth: int, steps: int = 64, backend=None) -> dict[str, Any]:
     """GPU time per decode step (graph replays back to back, argmax on the device) and the rate
-    with a host round trip per token (what generate() does), at `depth` cached positions."""
-    from engine.fast import decoder_for
-
+    with a host round trip per token (what generate() does), at `depth` cached positions.
+    `backend`: a variant (with_options); default the engine's own."""
     depth = min(depth, eng.max_context - steps - 8)  # every decoded position must fit
     fill_cache(eng, depth)
-    dec = decoder_for(eng.model, eng.cache)
+    dec = (backend or eng.backend).step()
     tok = torch.tensor([7], device=eng.device)
     pos = torch.tensor([depth], device=eng.device)
     for _ in range(3):
@@ -153,19 +168,17 @@ def decode_rate(eng, depth: int, steps: int = 64) -> dict[str, Any]:
             "tok_per_s_with_sync": 1000 / host_ms}  # fmt: skip
 
 
-def prefill_rate(eng, n: int, repeats: int = 3, whole: bool = False) -> dict[str, Any]:
+def prefill_rate(eng, n: int, repeats: int = 3, whole: bool = False,
+                 backend=None) -> dict[str, Any]:  # fmt: skip
     """Seconds from a prompt to its last token's logits, as `generate` reads it (the last token
     through the decode step) or, with `whole`, every token through `prefill`'s chunks."""
-    from engine.generate import prefill, read_prompt
-
     prompt = [int(t) for t in torch.randint(3, eng.config.vocab_size, (n,))]
-    read = prefill if whole else read_prompt
-    read(eng.model, eng.cache, prompt, eng.prefill_chunk)  # warm-up (tuning, cuBLAS plans)
+    read_as_generate(eng, prompt, backend, whole)  # warm-up (tuning, cuBLAS plans)
     _sync()
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        read(eng.model, eng.cache, prompt, eng.prefill_chunk)
+        read_as_generate(eng, prompt, backend, whole)
         _sync()
         times.append(time.perf_counter() - t0)
     best = min(times)
@@ -173,9 +186,9 @@ def prefill_rate(eng, n: int, repeats: int = 3, whole: bool = False) -> dict[str
             "last_token_by": "prefill" if whole else "decode step"}  # fmt: skip
 
 
-PROMPT_MODES = {  # how a prompt reaches its first logits
+PROMPT_MODES = {  # how a prompt reaches its first logits: (option changes, whole)
     "fused": ({}, False),  # fused chunks + the last token by the decode step (the default)
-    "unfused": ({"GPURIG_FAST_PREFILL": "0"}, False),  # the model's layer code + decode step
+    "unfused": ({"fused_prefill": False}, False),  # the model's layer code + decode step
     "whole": ({}, True),  # every token through prefill's chunks, KV-shared layers included
 }
 
@@ -183,18 +196,16 @@ PROMPT_MODES = {  # how a prompt reaches its first logits
 def prompt_rates(eng, lengths=(32, 512, 4096)) -> dict[str, Any]:
     """Prompt to first logits for each length and mode, and how far the modes' logits are
     apart (the same prompt; bf16 rounding and matmul order differ, the function does not)."""
-    from engine.generate import prefill, read_prompt
-
     out: dict[str, Any] = {}
+    backends = {mode: with_options(eng, **changes) if changes else eng.backend
+                for mode, (changes, _) in PROMPT_MODES.items()}  # fmt: skip
     for n in lengths:
         logits = {}
-        for mode, (env, whole) in PROMPT_MODES.items():
-            with _env(**env):
-                out[f"{n}_{mode}"] = prefill_rate(eng, n, whole=whole)
-                torch.manual_seed(n)
-                prompt = [int(t) for t in torch.randint(3, eng.config.vocab_size, (n,))]
-                read = prefill if whole else read_prompt
-                logits[mode] = read(eng.model, eng.cache, prompt, eng.prefill_chunk).float()
+        for mode, (_, whole) in PROMPT_MODES.items():
+            out[f"{n}_{mode}"] = prefill_rate(eng, n, whole=whole, backend=backends[mode])
+            torch.manual_seed(n)
+            prompt = [int(t) for t in torch.randint(3, eng.config.vocab_size, (n,))]
+            logits[mode] = read_as_generate(eng, prompt, backends[mode], whole).float()
         ref = logits["whole"]
         for mode in ("fused", "unfused"):
             out[f"{n}_{mode}"]["max_abs_logit_diff_vs_whole"] = float(
@@ -217,10 +228,10 @@ def generate_rate(eng, prompt_len: int = 32, new: int = 128) -> dict[str, Any]:
 def run_capped(ckpt: Path) -> dict[str, Any]:
     """In this (fresh) process: cap at 3,732 MiB, load with a 131,072-token context, then a
     real 131,000-token prompt read through Engine.stream and the tokens decoded after it
-    (bench.long_prompt.request). The capped figure comes from a prompt actually read: until
+    (bench.engine.long_prompt.request). The capped figure comes from a prompt actually read: until
     issue 13 it came from a cache filled with random keys, which never exercised reading."""
     import engine
-    from bench.long_prompt import request
+    from bench.engine.long_prompt import request
 
     res: dict[str, Any] = {"cap_mib": CAP_MIB}
     try:
@@ -308,7 +319,7 @@ def _subprocess(name: str, args: list[str], timeout: float) -> dict[str, Any]:
     """Run one part in a fresh interpreter; its JSON, or what went wrong."""
     out = Path(f"/tmp/gpurig_bench_{name}.json")
     out.unlink(missing_ok=True)
-    cmd = [sys.executable, "-m", "bench.e2e_bench", *args, "--json", str(out)]
+    cmd = [sys.executable, "-m", "bench.engine.e2e_bench", *args, "--json", str(out)]
     t0 = time.time()
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
@@ -377,17 +388,14 @@ def run_all(read_bps: float, save_cb=None, partial: dict | None = None,
         print("-- decode", json.dumps(r), flush=True)
     if save_cb:
         save_cb()
-    for name, env in (  # the same step arranged otherwise, at depth 0
-        ("decode_without_prologue", {"GPURIG_PROLOGUE": "0"}),
-        ("decode_residual_in_gemv_tail", {"GPURIG_EPILOGUES": "all"}),
-        ("decode_without_gemv_epilogues", {"GPURIG_EPILOGUES": "0"}),
-        ("decode_exact_fp32_unpack_gemv", {"GPURIG_GEMV_H2": "0"}),
+    for name, changes in (  # the same step otherwise, at depth 0
+        ("decode_exact_fp32_unpack_gemv", {"half2_gemv": False}),
+        ("decode_without_cuda_graph", {"cuda_graph": False}),
     ):
-        with _env(**env):
-            try:
-                res[name] = decode_rate(eng, 0)
-            except Exception as exc:  # noqa: BLE001
-                res[name] = {"error": repr(exc)[:800]}
+        try:
+            res[name] = decode_rate(eng, 0, backend=with_options(eng, **changes))
+        except Exception as exc:  # noqa: BLE001
+            res[name] = {"error": repr(exc)[:800]}
     step("generate_short", generate_rate, eng)
     step("prompt", prompt_rates, eng)
     for n in (32, 512, 4096):

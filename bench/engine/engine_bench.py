@@ -1,6 +1,6 @@
 """One call on the GPU that builds, checks and times the engine's kernels and its peers.
 
-    python3 -m bench.engine_bench --out $OUT/engine_bench.json [--sections bandwidth,gemv,...]
+    python3 -m bench.engine.engine_bench --out $OUT/engine_bench.json [--sections bandwidth,gemv,...]
 
 Sections (each writes into the JSON as soon as it finishes, so a run cut short keeps its part):
 
@@ -14,7 +14,7 @@ Sections (each writes into the JSON as soon as it finishes, so a run cut short k
 * attention  decode attention over the full-attention cache (head 512) at several depths and the
              sliding ring (head 256), with and without tl.dot;
 * gather     4-bit embedding row gathers; dequantisation of the widest matrix (prompt reading);
-* e2e        the whole engine (see bench/e2e_bench.py), when the engine exists.
+* e2e        the whole engine (see bench/engine/e2e_bench.py), when the engine exists.
 
 The last thing printed is a short table; everything is in the JSON.
 """
@@ -154,6 +154,7 @@ def _gemlite_layer(codes: torch.Tensor, scales: torch.Tensor):
 def section_gemv(read_bps: float, dtypes=("bfloat16",), peers=True) -> dict[str, Any]:
     from engine.kernels import tuning, w4gemv
     from engine.kernels.w4gemv import dequantize_reference, w4_gemv
+    from engine.kernels.w4gemv_kernel import h2_on
 
     l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 64 << 20)
     gpu = tuning.gpu_key(0)
@@ -198,18 +199,14 @@ def section_gemv(read_bps: float, dtypes=("bfloat16",), peers=True) -> dict[str,
             us = tuning.time_graph_us(calls, repeats=7)
             row[f"ours_{dname}_us"] = us
             row[f"ours_{dname}_pct_bw"] = 100 * nbytes / (us * 1e-6) / read_bps
-            row[f"ours_{dname}_half2"] = w4gemv.use_h2(ours[0][2])
+            row[f"ours_{dname}_half2"] = h2_on(dtype, torch.device("cuda"))
             if row[f"ours_{dname}_half2"]:  # the exact fp32-unpack path beside it
-                os.environ[w4gemv.H2_ENV] = "0"
-                try:
-                    cfg_x = w4gemv.config_for(n, k, dtype, 1, torch.device("cuda"))
-                    calls = [lambda a=a, c=cfg_x: w4_gemv(a[2], a[0], a[1], out=a[3], config=c)
-                             for a in ours]  # fmt: skip
-                    us_x = tuning.time_graph_us(calls, repeats=7)
-                    row[f"ours_{dname}_exact_us"] = us_x
-                    row[f"ours_{dname}_exact_pct_bw"] = 100 * nbytes / (us_x * 1e-6) / read_bps
-                finally:
-                    os.environ.pop(w4gemv.H2_ENV, None)
+                cfg_x = w4gemv.config_for(n, k, dtype, 1, torch.device("cuda"), half2=False)
+                calls = [lambda a=a, c=cfg_x: w4_gemv(a[2], a[0], a[1], out=a[3], config=c,
+                                                      half2=False) for a in ours]  # fmt: skip
+                us_x = tuning.time_graph_us(calls, repeats=7)
+                row[f"ours_{dname}_exact_us"] = us_x
+                row[f"ours_{dname}_exact_pct_bw"] = 100 * nbytes / (us_x * 1e-6) / read_bps
             del ours
         if peers:
             # ---- cuBLAS fp16 on the dequantised matrix (2 bytes per weight)
@@ -454,10 +451,10 @@ def main(argv: list[str] | None = None) -> int:
     if "e2e" in sections:  # the random e2b checkpoint is CPU work: make it while kernels run
         import subprocess
 
-        from bench import e2e_bench
+        from bench.engine import e2e_bench
 
         maker = subprocess.Popen(
-            [sys.executable, "-m", "bench.e2e_bench", "make", "--ckpt", str(e2e_bench.E2B_DIR)],
+            [sys.executable, "-m", "bench.engine.e2e_bench", "make", "--ckpt", str(e2e_bench.E2B_DIR)],
             stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
         )  # fmt: skip
     t_begin = time.time()
@@ -477,7 +474,7 @@ def main(argv: list[str] | None = None) -> int:
                 results["gather"] = section_gather(read_bps)
             elif sec == "e2e":
                 try:
-                    from bench import e2e_bench
+                    from bench.engine import e2e_bench
                 except ImportError as exc:
                     results["e2e"] = {"skipped": f"no e2e bench: {exc}"}
                 else:

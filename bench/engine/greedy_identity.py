@@ -1,6 +1,6 @@
 """Greedy tokens of the fast path against the reference path, on the GPU, per preset and dtype.
 
-Run on a CUDA machine: `python3 -m bench.greedy_identity --out results.json`. It makes each
+Run on a CUDA machine: `python3 -m bench.engine.greedy_identity --out results.json`. It makes each
 random-weight checkpoint itself (tiny, small), loads it with a memory cap (the code path a 4 GB
 card uses), and reports the agreeing prefix of fast and reference greedy tokens.
 """
@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 import engine
-from bench.e2e_bench import greedy_pair
+from bench.engine.e2e_bench import greedy_pair
 from engine.checkpoint_maker import make_checkpoint
 
 

@@ -1,7 +1,7 @@
 """Real long prompts through the public API, under the 3,732 MiB cap and uncapped (issue 13).
 
-    python3 -m bench.long_prompt all --out $OUT        # checkpoint, capped, uncapped, summary
-    python3 -m bench.long_prompt run --cap 3732 --json x.json   # one process, one setting
+    python3 -m bench.engine.long_prompt all --out $OUT        # checkpoint, capped, uncapped, summary
+    python3 -m bench.engine.long_prompt run --cap 3732 --json x.json   # one process, one setting
 
 For each prompt length (8,192, 32,768 and 131,000 random token ids) a fresh `Engine.stream`
 reads the prompt and decodes NEW tokens: seconds to the first token (the whole read plus one
@@ -28,7 +28,8 @@ from typing import Any
 
 import torch
 
-from bench.e2e_bench import CAP_MIB, E2B_DIR, make
+from bench.engine.e2e_bench import CAP_MIB, E2B_DIR, make
+from engine.options import EngineOptions
 
 LENGTHS = (8192, 32768, 131000)
 NEW = 128
@@ -70,11 +71,11 @@ def request(eng, n: int, cap: int | None) -> dict[str, Any]:
 
 def check(eng, n: int, cap: int) -> dict[str, Any]:
     """Logits and greedy continuations: one whole reference pass against the chunked reads."""
-    from engine.generate import decode_step_for, prefill, read_prompt
+    from engine.generate import prefill, read_prompt
 
     model, cache = eng.model, eng.cache
     prompt = _prompt(n, eng.config.vocab_size)
-    step = decode_step_for(model, cache)
+    step = eng.backend.step()
 
     def continue_from(logits) -> list[int]:
         out, tok = [], logits.argmax().view(1)
@@ -88,7 +89,8 @@ def check(eng, n: int, cap: int) -> dict[str, Any]:
     whole = prefill(model, cache, prompt, n, score_budget=1 << 60).float().clone()
     runs = {"whole": (whole, continue_from(whole))}
     for name, c in (("capped_plan", cap), ("uncapped_plan", None)):
-        logits = read_prompt(model, cache, prompt, eng.prefill_chunk, step, c).float().clone()
+        logits = read_prompt(model, cache, prompt, eng.prefill_chunk, step, c,
+                             eng.backend.prefill_body()).float().clone()  # fmt: skip
         runs[name] = (logits, continue_from(logits))
     res: dict[str, Any] = {"tokens": n, "whole_tokens": runs["whole"][1]}
     for name in ("capped_plan", "uncapped_plan"):
@@ -120,11 +122,13 @@ def run(cap: int | None, lengths=LENGTHS, checks: bool = False, save=None) -> di
     res: dict[str, Any] = {"cap_mib": cap, "device": torch.cuda.get_device_name(0),
                            "torch": torch.__version__}  # fmt: skip
     t0 = time.perf_counter()
-    eng = engine.load(E2B_DIR, device="cuda:0", max_context=131072, memory_cap_mib=cap)
+    # a child process: its variant comes in its environment, read here as a front door does
+    eng = engine.load(E2B_DIR, device="cuda:0", max_context=131072, memory_cap_mib=cap,
+                      options=EngineOptions.from_env())  # fmt: skip
     res["load_s"] = round(time.perf_counter() - t0, 1)
     res["loaded_mib"] = _mib(torch.cuda.memory_allocated())
     res["max_chunk"] = eng.prefill_chunk
-    res["expandable_segments"] = os.environ.get("GPURIG_EXPANDABLE_SEGMENTS", "1") != "0"
+    res["expandable_segments"] = eng.options.expandable_segments
     res["prefix_sdpa_runs"] = _sdpa_probe()
     try:
         eng.generate(_prompt(2048, eng.config.vocab_size), 4, stop_ids=[])  # compile, capture
@@ -178,10 +182,12 @@ VARIANTS = (  # name, environment, capped, seconds (most wanted first)
 )
 
 
-def _child(args: list[str], out: Path, timeout: float) -> dict[str, Any]:
-    cmd = [sys.executable, "-m", "bench.long_prompt", "run", "--json", str(out), *args]
+def _child(args: list[str], out: Path, timeout: float, env: dict[str, str]) -> dict[str, Any]:
+    """One variant in a fresh process, its switches in the child's environment only."""
+    cmd = [sys.executable, "-m", "bench.engine.long_prompt", "run", "--json", str(out), *args]
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                              env={**os.environ, **env})  # fmt: skip
     except subprocess.TimeoutExpired:
         proc = None
     res = json.loads(out.read_text()) if out.is_file() else {}
@@ -211,7 +217,7 @@ def summary(*runs: dict[str, Any]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python3 -m bench.long_prompt")
+    ap = argparse.ArgumentParser(prog="python3 -m bench.engine.long_prompt")
     ap.add_argument("what", choices=["all", "run"])
     ap.add_argument("--cap", type=int, default=None, help="memory_cap_mib (run)")
     ap.add_argument("--checks", action="store_true", help="logit / greedy checks (run)")
@@ -227,13 +233,9 @@ def main(argv: list[str] | None = None) -> int:
     res: dict[str, Any] = {"make": make(E2B_DIR)}
     cap = ["--cap", str(CAP_MIB)]
     for name, env, extra, timeout in VARIANTS:
-        for key, value in env.items():
-            os.environ[key] = value
         argv = cap if extra else ["--checks"]
-        res[name] = _child(argv, args.out / f"long_prompt_{name}.json", timeout)
+        res[name] = _child(argv, args.out / f"long_prompt_{name}.json", timeout, env)
         res[name]["variant"] = name
-        for key in env:
-            del os.environ[key]
     res["summary"] = summary(*(res[name] for name, *_ in VARIANTS))
     (args.out / "long_prompt.json").write_text(json.dumps(res, indent=1))
     print("\n".join(res["summary"]))
