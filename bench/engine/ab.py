@@ -132,7 +132,9 @@ def main(argv: list[str] | None = None) -> int:
             cmd = [sys.executable, str(Path(__file__).resolve()), "--before", str(args.before),
                    "--side", str(root.resolve()), "--ckpt", str(args.ckpt), "--device",
                    args.device, "--depths", args.depths, "--prompt", str(args.prompt)]  # fmt: skip
-            env = {**os.environ, "PYTHONPATH": str(root.resolve())}
+            extra = os.environ.get("PYTHONPATH")  # carried wheels (pydantic) stay importable
+            path = str(root.resolve()) + (os.pathsep + extra if extra else "")
+            env = {**os.environ, "PYTHONPATH": path}
             done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=root)
             line = next((x for x in done.stdout.splitlines() if x.startswith("AB_RESULT ")), None)
             run = json.loads(line.removeprefix("AB_RESULT ")) if line else {
