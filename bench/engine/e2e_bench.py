@@ -18,9 +18,8 @@ What it measures, on the e2b preset's random weights (4-bit linears and 4-bit em
 * prompt reading tok/s for 512- and 4,096-token prompts; peak memory;
 * a fresh process capped at 3,732 MiB (the seed's GTX 1650 Ti) reading a real 131,000-token
   prompt through Engine.stream and decoding after it;
-* transformers' Gemma4ForCausalLM in bf16 on the same weights (dequantised): eager generate,
-  static cache, and static cache + torch.compile, each in its own process (compile crashed with a
-  segmentation fault before; a crash costs only that process).
+* transformers' Gemma4ForCausalLM in bf16 on the same weights (dequantised): eager, static cache
+  and static + torch.compile, each in its own process (so a crash costs only that process).
 """
 
 from __future__ import annotations
