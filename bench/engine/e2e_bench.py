@@ -16,8 +16,7 @@ What it measures, on the e2b preset's random weights (4-bit linears and 4-bit em
   step (graph replays back to back) and the rate `Engine.generate` delivers (a host sync per
   token, as a server sees it);
 * prompt reading tok/s for 512- and 4,096-token prompts; peak memory;
-* a fresh process capped at 3,732 MiB (the seed's GTX 1650 Ti) reading a real 131,000-token
-  prompt through Engine.stream and decoding after it;
+* a fresh process capped at 3,732 MiB (a 4 GB card) reading a real 131,000-token prompt, then decoding;
 * transformers' Gemma4ForCausalLM in bf16 on the same weights (dequantised): eager, static cache
   and static + torch.compile, each in its own process (so a crash costs only that process).
 """
