@@ -31,9 +31,10 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-import torch
+if TYPE_CHECKING:  # torch loads on first use: `import engine` (and `gpurig --help`) stays cheap
+    import torch
 
 FastMode = Literal["on", "off", "force"]
 
@@ -93,6 +94,8 @@ def default_dtype(device_type: str, capability: tuple[int, int] | None = None) -
     """The compute dtype when load is given none: float32 on the CPU; on CUDA bfloat16 from
     Ampere (capability 8.0) up, float16 below (Turing and older emulate bf16 arithmetic, which
     makes it several times slower there)."""
+    import torch
+
     if device_type != "cuda":
         return torch.float32
     if capability is not None and capability[0] < 8:

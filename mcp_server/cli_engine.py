@@ -118,11 +118,15 @@ def _int_at_least(text: str, low: int) -> int:
     return value
 
 
+MAX_DEFAULT_THREADS = 8  # batch-1 decode is bound by memory bandwidth: more threads add barriers
+
+
 def default_threads() -> int:
     """torch's CPU threads unless --threads says otherwise: the cores this process may run on
     (its affinity, which containers and taskset narrow; at most the physical cores, since
     hyperthreads share one core's FPUs) less those already busy (the 1-minute load average,
-    scaled to our share of the CPUs), and at least 1.
+    scaled to our share of the CPUs), at least 1 and at most 8. `engine serve` takes one
+    fewer, for its own event loop and tokenising threads.
 
     Why not torch's default (every core): its OpenMP threads wait for each other at every small
     matmul of a decode step, so one busy core stalls all of them. Measured on 2 shared cores,
@@ -140,7 +144,7 @@ def default_threads() -> int:
         busy = os.getloadavg()[0] * usable / total
     except OSError:
         busy = 0.0
-    return max(1, min(cores, round(cores - busy)))
+    return max(1, min(MAX_DEFAULT_THREADS, cores, round(cores - busy)))
 
 
 def set_threads(threads: int | None) -> int:

@@ -8,9 +8,9 @@ Threads: torch's default is one thread per core, each spinning at a barrier afte
 batch-1 decode runs hundreds of small ops per token, so as soon as one core is busy with anything
 else (the server's own event loop, a tokenising request, another process) every op waits for the
 descheduled thread: on a shared 2-core machine 5.9 tok/s, against 45 with one thread. The default
-is half the CPUs this process may run on (at least 1, at most 8), which leaves room for the
-server's own work; decode at batch 1 is bound by memory bandwidth and gains little from more
-threads. OMP_NUM_THREADS, when set, is respected; --threads overrides both.
+is that of the other engine commands (the idle cores this process may run on, at most 8) less one,
+which leaves room for the server's own work; decode at batch 1 is bound by memory bandwidth and
+gains little from more threads. OMP_NUM_THREADS, when set, is respected; --threads overrides both.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import re
 import socket
 import sys
 
+from mcp_server.cli_engine import MAX_DEFAULT_THREADS
 from tools.errors import GpurigError, InvalidInputError, NotFoundError, RefusedError
 
 DEFAULT_PORT = 8100
@@ -32,16 +33,14 @@ DEFAULT_MAX_CTX = 131072
 DEFAULT_MAX_TOKENS_LIMIT = 4096
 DEFAULT_MAX_BODY_MIB = 8
 API_KEY_ENV = "GPURIG_ENGINE_API_KEY"
-MAX_DEFAULT_THREADS = 8
 
 
 def default_threads() -> int:
-    """Half the CPUs this process may use, 1..8 (see the module docstring)."""
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cpus = os.cpu_count() or 1
-    return max(1, min(MAX_DEFAULT_THREADS, cpus // 2))
+    """The engine commands' default (the idle cores this process may use, 1..8) less one for
+    the server's own event loop and tokenising threads, at least 1 (see the module docstring)."""
+    from mcp_server.cli_engine import default_threads as engine_default
+
+    return max(1, engine_default() - 1)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -76,8 +75,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--threads",
         type=int,
         default=None,
-        help="CPU threads for torch (default: OMP_NUM_THREADS if set, else half the usable "
-        f"CPUs, 1..{MAX_DEFAULT_THREADS}: {default_threads()} here)",
+        help="CPU threads for torch (default: OMP_NUM_THREADS if set, else the idle "
+        f"cores less one, 1..{MAX_DEFAULT_THREADS}: {default_threads()} here)",
     )
     p.add_argument(
         "--api-key",
