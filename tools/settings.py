@@ -6,12 +6,8 @@
 | GPURIG_HOME     | state directory (backups, logs, server records, results)   | $XDG_STATE_HOME/gpurig, else ~/.local/state/gpurig |
 | HF_HOME / HF_HUB_CACHE | where Hugging Face keeps checkpoints (measured by check_host_capacity) | ~/.cache/huggingface/hub |
 | GPURIG_TEST_WHEELS | tests only: cache of the vLLM wheels the Turing-patch network tests download | ~/.cache/gpurig-tests/vllm-wheels |
-| GPURIG_KERNEL_CACHE | per-GPU tuned GEMV tilings (engine/kernels/tuning.py) | ~/.cache/gpurig/kernels |
-| GPURIG_KERNEL_AUTOTUNE | "0": no first-use kernel tuning (stored or default tilings) | on |
-| GPURIG_FAST / GPURIG_CUDA_GRAPH / GPURIG_DECODE / GPURIG_EPILOGUES / GPURIG_FAST_PREFILL | the engine's CUDA fast path and its parts (engine/fast/__init__.py) | on / on / fused / glu / on |
-| GPURIG_GEMV_H2 / GPURIG_PDL / GPURIG_PREFETCH | half2 GEMV for 16-bit models; launch switches for sm_90 (engine/kernels/pdl.py) | on / off / off |
-| GPURIG_FUSE_QKV_ATTN | "1": q/k/v norms, RoPE and cache write inside the decode attention (engine/fast/decode.py) | off |
-| GPURIG_PROLOGUE | "1": the residual+norms before the per-layer gate and the next q/k/v GEMV made in that GEMV's prologue; "all": before gate/up too; "0": separate kernels (engine/fast/decode.py) | 1 |
+| GPURIG_ENGINE_API_KEY | the key `gpurig engine serve` asks of /v1 clients; `--api-key` | none |
+| GPURIG_FAST, GPURIG_CUDA_GRAPH, GPURIG_FAST_PREFILL, GPURIG_GEMV_H2, GPURIG_PREFIX_SDPA, GPURIG_EXPANDABLE_SEGMENTS, GPURIG_KERNEL_AUTOTUNE, GPURIG_KERNEL_CACHE | the engine's switches, read once by the `gpurig engine` front doors into `engine.options.EngineOptions` (its docstring is the table) | on, ~/.cache/gpurig/kernels |
 
 Every CLI flag that names one of these (`--python`) wins over the variable.
 """
