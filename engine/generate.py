@@ -20,7 +20,6 @@ from engine.cache import KVCache
 from engine.errors import ContextLengthError, GenerationError
 from engine.memory import plan_prompt
 from engine.model import Gemma4Model
-from engine.options import EngineOptions
 
 MIN_TEMPERATURE = 1e-5  # below it sampling is greedy (see SamplingParams.greedy)
 
@@ -70,7 +69,7 @@ class Sampler:
     """Picks the next token from logits [V]; holds its own seeded generator."""
 
     def __init__(self, params: SamplingParams, device: torch.device) -> None:
-        params.validate()
+        """params: already validated (Engine.stream does it, with the vocabulary's size)."""
         self.params = params
         self.bias_ids = self.bias_values = None
         if params.logit_bias:
@@ -227,25 +226,21 @@ def generate_stream(
     stop_ids: set[int],
     chunk: int,
     state: GenerationState,
-    memory_cap_mib: int | None = None,
-    backend: Backend | None = None,
+    memory_cap_mib: int | None,
+    backend: Backend,
 ) -> Iterator[int]:
     """Yield new token ids one by one; a stop id ends the stream without being yielded.
 
     Stops at `max_new_tokens` or when the context is full ('length'). Closing the generator
-    stops it at the next token. `backend`: the engine's (its decoder is made once and kept);
-    None makes one for this generation from the default EngineOptions.
+    stops it at the next token. The arguments were checked by the caller (`Engine.stream`:
+    check_prompt, SamplingParams.validate, max_new_tokens >= 0) before the first token was
+    asked for. `backend`: the engine's (its decoder is made once and kept).
     """
-    check_prompt(prompt, model.cfg.vocab_size, cache.max_context)
-    if max_new_tokens < 0:
-        raise GenerationError(f"max_new_tokens {max_new_tokens} is negative", "use 0 or more")
     sampler = Sampler(sampling, model.device)
     state.finish_reason, state.prompt_tokens, state.new_tokens = None, len(prompt), 0
     if max_new_tokens == 0:
         state.finish_reason = "length"
         return
-    if backend is None:
-        backend = Backend(model, cache, EngineOptions())
     step = backend.step()
     if backend.last_token_by_step:
         logits = read_prompt(model, cache, prompt, chunk, step, memory_cap_mib,

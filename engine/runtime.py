@@ -107,7 +107,7 @@ class Engine:
         run_id, state = self._run_id, GenerationState()
         steps = generate_stream(
             self.model, self.cache, prompt, max_new, sampling, stops, self.prefill_chunk, state,
-            self.memory_cap_mib, backend=self.backend,
+            self.memory_cap_mib, self.backend,
         )  # fmt: skip
 
         def guarded() -> Iterator[int]:
