@@ -20,7 +20,7 @@ from __future__ import annotations
 import threading
 
 from tools.errors import InvalidInputError, arg
-from tools.gpu_facts import SEVERITY_ORDER, Diagnosis, torch_index_url
+from tools.gpu_facts import SEVERITY_ORDER
 from tools.gpu_nvml import (
     NvmlGpu,
     NvmlReport,
@@ -33,29 +33,22 @@ from tools.gpu_probe_run import (
     DEFAULT_TIMEOUT_S,
     PROBE_SCRIPT,
     RESULT_MARKER,
-    START_MARKER,
-    ProbeDevice,
     ProbeReport,
     ProbeRun,
     run_probe,
 )
-from tools.gpu_report import GpuArchReport, build_report, summarize, verdict_of
-from tools.gpu_rules import GEMMA4_ATTENTION_SMEM_BYTES, RULES, diagnose
+from tools.gpu_report import GpuArchReport, build_report
+from tools.gpu_rules import diagnose
 from tools.settings import resolve_python
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
-    "GEMMA4_ATTENTION_SMEM_BYTES",
     "PROBE_SCRIPT",
     "RESULT_MARKER",
-    "RULES",
     "SEVERITY_ORDER",
-    "START_MARKER",
-    "Diagnosis",
     "GpuArchReport",
     "NvmlGpu",
     "NvmlReport",
-    "ProbeDevice",
     "ProbeReport",
     "ProbeRun",
     "_nvml_error_text",
@@ -65,10 +58,7 @@ __all__ = [
     "read_nvml",
     "resolve_python",
     "run_probe",
-    "summarize",
     "throttle_names",
-    "torch_index_url",
-    "verdict_of",
     "verify_gpu_arch",
 ]
 
