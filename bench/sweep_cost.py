@@ -17,7 +17,6 @@ import json
 import os
 import platform
 import resource
-import socket
 import statistics
 import subprocess
 import sys
@@ -29,6 +28,8 @@ from pathlib import Path
 import httpx
 
 from bench.sweep.driver_builtin import run_requests
+from tools.fileio import write_atomic
+from tools.serving.process import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -38,17 +39,11 @@ def _cpu() -> float:
     return u.ru_utime + u.ru_stime
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _start_engine(work: Path) -> tuple[subprocess.Popen, str]:
     from engine.checkpoint_maker import make_checkpoint
 
     make_checkpoint(work / "tiny", preset="tiny")
-    port = _free_port()
+    port = free_port()
     log = open(work / "server.log", "w")  # noqa: SIM115 - lives as long as the server
     proc = subprocess.Popen(
         [sys.executable, "-m", "mcp_server.cli", "engine", "serve", "--model", str(work / "tiny")]
@@ -130,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     text = json.dumps(result, indent=2)
     if args.out:
-        Path(args.out).write_text(text + "\n")
+        write_atomic(args.out, text + "\n")
     for key in ("cpu_per_request_ms", "cpu_per_token_us", "median_tpot_ms"):
         print(f"{key:32} {result[key]}")
     print(f"{'client CPU per token / TPOT':32} {result['cpu_per_token_share_of_tpot']:.3%}")

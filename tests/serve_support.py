@@ -4,13 +4,13 @@ laid out as pip installs a wheel, recorded GPU facts, and a private GPURIG_HOME.
 from __future__ import annotations
 
 import shutil
-import socket
 from pathlib import Path
 
 from patch_support import STOCK_0_33_0, install_fake_wheel
 from venv_support import make_venv
 
 from tools.serving import GpuDevice, GpuFacts
+from tools.serving.process import free_port as free_port  # the tests import it from here
 
 DATA = Path(__file__).parent / "data"
 FAKE = DATA / "fake_vllm"
@@ -49,12 +49,6 @@ def install_fake_vllm(root: Path, version: str = "0.33.0") -> Path:
         for rel in extra:
             fh.write(f"{rel},,\n")
     return python
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def scenario_env(scenario: str, log: str = "0.29") -> dict[str, str]:

@@ -149,16 +149,15 @@ def vocab_of(target: Target) -> Vocab | None:
 def start_server(target: Target, sweep_id: str) -> tuple[Any, str | None]:
     """Start a `server` target through the lifecycle tools: (record, None) once it serves, or
     (record or None, why it does not)."""
-    try:
-        from tools.serving import start_vllm_server, stop_vllm_server
-    except ImportError as exc:
-        return None, f"cannot start servers: tools.serving is not available ({exc})"
+    from tools.serving import start_vllm_server, stop_vllm_server
+    from tools.serving.process import free_port
+
     spec = dict(target.server or {})
     spec.setdefault("name", f"{sweep_id}-{target.label}"[:64])
     # a server of this sweep that a killed run left behind (it would hold the GPU and the name)
     with contextlib.suppress(Exception):
         stop_vllm_server(name=spec["name"])
-    spec.setdefault("port", _free_port())
+    spec.setdefault("port", free_port())
     spec.setdefault("wait", True)
     try:
         record = start_vllm_server(**spec)
@@ -182,11 +181,3 @@ def stop_server(record: Any) -> str | None:
         log.warning("stopping %s failed: %s", getattr(record, "name", "?"), exc)
         return str(exc)
     return None
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

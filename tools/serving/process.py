@@ -137,6 +137,14 @@ def port_free(host: str, port: int) -> bool:
     return True
 
 
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port the kernel says is free on `host` now (bind to port 0), for a server started next."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
 def free_port_near(host: str, port: int) -> int | None:
     for candidate in range(port + 1, min(port + 50, 65536)):
         if port_free(host, candidate):
