@@ -110,11 +110,10 @@ class Sampler:
 
 @dataclass
 class GenerationState:
-    """Why the last generation ended: 'stop' (a stop id) or 'length' (max tokens / context)."""
+    """Why the generation ended: 'stop' (a stop id) or 'length' (max tokens / context). The
+    counts live on engine.generation.Generation, which sees every token."""
 
     finish_reason: str | None = None
-    prompt_tokens: int = 0
-    new_tokens: int = 0
 
 
 def check_prompt(prompt: list[int], vocab_size: int, max_context: int) -> None:
@@ -237,7 +236,7 @@ def generate_stream(
     asked for. `backend`: the engine's (its decoder is made once and kept).
     """
     sampler = Sampler(sampling, model.device)
-    state.finish_reason, state.prompt_tokens, state.new_tokens = None, len(prompt), 0
+    state.finish_reason = None
     if max_new_tokens == 0:
         state.finish_reason = "length"
         return
@@ -251,12 +250,13 @@ def generate_stream(
     position = torch.tensor([len(prompt)], dtype=torch.int64, device=model.device)
     next_pos = len(prompt)
     reader = _TokenReader(model.device)
+    made = 0
     while True:
         # The step that reads `token` is launched before `token` reaches the host, so the GPU
         # decodes token n+1 while the host checks, yields and streams token n. Had the token
         # been a stop id, that step is wasted: it wrote one cache slot past the sequence, inside
         # the context, which the next sequence overwrites (a cache is reset per sequence).
-        more = state.new_tokens + 1 < max_new_tokens and next_pos < cache.max_context
+        more = made + 1 < max_new_tokens and next_pos < cache.max_context
         reader.request(token)
         if more:
             following = sampler(step(token, position)[0])
@@ -265,7 +265,7 @@ def generate_stream(
         if tok in stop_ids:
             state.finish_reason = "stop"
             return
-        state.new_tokens += 1
+        made += 1
         if not more:
             state.finish_reason = "length"
             yield tok
