@@ -16,9 +16,8 @@ from mcp.types import ToolAnnotations
 from pydantic import BaseModel, Field
 
 from mcp_server.annotations import DESTRUCTIVE, READ_ONLY
-from mcp_server.mcp_host import PythonBin, tool_error
+from mcp_server.mcp_host import PythonBin
 from tools import serving
-from tools.errors import GpurigError
 from tools.serving import (
     LogsResult,
     QueryResult,
@@ -52,10 +51,9 @@ class Check(BaseModel):
 
 
 async def _in_thread(fn, *args, **kwargs):
-    try:
-        return await anyio.to_thread.run_sync(lambda: fn(*args, **kwargs))
-    except GpurigError as err:
-        raise tool_error(err) from err
+    """Run a blocking tools.serving call off the event loop; a GpurigError it raises reaches
+    the client through GpurigMCP.call_tool as its message and remedy."""
+    return await anyio.to_thread.run_sync(lambda: fn(*args, **kwargs))
 
 
 def register(mcp: MCPServer) -> None:

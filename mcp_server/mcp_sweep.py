@@ -20,8 +20,6 @@ from pydantic import Field
 from bench.sweep import run as sweep_run
 from bench.sweep.models import SweepResult, SweepStatus
 from mcp_server.annotations import READ_ONLY
-from mcp_server.mcp_host import tool_error
-from tools.errors import GpurigError
 
 RUNS_SERVERS = ToolAnnotations(
     read_only_hint=False, destructive_hint=False, idempotent_hint=False, open_world_hint=False
@@ -100,10 +98,7 @@ def register(mcp: MCPServer) -> None:
                 progress=progress,
             )
 
-        try:
-            return await anyio.to_thread.run_sync(work)
-        except GpurigError as err:
-            raise tool_error(err) from err
+        return await anyio.to_thread.run_sync(work)
 
     @mcp.tool(annotations=READ_ONLY)
     def sweep_status(
@@ -112,7 +107,4 @@ def register(mcp: MCPServer) -> None:
         """Where a sweep stands, read from its files: running / stopped / done, cells done of
         the total, the current cell, requests done, an estimate of the seconds left, and the
         report's path once written. A stopped sweep (its process gone) says how to resume it."""
-        try:
-            return sweep_run.sweep_status(sweep)
-        except GpurigError as err:
-            raise tool_error(err) from err
+        return sweep_run.sweep_status(sweep)
