@@ -43,9 +43,19 @@ def default_threads() -> int:
     return max(1, engine_default() - 1)
 
 
+class _HelpFormatter(argparse.HelpFormatter):
+    """Fills in the --threads default only when the help is shown: it reads the load average
+    through psutil, which every `gpurig` start (the parser is built each time) would pay."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = super()._get_help_string(action) or ""
+        return text.replace("{here}", str(default_threads())) if action.dest == "threads" else text
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "serve",
+        formatter_class=_HelpFormatter,
         help="serve a checkpoint over an OpenAI-compatible API (/v1/chat/completions, ...)",
         description=(
             "Serve a Gemma 4 W4A16 checkpoint: POST /v1/chat/completions and /v1/completions "
@@ -76,7 +86,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         type=int,
         default=None,
         help="CPU threads for torch (default: OMP_NUM_THREADS if set, else the idle "
-        f"cores less one, 1..{MAX_DEFAULT_THREADS}: {default_threads()} here)",
+        f"cores less one, 1..{MAX_DEFAULT_THREADS}: {{here}} here)",
     )
     p.add_argument(
         "--api-key",
