@@ -37,7 +37,7 @@ from patches.spec import PatchSpec
 from patches.turing_smem_clamp import TURING_SMEM_CLAMP
 from tools.errors import InvalidInputError, NotFoundError, RefusedError, arg, either
 from tools.fileio import write_atomic
-from tools.pathargs import check_path_text, read_small_file
+from tools.pathargs import read_small_file
 from tools.settings import state_dir
 from tools.stale_temps import find_stale, remove_stale
 from tools.vllm_locate import InstalledFile, locate_installed_file
@@ -308,8 +308,8 @@ def patch_diff(
 ) -> PatchDiff:
     """The clamp as a unified diff: of the installed file, or of `file` (e.g. a vLLM checkout)."""
     if file is not None:
-        path = Path(check_path_text(file, "file")).expanduser()
-        data = read_small_file(file, "file", MAX_TARGET_BYTES)
+        data = read_small_file(file, "file", MAX_TARGET_BYTES)  # checks the path text first
+        path = Path(file).expanduser()
         try:
             text = data.decode("utf-8")
         except UnicodeDecodeError as exc:
