@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -30,30 +31,34 @@ LOG_TAIL_BYTES = 256 * 1024
 MAX_LISTED = 64
 
 
-def _logs() -> list[Path]:
-    folder = servers_dir(create=False)
+def _logs() -> list[tuple[Path, os.stat_result]]:
+    """Each log with its stat, newest first: one stat per file (a log removed meanwhile is
+    left out)."""
+    found = []
     try:
-        logs = [p for p in folder.glob("*.log") if p.is_file()]
+        for path in servers_dir(create=False).glob("*.log"):
+            try:
+                info = path.stat()
+            except OSError:
+                continue
+            if stat.S_ISREG(info.st_mode):
+                found.append((path, info))
     except OSError:
         return []
-    return sorted(logs, key=lambda p: p.stat().st_mtime, reverse=True)[:MAX_LISTED]
+    return sorted(found, key=lambda item: item[1].st_mtime, reverse=True)[:MAX_LISTED]
 
 
 def list_servers() -> str:
     """JSON: each server with a log, newest first."""
-    rows = []
-    for log in _logs():
-        info = log.stat()
-        rows.append(
-            {
-                "name": log.stem,
-                "log_bytes": info.st_size,
-                "modified": datetime.fromtimestamp(info.st_mtime, UTC).isoformat(
-                    timespec="seconds"
-                ),
-                "log": f"gpurig://servers/{log.stem}/log",
-            }
-        )
+    rows = [
+        {
+            "name": log.stem,
+            "log_bytes": info.st_size,
+            "modified": datetime.fromtimestamp(info.st_mtime, UTC).isoformat(timespec="seconds"),
+            "log": f"gpurig://servers/{log.stem}/log",
+        }
+        for log, info in _logs()
+    ]
     return json.dumps({"state_dir": str(servers_dir(create=False)), "servers": rows}, indent=2)
 
 
@@ -70,7 +75,7 @@ def tail_log(name: str) -> str:
             fh.seek(max(0, size - LOG_TAIL_BYTES))
             data = fh.read(LOG_TAIL_BYTES)
     except FileNotFoundError:
-        known = ", ".join(p.stem for p in _logs()) or "none yet"
+        known = ", ".join(p.stem for p, _ in _logs()) or "none yet"
         raise ResourceError(
             f"no log for a server named {name!r} (servers with logs: {known})"
         ) from None
