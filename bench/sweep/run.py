@@ -38,6 +38,7 @@ from bench.sweep.report import build_report
 from bench.sweep.roofline import bytes_per_token, run_bandwidth_probe
 from bench.sweep.store import SweepStore
 from tools.errors import InvalidInputError, NotFoundError
+from tools.serving.process import reap_when_done
 from tools.settings import serving_python, state_dir
 
 log = logging.getLogger(__name__)
@@ -335,8 +336,9 @@ def _spawn_worker(store: SweepStore) -> int:
             start_new_session=True,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
+    reap_when_done(proc)
     deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and store.runner_pid() is None and proc.poll() is None:
+    while time.monotonic() < deadline and store.runner_pid() is None and proc.returncode is None:
         time.sleep(0.05)
     return proc.pid
 

@@ -40,13 +40,18 @@ def spawn(
             env=env,
             cwd=cwd,
         )
-    # Reap it when it ends, or it lingers as a zombie for as long as this process lives.
-    threading.Thread(target=proc.wait, daemon=True, name=f"reap-{proc.pid}").start()
+    reap_when_done(proc)
     try:
         created = psutil.Process(proc.pid).create_time()
     except psutil.Error:
         created = 0.0  # died at once; the exit file tells why
     return proc.pid, created
+
+
+def reap_when_done(proc: subprocess.Popen) -> None:
+    """Wait for a detached child on a daemon thread: unreaped, it lingers as a zombie for as
+    long as this process (a long-lived MCP server) lives."""
+    threading.Thread(target=proc.wait, daemon=True, name=f"reap-{proc.pid}").start()
 
 
 def is_ours(pid: int, create_time: float) -> bool:
