@@ -447,7 +447,7 @@ def check_host_capacity(
         tmp_st_dev=tmp.st_dev if tmp else None,
     )
     advice = evaluate_rules(facts)
-    from tools.gpu import nvml_gpu_count  # no torch behind it; NVML only
+    from tools.gpu_nvml import nvml_gpu_count  # NVML only: not the probe and its rules
 
     return HostCapacity(
         verdict=verdict_of(advice),
