@@ -19,6 +19,7 @@ import httpx
 
 from bench.sweep.models import Target
 from bench.sweep.prompts import Vocab, read_vocab
+from tools.serving.preflight import hub_snapshot
 
 log = logging.getLogger(__name__)
 LOOPBACK = {"127.0.0.1", "localhost", "::1", "0.0.0.0"}
@@ -73,15 +74,10 @@ def _local_dir(candidate: str | None) -> str | None:
 
 
 def _hf_cache_dir(model_id: str | None) -> str | None:
-    """A Hugging Face id's snapshot in the local cache, without any download."""
-    if not model_id or "/" not in model_id or model_id.startswith("/"):
-        return None
-    try:
-        from huggingface_hub import snapshot_download
-
-        return snapshot_download(model_id, local_files_only=True)
-    except Exception:
-        return None
+    """A Hugging Face id's snapshot in the local cache, without any download (the one the
+    serving preflight measures the weights of)."""
+    snapshot = hub_snapshot(model_id) if model_id else None
+    return str(snapshot) if snapshot else None
 
 
 def listening_pid(base_url: str) -> int | None:
