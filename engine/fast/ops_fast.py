@@ -45,15 +45,6 @@ def packed_ok(w) -> bool:
 
 
 @functools.cache
-def _has_tensor_cores(device_index: int) -> bool:
-    major, minor = torch.cuda.get_device_capability(device_index)
-    name = torch.cuda.get_device_name(device_index)
-    if "GTX 16" in name:  # Turing TU11x: sm_75 without tensor cores
-        return False
-    return major >= 7
-
-
-@functools.cache
 def prefill_dtype(device_index: int, compute_dtype: torch.dtype) -> torch.dtype:
     """16-bit or fp32 for prompt-reading matmuls on this GPU, whichever a start-up timing of one
     chunk-sized product (dequantise + matmul, 256 x 1536 x 6144) finds faster. The seed's TU117
@@ -78,6 +69,13 @@ def prefill_dtype(device_index: int, compute_dtype: torch.dtype) -> torch.dtype:
     return best
 
 
+def linear_in(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ weight.T computed in the weight's dtype (`prefill_dtype`'s choice), returned in x's."""
+    if weight.dtype == x.dtype:
+        return F.linear(x, weight)
+    return F.linear(x.to(weight.dtype), weight).to(x.dtype)
+
+
 class FastOps(ops.Ops):
     """The fast path's dispatch points, bound to one engine (its options and its attention
     kernels' scratch buffers)."""
@@ -97,10 +95,7 @@ class FastOps(ops.Ops):
         dt = x.dtype
         if x.is_cuda:
             dt = prefill_dtype(x.device.index or 0, x.dtype)
-        weight = w4_dequantize(w.packed, w.scales, dtype=dt)
-        if dt == x.dtype:
-            return F.linear(x, weight)
-        return F.linear(x.to(dt), weight).to(x.dtype)
+        return linear_in(x, w4_dequantize(w.packed, w.scales, dtype=dt))
 
     def lm_head4(self, x: torch.Tensor, table: PackedLinear) -> torch.Tensor:
         """The int4 GEMV over the tied embedding table."""

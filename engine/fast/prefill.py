@@ -18,10 +18,9 @@ Only the body of a prompt comes here: the last token goes through the decode ste
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from engine.fast.fuse import FusedLayer
-from engine.fast.ops_fast import FastOps, packed_ok, prefill_dtype
+from engine.fast.ops_fast import FastOps, linear_in, packed_ok, prefill_dtype
 from engine.kernels.fused import (
     gelu_mul,
     gelu_mul_pairs,
@@ -72,10 +71,9 @@ class FusedPrefill:
             self.weights = buf = None  # free the old one first (the cap)
             self.weights = buf = torch.empty(_largest_matrix(self.model, self.fused), dtype=dt,
                                              device=x.device)  # fmt: skip
-        weight = w4_dequantize(w.packed, w.scales, dtype=dt, out=buf[: n * k].view(n, k))
-        if dt == x.dtype:
-            return F.linear(x, weight)
-        return F.linear(x.to(dt), weight).to(x.dtype)
+        return linear_in(
+            x, w4_dequantize(w.packed, w.scales, dtype=dt, out=buf[: n * k].view(n, k))
+        )
 
     def _embed(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The chunk's hidden state and per-layer inputs from the 4-bit tables: the rows unpacked
