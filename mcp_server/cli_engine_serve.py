@@ -24,6 +24,7 @@ import socket
 import sys
 
 from mcp_server.cli_engine import MAX_DEFAULT_THREADS
+from mcp_server.cli_engine import default_threads as engine_default_threads
 from tools.errors import GpurigError, InvalidInputError, NotFoundError, RefusedError
 
 DEFAULT_PORT = 8100
@@ -38,9 +39,7 @@ API_KEY_ENV = "GPURIG_ENGINE_API_KEY"
 def default_threads() -> int:
     """The engine commands' default (the idle cores this process may use, 1..8) less one for
     the server's own event loop and tokenising threads, at least 1 (see the module docstring)."""
-    from mcp_server.cli_engine import default_threads as engine_default
-
-    return max(1, engine_default() - 1)
+    return max(1, engine_default_threads() - 1)
 
 
 class _HelpFormatter(argparse.HelpFormatter):
