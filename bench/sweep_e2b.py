@@ -18,9 +18,8 @@ import sys
 import time
 from pathlib import Path
 
-
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x.strip()]
+from mcp_server.cli_sweep import int_list
+from tools.fileio import write_atomic
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -29,8 +28,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--preset", default="e2b")
     ap.add_argument("--emb4", action="store_true", help="4-bit embedding tables (the engine's own)")
     ap.add_argument("--ckpt", help="an existing checkpoint (default: write one under /tmp)")
-    ap.add_argument("--input-lens", type=_ints, default=[512, 4096])
-    ap.add_argument("--concurrency", type=_ints, default=[1, 4, 8, 16])
+    ap.add_argument("--input-lens", type=int_list, default=[512, 4096])
+    ap.add_argument("--concurrency", type=int_list, default=[1, 4, 8, 16])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--device", default=None, help="the engine's device (default: cuda)")
@@ -48,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         info = make_checkpoint(ckpt, preset=args.preset, seed=0, emb4=args.emb4)
         made = {**info.model_dump(), "seconds": round(time.perf_counter() - t0, 1)}
-        (out / "checkpoint.json").write_text(json.dumps(made, indent=2) + "\n")
+        write_atomic(out / "checkpoint.json", json.dumps(made, indent=2) + "\n")
         sys.stderr.write(f"checkpoint written in {made['seconds']} s: {ckpt}\n")
     label = f"engine-{args.preset}" + ("-emb4" if args.emb4 else "")
     server = {"model": str(ckpt), "backend": "engine", "timeout_s": 900}

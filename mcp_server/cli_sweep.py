@@ -35,9 +35,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--serve", action="append", default=[], metavar="LABEL=BACKEND:MODEL")
     p.add_argument("--targets-file", metavar="FILE", help="JSON list of target objects")
     p.add_argument("--model-dir", action="append", default=[], metavar="LABEL=DIR")
-    p.add_argument("--input-lens", type=_ints, default=[512, 4096], metavar="N,N")
+    p.add_argument("--input-lens", type=int_list, default=[512, 4096], metavar="N,N")
     p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--concurrency", type=_ints, default=[1, 4, 8, 16], metavar="C,C")
+    p.add_argument("--concurrency", type=int_list, default=[1, 4, 8, 16], metavar="C,C")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--prompts-per-cell", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
@@ -59,7 +59,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_report)
 
 
-def _ints(text: str) -> list[int]:
+def int_list(text: str) -> list[int]:
+    """An argparse type: '512,4096' -> [512, 4096], with a usage error for anything else."""
     try:
         values = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from datetime import UTC, datetime
 from pathlib import Path
 
 import numpy as np
@@ -26,14 +25,11 @@ from bench.sweep.prompts import (
 )
 from bench.sweep.targets import Live, check_alive
 from bench.sweep.telemetry import CellWatch
+from tools.serving.state import now_iso
 from tools.settings import serving_python
 
 OnRequest = Callable[[RequestResult], None]
 WARMUP_TOKENS = 8
-
-
-def now_iso() -> str:
-    return datetime.now(UTC).isoformat(timespec="seconds")
 
 
 def vllm_seed(seed: int, key: CellKey) -> int:
