@@ -149,7 +149,7 @@ def _measure_roofline(config: SweepConfig) -> list[Roofline]:
 def _no_gpu() -> dict | None:
     """The probe's answer without running it when NVML sees no GPU at all (no driver): the
     probe would only import torch to say the same, seconds later."""
-    from tools.gpu import nvml_gpu_count, read_nvml
+    from tools.gpu_nvml import nvml_gpu_count, read_nvml
 
     if nvml_gpu_count(timeout_s=2.0):
         return None

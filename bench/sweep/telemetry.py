@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 
 from bench.sweep.models import CellTelemetry, GpuTelemetry
-from tools.gpu import throttle_names
+from tools.gpu_nvml import _nvml_error_text, throttle_names
 
 SAMPLE_INTERVAL_S = 0.25
 _LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
@@ -89,8 +89,6 @@ class NvmlSampler:
 
             pynvml.nvmlInit()
         except Exception as exc:  # no library, no driver, no permission
-            from tools.gpu import _nvml_error_text
-
             self.missing = _nvml_error_text(exc) if not isinstance(exc, ImportError) else str(exc)
             return
         try:

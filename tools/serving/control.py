@@ -95,7 +95,7 @@ def server_status(name: str | None = None) -> StatusReport:
 
 
 def _gpu_memory() -> list[GpuMemory]:
-    from tools.gpu import nvml_gpu_count, read_nvml
+    from tools.gpu_nvml import nvml_gpu_count, read_nvml
 
     if not nvml_gpu_count(timeout_s=0.5):
         return []

@@ -50,7 +50,7 @@ class GpuFacts(BaseModel):
 
 
 def measure_gpus() -> GpuFacts:
-    from tools.gpu import read_nvml
+    from tools.gpu_nvml import read_nvml
 
     nvml = read_nvml()
     if not nvml.available:
