@@ -70,18 +70,22 @@ class GenerationReport(GenerationResult):
     effective_gb_per_s: float | None
 
 
-def prompt_ids(engine: Engine, prompt: str | None = None, chat: str | None = None) -> list[int]:
-    """Token ids for raw text (bos + text) or one user message through the chat template (a
-    chat reply then ends on ChatFormat.stop_ids, as the server's do)."""
+def prompt_ids(
+    engine: Engine, prompt: str | None = None, chat: str | None = None
+) -> tuple[list[int], list[int] | None]:
+    """Token ids for raw text (bos + text) or one user message through the chat template, and
+    the stop ids: None (the checkpoint's eos ids) for raw text, ChatFormat.stop_ids for a chat
+    reply (as the server's)."""
     if (prompt is None) == (chat is None):
         raise GenerationError(
             "give exactly one of prompt text or a chat message", "use --prompt or --chat"
         )
     if prompt is not None:
         ids = engine.tokenizer.encode(prompt, add_special_tokens=False).ids
-        return ([engine.bos_id] if engine.bos_id is not None else []) + list(ids)
-    text = ChatFormat.of(engine).render([{"role": "user", "content": chat or ""}])
-    return encode_prompt(engine.tokenizer, text)
+        return ([engine.bos_id] if engine.bos_id is not None else []) + list(ids), None
+    fmt = ChatFormat.of(engine)
+    text = fmt.render([{"role": "user", "content": chat or ""}])
+    return encode_prompt(engine.tokenizer, text), list(fmt.stop_ids)
 
 
 def generate_text(
@@ -99,8 +103,7 @@ def generate_text(
 
     on_text, if given, receives the reply's text piece by piece as tokens arrive (a piece that
     ends inside a multi-byte character waits for the next token)."""
-    ids = prompt_ids(engine, prompt, chat)
-    stops = list(ChatFormat.of(engine).stop_ids) if chat is not None else None
+    ids, stops = prompt_ids(engine, prompt, chat)
     generation = engine.stream(ids, max_new_tokens, temperature, top_k, top_p, seed, stops)
     stream = TextStream(generation, engine.tokenizer)
     for piece in stream:
