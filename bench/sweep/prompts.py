@@ -11,6 +11,7 @@ warm-up prompts are another stream (kind 1). The ids come from a pool every targ
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from dataclasses import dataclass, field
@@ -39,9 +40,7 @@ def read_vocab(model_dir: str | Path) -> Vocab | None:
     special: set[int] = set()
     tok_path = root / "tokenizer.json"
     if tok_path.is_file():
-        from tokenizers import Tokenizer
-
-        tok = Tokenizer.from_file(str(tok_path))
+        tok = load_tokenizer(root)
         size = tok.get_vocab_size(with_added_tokens=True)
         special = {i for i, t in tok.get_added_tokens_decoder().items() if t.special}
     cfg_path = root / "config.json"
@@ -135,7 +134,16 @@ def text_prompt(tokenizer, ids: list[int], input_len: int) -> str:
     raise ValueError(f"no text of exactly {input_len} tokens could be made from these ids")
 
 
-def load_tokenizer(model_dir: str | Path):
+@functools.lru_cache(maxsize=4)
+def _tokenizer_file(path: str, _mtime_ns: int, _size: int):
     from tokenizers import Tokenizer
 
-    return Tokenizer.from_file(str(Path(model_dir).expanduser() / "tokenizer.json"))
+    return Tokenizer.from_file(path)
+
+
+def load_tokenizer(model_dir: str | Path):
+    """The checkpoint's tokenizer.json, parsed once while the file is unchanged (a Gemma one is
+    ~30 MB; text prompts need it in every cell and warm-up, in a possibly long-lived process)."""
+    path = Path(model_dir).expanduser() / "tokenizer.json"
+    st = path.stat()
+    return _tokenizer_file(str(path), st.st_mtime_ns, st.st_size)
