@@ -292,3 +292,66 @@ def test_e2b_shapes_on_the_gpu(ring, dim, rows, use_dot) -> None:
                                      ring_slots=r_slots, window=r_slots if ring else 0,
                                      block_size=bsize)  # fmt: skip
     assert rel_err(out, want.float()) < 1e-2
+
+
+# ---- compiled for each GPU generation (Triton's own ptxas, no GPU needed) ----------------
+
+_SMEM_LIMIT = {75: 64 * 1024, 80: 163 * 1024, 90: 227 * 1024}  # T4, A100, H100/H200
+
+
+def _compile_for_targets(targets: list[int]) -> None:
+    """Print one JSON line per (target, layer kind, block size): the split kernel compiled as
+    PagedDecodeAttention configures it on that target. Run as a script (no interpreter)."""
+    import json
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from engine.kernels.attention_decode import dot_for_capability, split_tiling
+
+    for sm in targets:
+        use_dot = dot_for_capability((sm // 10, sm % 10))
+        for dim, ring, block_kv in ((512, False, 16), (512, False, 64), (256, True, 16)):
+            block_s, heads_padded, warps = split_tiling(dim, H, use_dot)
+            sig = {n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr")}
+            sig |= {n: "*fp32" for n in ("po_ptr", "pm_ptr", "pl_ptr")}
+            sig |= {"pos_ptr": "*i64", "seq_ptr": "*i32", "bt_ptr": "*i32", "scale": "fp32"}
+            sig |= {n: "i32" for n in ("R", "window", "max_keys", "stride_qb", "stride_qh",
+                                       "stride_ks", "stride_vs", "stride_bt")}  # fmt: skip
+            consts = {"H": H, "HP": heads_padded, "D": dim, "BLOCK_S": block_s,
+                      "BLOCK_KV": block_kv, "RING": ring, "USE_DOT": use_dot}  # fmt: skip
+            sig |= {n: "constexpr" for n in consts}
+            compiled = triton.compile(
+                ASTSource(fn=attention_paged._paged_split_kernel, signature=sig, constexprs=consts),
+                target=GPUTarget("cuda", sm, 32),
+                options={"num_warps": warps, "num_stages": 2},
+            )
+            print(json.dumps({"sm": sm, "dim": dim, "use_dot": use_dot,
+                              "shared": compiled.metadata.shared,
+                              "mma": "mma" in compiled.asm["ptx"]}), flush=True)  # fmt: skip
+
+
+def test_split_kernel_fits_each_gpu_and_uses_its_tensor_cores() -> None:
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, __file__, *map(str, _SMEM_LIMIT)], env=env,
+                          capture_output=True, text=True, timeout=600, check=False)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert len(rows) == 3 * len(_SMEM_LIMIT)
+    for row in rows:
+        assert row["shared"] <= _SMEM_LIMIT[row["sm"]], row
+        assert row["use_dot"] == (row["sm"] >= 80) == row["mma"], row
+
+
+if __name__ == "__main__":
+    import sys
+
+    _compile_for_targets([int(a) for a in sys.argv[1:]])
