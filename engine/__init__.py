@@ -5,6 +5,7 @@ Public surface (the contract engine-speed and engine-server build on):
     import engine
     eng = engine.load("ckpt/", device=None, max_context=None, memory_cap_mib=None, prefill_chunk=None,
                       dtype=None, options=EngineOptions())  # front doors: EngineOptions.from_env()
+    eng = engine.load("ckpt/", max_num_seqs="auto")       # continuous batching (the server's)
     new_ids = eng.generate(ids, max_new_tokens=64, temperature=0.0, top_k=None, top_p=None,
                            seed=None, stop_ids=None, logit_bias=None)  # {id: bias}
     gen = eng.stream(ids, 64)                             # a Generation (engine/generation.py)
@@ -58,12 +59,18 @@ def load(
     prefill_chunk: int | None = None,
     dtype: torch.dtype | None = None,
     options: EngineOptions | None = None,
+    max_num_seqs: int | str | None = None,
+    prefill_budget: int | None = None,
+    kv_cache_mib: int | None = None,
+    warm_up: bool = True,
 ) -> Engine:
     """Load a Gemma 4 W4A16 checkpoint directory (see engine.runtime.load for every argument).
 
     device None: cuda when available, else cpu. max_context None: the model's
     max_position_embeddings. dtype None: bfloat16 on CUDA (float16 below capability 8.0),
-    float32 on the CPU. options None: EngineOptions() (the defaults, not the environment)."""
+    float32 on the CPU. options None: EngineOptions() (the defaults, not the environment).
+    max_num_seqs (an int or "auto"): many sequences at once, continuously batched over a shared
+    KV block pool (engine/scheduler.py); `stream` is then safe from any thread."""
     from engine.runtime import load as _load
 
     return _load(
@@ -74,6 +81,10 @@ def load(
         prefill_chunk=prefill_chunk,
         dtype=dtype,
         options=options,
+        max_num_seqs=max_num_seqs,
+        prefill_budget=prefill_budget,
+        kv_cache_mib=kv_cache_mib,
+        warm_up=warm_up,
     )
 
 

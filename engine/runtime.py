@@ -1,7 +1,12 @@
 """The `Engine`: a loaded checkpoint, its tokenizer and KV cache, and the generate/stream calls.
 
-One generation at a time (not thread-safe); the OpenAI server serialises requests. See the
-package docstring (engine/__init__.py) for the public surface.
+Two ways to hold the KV cache, chosen at load:
+* one sequence (the default): a `KVCache` for the whole context; one generation at a time (not
+  thread-safe), as the CLI and the benchmarks use it;
+* many sequences (`max_num_seqs`, what the OpenAI server loads): a block pool shared by every
+  sequence and a scheduler thread (engine/scheduler.py) that batches their decode steps;
+  `stream` is then safe from any thread and every open stream advances in the same steps.
+See the package docstring (engine/__init__.py) for the public surface.
 """
 
 from __future__ import annotations
@@ -39,12 +44,13 @@ class Engine:
         model_dir: Path,
         cfg: TextConfig,
         model: Gemma4Model,
-        cache: KVCache,
+        cache: KVCache | None,
         tokenizer: Tokenizer,
         chat_template: str | None,
         prefill_chunk: int,
         memory_cap_mib: int | None,
         options: EngineOptions | None = None,
+        max_context: int | None = None,
     ) -> None:
         self.model_dir = model_dir
         self.model_name = model_name_of(model_dir)
@@ -57,13 +63,23 @@ class Engine:
         self.memory_cap_mib = memory_cap_mib
         self.device = model.device
         self.dtype = model.dtype
-        self.max_context = cache.max_context
+        self.max_context = cache.max_context if cache is not None else int(max_context or 0)
         self.bos_id: int | None = cfg.bos_token_id
         self.eos_ids: list[int] = list(cfg.eos_token_ids)
         self.options = options or EngineOptions()
         # how this engine computes, chosen once: it owns the fused weights and the decoder
         self.backend = Backend(model, cache, self.options)
         self._run_id = 0
+        # set by `load(max_num_seqs=...)`: the pool, the scheduler and how they were sized
+        self.pool = None
+        self.scheduler = None
+        self.batching = None
+
+    def close(self) -> None:
+        """Stop the scheduler thread of a multi-sequence engine (open streams end with an
+        error); nothing to do for a single-sequence one."""
+        if self.scheduler is not None:
+            self.scheduler.close()
 
     def stream(
         self,
@@ -94,8 +110,18 @@ class Engine:
         check_prompt(list(token_ids), self.config.vocab_size, self.max_context)
         if max_new_tokens < 0:
             raise GenerationError(f"max_new_tokens {max_new_tokens} is negative", "use 0 or more")
+        chunk = self.prefill_chunk
+        if self.batching is not None:
+            chunk = min(chunk, self.batching.prefill_budget)
+        plan = None
         if max_new_tokens:  # refused now, not as an out-of-memory error halfway through reading
-            plan_prompt(self.model, len(token_ids), self.prefill_chunk, self.memory_cap_mib)
+            plan = plan_prompt(self.model, len(token_ids), chunk, self.memory_cap_mib)
+        if self.scheduler is not None:
+            return self.scheduler.submit(
+                list(token_ids), max_new_tokens, sampling, stops,
+                plan.chunk if plan is not None else chunk,
+                plan.score_budget if plan is not None else None,
+            )  # fmt: skip
         return self._run(list(token_ids), max_new_tokens, sampling, stops)
 
     def _run(
@@ -150,9 +176,10 @@ class Engine:
         )
 
     def memory_report(self) -> MemoryReport:
+        kv = self.cache if self.cache is not None else self.pool
         return build_report(
             self.model.nbytes_by_part(),
-            self.cache.nbytes(),
+            kv.nbytes() if kv is not None else 0,
             self.max_context,
             self.device,
             self.dtype,
@@ -181,6 +208,10 @@ def load(
     prefill_chunk: int | None = None,
     dtype: torch.dtype | None = None,
     options: EngineOptions | None = None,
+    max_num_seqs: int | str | None = None,
+    prefill_budget: int | None = None,
+    kv_cache_mib: int | None = None,
+    warm_up: bool = True,
 ) -> Engine:
     """Load a Gemma 4 W4A16 checkpoint directory onto `device` (default: cuda if present).
 
@@ -191,6 +222,11 @@ def load(
     older GPUs, float32 on the CPU). memory_cap_mib: cap this process's CUDA memory.
     options: every other switch (EngineOptions; default: the defaults, not the environment;
     front doors pass `EngineOptions.from_env()`).
+
+    max_num_seqs (an int, or "auto"): serve many sequences at once from a shared KV block pool
+    with continuous batching (engine/batching.py sizes it: the memory left after the weights,
+    or `kv_cache_mib`); prefill_budget: the most prompt tokens read between two decode steps
+    (default: the prompt chunk, at most 1,024 on CUDA); warm_up: capture the batch graphs now.
     """
     options = options or EngineOptions()
     model_dir = Path(path).expanduser()
@@ -233,18 +269,22 @@ def load(
         model = Gemma4Model.load(reader, cfg, dev, compute_dtype, make_kernels(options, dev))
     finally:
         reader.close()
-    cache = KVCache(cfg, ctx, dev, compute_dtype)
-    return Engine(
-        model_dir,
-        cfg,
-        model,
-        cache,
-        tokenizer,
-        read_template(model_dir),
-        chunk,
-        memory_cap_mib,
-        options,
+    if max_num_seqs is None:
+        return Engine(model_dir, cfg, model, KVCache(cfg, ctx, dev, compute_dtype), tokenizer,
+                      read_template(model_dir), chunk, memory_cap_mib, options)  # fmt: skip
+    from engine import batching
+
+    budget = prefill_budget if prefill_budget is not None else min(chunk, 1024)
+    if budget < 1:
+        raise EngineError(f"prefill_budget {budget} must be at least 1", "use e.g. 512")
+    plan = batching.plan(model, ctx, max_num_seqs, budget, memory_cap_mib, kv_cache_mib)
+    engine = Engine(model_dir, cfg, model, None, tokenizer, read_template(model_dir), chunk,
+                    memory_cap_mib, options, max_context=ctx)  # fmt: skip
+    engine.batching = plan
+    engine.pool, engine.scheduler = batching.start(
+        model, engine.backend, options, plan, ctx, warm_up=warm_up
     )
+    return engine
 
 
 def _capability(device: torch.device) -> tuple[int, int] | None:

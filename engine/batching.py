@@ -1,0 +1,109 @@
+"""Sizing and starting a multi-sequence engine: the KV pool from the memory left, then the
+scheduler.
+
+Why a module of its own: the sizes are a decision with a rule a user must be able to read. The
+pool gets what the device has left after the weights (under `memory_cap_mib` when one is set),
+less room for reading a prompt chunk (engine.memory's reader estimate) and a margin for the
+decode step's activations and CUDA graphs. `max_num_seqs` "auto" is the largest graph bucket
+(16, 8, 4, 2, 1) whose sequences each get at least DEFAULT_SEQ_TOKENS (or the whole context when
+shorter) from that pool.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.batch_runner import BatchRunner
+from engine.errors import EngineError
+from engine.kv_pool import (
+    DEFAULT_BLOCK_SIZE,
+    KVPool,
+    PoolGeometry,
+    bytes_per_token,
+    plan_geometry,
+    ring_bytes_per_seq,
+)
+from engine.memory import MIB, available_bytes, reader_bytes_per_token, reader_fixed_bytes
+from engine.scheduler import Scheduler
+
+AUTO_SEQS = (16, 8, 4, 2, 1)
+DEFAULT_SEQ_TOKENS = 4096
+CPU_POOL_BYTES = 256 * MIB  # the CPU has no measurement to size from: a fixed pool
+MARGIN_BYTES = 256 * MIB  # decode activations, graph pools, the allocator's rounding
+MAX_NUM_SEQS = 64
+
+
+@dataclass(frozen=True)
+class BatchingPlan:
+    max_num_seqs: int
+    prefill_budget: int
+    geometry: PoolGeometry
+    budget_bytes: int
+
+
+def plan(
+    model,
+    max_context: int,
+    max_num_seqs: int | str,
+    prefill_budget: int,
+    memory_cap_mib: int | None,
+    kv_cache_mib: int | None = None,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+) -> BatchingPlan:
+    """The pool and the number of sequences for what is left on the device (see the module)."""
+    cfg, dtype = model.cfg, model.dtype
+    if kv_cache_mib is not None:
+        budget = int(kv_cache_mib) * MIB
+    else:
+        left = available_bytes(model.device, memory_cap_mib)
+        if left is None:
+            budget = CPU_POOL_BYTES
+        else:
+            elem = torch.empty((), dtype=dtype).element_size()
+            reader = reader_fixed_bytes(model, elem) + prefill_budget * reader_bytes_per_token(
+                cfg, elem
+            )
+            budget = int(left - reader - MARGIN_BYTES - 0.05 * left)
+    if max_num_seqs == "auto":
+        want = min(max_context, DEFAULT_SEQ_TOKENS)
+        per_seq = ring_bytes_per_seq(cfg, dtype, max_context) + want * (
+            bytes_per_token(cfg, dtype) + 8
+        )
+        fitting = [n for n in AUTO_SEQS if n * per_seq <= budget - per_seq]
+        seqs = fitting[0] if fitting else 1
+    else:
+        seqs = int(max_num_seqs)
+        if not 1 <= seqs <= MAX_NUM_SEQS:
+            raise EngineError(
+                f"max_num_seqs {seqs} is outside [1, {MAX_NUM_SEQS}]",
+                f"use 1 to {MAX_NUM_SEQS}, or auto",
+            )
+    geometry = plan_geometry(cfg, dtype, max_context, budget, seqs, block_size)
+    return BatchingPlan(seqs, prefill_budget, geometry, budget)
+
+
+def start(model, backend, options, batching: BatchingPlan, max_context: int,
+          warm_up: bool = True) -> tuple[KVPool, Scheduler]:  # fmt: skip
+    """Allocate the pool, build the runner (capturing its graphs when `warm_up`) and start
+    the scheduler's thread."""
+    pool = KVPool(model.cfg, batching.geometry, model.device, model.dtype)
+    runner = BatchRunner(model, pool, options, backend, batching.max_num_seqs)
+    if warm_up:
+        runner.warm_up()
+    scheduler = Scheduler(runner, pool, batching.max_num_seqs, batching.prefill_budget,
+                          max_context)  # fmt: skip
+    return pool, scheduler
+
+
+def kv_cache_line(batching: BatchingPlan, pool_bytes: int) -> str:
+    """The start-up line a vLLM user looks for ("KV cache size: N tokens")."""
+    g = batching.geometry
+    return (
+        f"KV cache size: {g.token_capacity:,} tokens ({(g.num_blocks - 1):,} blocks of "
+        f"{g.block_size}, {pool_bytes / MIB:,.0f} MiB with the sliding rings); "
+        f"max_num_seqs {batching.max_num_seqs}; maximum concurrency for "
+        f"{g.max_context:,} tokens per request: "
+        f"{g.token_capacity / g.max_context:.2f}x"
+    )

@@ -1,0 +1,195 @@
+"""The decode step of a batch: B sequences, one new token each, through every layer at once.
+
+Why: one decode step reads ~1.28 GB of 4-bit weights on E2B whatever the number of rows, so
+sixteen sequences sharing a step cost little more than one. The step is the fused single-token
+step of engine/fast/decode.py widened to B rows:
+
+* the products are the int4 GEMM for 2..16 rows (engine/kernels/w4gemm.py), which reads each
+  weight word once for all rows; a one-row batch keeps the single-token GEMV whose prologue
+  makes the residual+norm before it (the measured-fastest arrangement for one stream);
+* the q/k/v head norms and RoPE are one launch for all rows (qkv_rope_rows), the new K/V rows go
+  to the pool by two index copies, at rows computed once per step from the block tables;
+* attention reads each row's sequence through its block table (full layers) or its ring
+  (sliding layers) with the paged split kernel (engine/kernels/attention_paged.py).
+
+Every intermediate is rounded where the reference rounds it, as in the single-token step, so a
+row's logits equal the reference's for that sequence up to summation order (fp32: the tokens of
+a batched row equal the same request run alone; tests/test_batching*.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.fast.decode import _qkv_matrices
+from engine.fast.fuse import FusedLayer
+from engine.fast.ops_fast import FastOps, packed_ok
+from engine.kernels.attention_paged import PagedDecodeAttention
+from engine.kernels.fused import ple_mix, qkv_rope_rows, residual_norm, rmsnorm_rows
+from engine.kernels.w4dequant import w4_gather_rows
+from engine.kernels.w4gemm import w4_gemm
+from engine.kernels.w4gemv import w4_gemv_after_residual
+from engine.kv_pool import KVPool
+
+GEMM_ROWS = 16  # the most rows one int4 GEMM launch takes
+
+
+def supported(model, fused: list[FusedLayer]) -> bool:
+    """The batched step covers what the fused single-token step covers (E2B, the presets)."""
+    from engine.fast import decode
+
+    return decode.supported(model, fused)
+
+
+class BatchDecoder:
+    """`step(tokens [B], positions [B], slots [B]) -> logits [B, V]` over a KVPool."""
+
+    def __init__(
+        self, model, pool: KVPool, fused: list[FusedLayer], kernels: FastOps, max_batch: int
+    ) -> None:
+        self.model = model
+        self.pool = pool
+        self.fused = fused
+        self.ops = kernels
+        self.max_batch = max_batch
+        self.qkv_lin = _qkv_matrices(model, fused)
+        self._attention: dict[tuple[int, bool], PagedDecodeAttention] = {}
+
+    def _attn(self, layer: int, rows: int) -> PagedDecodeAttention:
+        """The paged attention (and its partial-result buffers) for a layer kind and a batch
+        size: each graph bucket gets its own, split for its size."""
+        cfg, pool = self.model.cfg, self.pool
+        sliding = cfg.is_sliding(layer)
+        key = (rows, sliding, cfg.layer_head_dims[layer])
+        att = self._attention.get(key)
+        if att is None:
+            att = PagedDecodeAttention(
+                cfg.num_attention_heads,
+                cfg.layer_head_dims[layer],
+                rows,
+                pool.max_context,
+                pool.device,
+                ring=sliding,
+                ring_slots=pool.ring_slots if sliding else 0,
+                window=(cfg.sliding_window or 0) if sliding else 0,
+                block_size=pool.block_size,
+            )
+            self._attention[key] = att
+        return att
+
+    def _mm(self, x: torch.Tensor, w, epi: int = 0, aux: torch.Tensor | None = None):
+        """x [B, K] @ w^T by the int4 GEMM, 16 rows a launch."""
+        if x.shape[0] <= GEMM_ROWS:
+            return w4_gemm(x, w.packed, w.scales, epi=epi, aux=aux)
+        parts = [
+            w4_gemm(
+                x[r : r + GEMM_ROWS],
+                w.packed,
+                w.scales,
+                epi=epi,
+                aux=None if aux is None else aux[r : r + GEMM_ROWS],
+            )  # fmt: skip
+            for r in range(0, x.shape[0], GEMM_ROWS)
+        ]
+        return torch.cat(parts)
+
+    def _embed(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        m, cfg = self.model, self.model.cfg
+        b = tokens.shape[0]
+        if packed_ok(m.embed):
+            h = w4_gather_rows(tokens, m.embed.packed, m.embed.scales, dtype=m.dtype,
+                               mul=m.embed_scale)  # fmt: skip
+        else:
+            h = self.ops.embed_rows(tokens, m.embed, m.dtype) * m.embed_scale
+        if m.ple_table is None:
+            return h.contiguous(), None
+        n, p = cfg.num_hidden_layers, cfg.hidden_size_per_layer_input
+        if packed_ok(m.ple_table):
+            tok = w4_gather_rows(tokens, m.ple_table.packed, m.ple_table.scales, dtype=m.dtype,
+                                 mul=m.ple_scale)  # fmt: skip
+        else:
+            tok = self.ops.embed_rows(tokens, m.ple_table, m.dtype) * m.ple_scale
+        proj = self._linear(h, m.ple_projection).contiguous()
+        ple = ple_mix(proj.view(b * n, p), tok.contiguous().view(b * n, p), m.ple_projection_norm,
+                      b * n, p, cfg.rms_norm_eps, cfg.hidden_size**-0.5, 2.0**-0.5)  # fmt: skip
+        return h.contiguous(), ple.view(b, n, p)
+
+    def _linear(self, x: torch.Tensor, w) -> torch.Tensor:
+        return self._mm(x, w) if packed_ok(w) else self.ops.linear(x, w)
+
+    @torch.inference_mode()
+    def step(
+        self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor
+    ) -> torch.Tensor:
+        """One token per row; row b belongs to the sequence in pool slot slots[b] and sits at
+        positions[b]. Padding rows point at the pool's padding slot."""
+        m, cfg, pool = self.model, self.model.cfg, self.pool
+        eps, b = cfg.rms_norm_eps, tokens.shape[0]
+        single = b == 1
+        h, ple = self._embed(tokens)
+        spare = torch.empty_like(h)
+        rope = m.rope(positions)
+        # the pool rows this step writes: one set for the full layers, one for the rings
+        bs = pool.block_size
+        slots64 = slots.to(torch.int64)
+        table = pool.block_tables[slots64, positions // bs].to(torch.int64)
+        full_rows = table * bs + positions % bs
+        ring_rows = slots64 * pool.ring_slots + positions % max(pool.ring_slots, 1)
+        half2 = self.ops.half2
+
+        def then(y, w_post, mat, scalar=None, w_next=None, epi=0, aux=None):
+            """The residual+norm h += norm(y) (* scalar), then the product of its norm by w_next
+            (or of h itself): one launch for a single row, two for a batch."""
+            nonlocal h, spare
+            if single:
+                out = w4_gemv_after_residual(y, h, w_post, eps, mat.packed, mat.scales, spare,
+                                             scalar=scalar, w_next=w_next, epi=epi,
+                                             aux=None if aux is None else aux.reshape(-1),
+                                             half2=half2)  # fmt: skip
+                h, spare = spare, h
+                return out.reshape(1, -1)
+            h, x = residual_norm(h, y, w_post, eps, scalar=scalar, w_next=w_next, h_out=h)
+            return self._mm(x if w_next is not None else h, mat, epi=epi, aux=aux)
+
+        pending = None
+        for i, w in enumerate(m.layers):
+            fl = self.fused[i]
+            hq, hd = cfg.num_attention_heads, cfg.layer_head_dims[i]
+            cos, sin = rope[cfg.layer_types[i]]
+            if pending is None:
+                qkv = self._mm(rmsnorm_rows(h, w.input_norm, eps), self.qkv_lin[i])
+            else:
+                y, w_post, scalar = pending
+                qkv = then(y, w_post, self.qkv_lin[i], scalar=scalar, w_next=w.input_norm)
+            own = w.k is not None
+            if own:
+                q, k, v = qkv_rope_rows(qkv, w.q_norm, w.k_norm, cos, sin, hq,
+                                        cfg.layer_kv_heads[i], hd, eps, v_from_k=w.v is None)  # fmt: skip
+                rows = ring_rows if cfg.is_sliding(i) else full_rows
+                pool.k[i].index_copy_(0, rows, k)
+                pool.v[i].index_copy_(0, rows, v)
+            else:
+                q, _, _ = qkv_rope_rows(qkv, w.q_norm, w.q_norm, cos, sin, hq, 0, hd, eps)
+            src = cfg.kv_producer(i)
+            attn = self._attn(i, b)(q, pool.k[src][:, 0], pool.v[src][:, 0], positions, slots,
+                                    pool.block_tables)  # fmt: skip
+            o = self._linear(attn.reshape(b, hq * hd), w.o)
+            _, x2 = residual_norm(h, o, w.post_attn_norm, eps, w_next=w.pre_ffn_norm, h_out=h)
+            act = self._mm(x2, fl.gate_up, epi=1)
+            d = self._linear(act, w.down)
+            if ple is None:
+                pending = (d, w.post_ffn_norm, w.layer_scalar)
+                continue
+            a2 = then(d, w.post_ffn_norm, w.ple_gate, epi=2, aux=ple[:, i])
+            pending = (self._linear(a2, w.ple_proj), w.ple_norm, w.layer_scalar)
+        y, w_post, scalar = pending
+        _, x = residual_norm(h, y, w_post, eps, scalar=scalar, w_next=m.final_norm, h_out=h)
+        out = self.ops.lm_head(x, m.lm_head) if single else self._lm_head(x)
+        cap = cfg.final_logit_softcapping
+        return torch.tanh(out / cap) * cap if cap else out
+
+    def _lm_head(self, x: torch.Tensor) -> torch.Tensor:
+        table = self.model.lm_head
+        if packed_ok(table):
+            return self._mm(x, table)
+        return self.ops.lm_head(x, table)

@@ -1,0 +1,98 @@
+"""The batched decode step replayed as CUDA graphs, one per batch-size bucket (1, 2, 4, 8, 16).
+
+Why buckets: a graph fixes its tensors' shapes, and a step of ~600 launches costs the host far
+more to launch one by one than the GPU takes to run it at small batches. A batch of B rows runs
+the smallest bucket >= B; the spare rows are padding pointed at the pool's padding slot (their
+writes land in block 0, which no sequence holds, and their logits are ignored). All buckets share
+one memory pool for their intermediates (replays never overlap), captured largest first, as vLLM
+does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+Step = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+BUCKETS = (1, 2, 4, 8, 16)
+
+
+def buckets_for(max_batch: int) -> list[int]:
+    """The bucket sizes a scheduler of `max_batch` sequences needs: the powers of two up to 16,
+    then multiples of 16, ending at max_batch itself."""
+    out = [b for b in BUCKETS if b < max_batch]
+    b = 32
+    while b < max_batch and max_batch > 16:
+        out.append(b)
+        b += 16
+    out.append(max_batch)
+    return sorted(set(out))
+
+
+def bucket_of(rows: int, buckets: Sequence[int]) -> int:
+    for b in buckets:
+        if b >= rows:
+            return b
+    raise ValueError(f"{rows} rows exceed the largest bucket {buckets[-1]}")
+
+
+class _Bucket:
+    def __init__(self, size: int, device: torch.device, pad_slot: int) -> None:
+        self.size = size
+        self.tokens = torch.zeros(size, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(size, dtype=torch.int64, device=device)
+        self.slots = torch.full((size,), pad_slot, dtype=torch.int32, device=device)
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.logits: torch.Tensor | None = None
+
+
+class BatchGraphs:
+    """`run(tokens [B], positions [B], slots [B]) -> logits [B, V]` by graph replay."""
+
+    def __init__(self, step: Step, buckets: Sequence[int], device: torch.device,
+                 pad_slot: int) -> None:  # fmt: skip
+        self.step = step
+        self.buckets = sorted(buckets)
+        self.device = device
+        self.pad_slot = pad_slot
+        self._by_size = {b: _Bucket(b, device, pad_slot) for b in self.buckets}
+        self._pool = None
+
+    def capture_all(self) -> None:
+        """Capture every bucket now (largest first), so no request waits for a capture."""
+        for b in reversed(self.buckets):
+            self._capture(self._by_size[b])
+
+    def _capture(self, bucket: _Bucket) -> None:
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream(device=self.device)
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream), torch.inference_mode():
+            # eager warm-up on padding rows: compiles and tunes every kernel outside capture
+            self.step(bucket.tokens, bucket.positions, bucket.slots)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool), torch.inference_mode():
+            bucket.logits = self.step(bucket.tokens, bucket.positions, bucket.slots)
+        bucket.graph = graph
+
+    @torch.inference_mode()
+    def run(
+        self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor
+    ) -> torch.Tensor:
+        rows = tokens.shape[0]
+        bucket = self._by_size[bucket_of(rows, self.buckets)]
+        bucket.tokens[:rows].copy_(tokens)
+        bucket.positions[:rows].copy_(positions)
+        bucket.slots[:rows].copy_(slots)
+        if rows < bucket.size:  # padding rows: the padding slot, position 0
+            bucket.positions[rows:].zero_()
+            bucket.slots[rows:].fill_(self.pad_slot)
+        if bucket.graph is None:
+            self._capture(bucket)
+        assert bucket.graph is not None and bucket.logits is not None
+        bucket.graph.replay()
+        return bucket.logits[:rows]

@@ -1,0 +1,278 @@
+"""The KV cache of a multi-sequence engine: one pool of fixed-size blocks shared by every sequence.
+
+Why blocks: the single-sequence `KVCache` gives every full-attention layer a buffer of the whole
+context; sixteen of those cannot sit on a 4 GB card, and a long conversation would force every
+short one to reserve as much. Here each full layer owns `num_blocks * block_size` rows, and a
+sequence holds the blocks its positions reach: position p of the sequence in sequence slot j
+lives in row `block_tables[j, p // block_size] * block_size + p % block_size` (the same block ids
+serve every full layer). Sliding layers keep a ring of `window` rows per sequence slot (row
+`j * R + p % R`): a window never grows, so a ring is simpler and smaller than blocks. KV-shared
+layers own nothing and read their producer's rows, as in `KVCache`.
+
+Slot `max_seqs` is the padding slot: batch rows that only pad a CUDA graph's bucket write there
+(block 0, reserved for it), never into a live sequence. Each layer records the position of
+every row it wrote (`pos[layer]`, -1 = empty) for prompt reading and the reference step, whose
+masks use them; one array per layer, because a prompt chunk attends over a layer's cache before
+it writes that layer (an array shared with an earlier layer would already show the chunk). The
+batched decode kernels need none of it (a sequence reads only positions <= its own, all written
+by itself), so the batched step does not write them: a sequence's prompt is read before its
+first step, and a slot's ring and a block's rows are reset when a new sequence gets them.
+
+Allocation is host bookkeeping (free list, per-slot block lists) mirrored to the device table
+with one small copy per change; freeing returns blocks at once: later work on the same CUDA
+stream runs after everything already queued that still reads them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.cache import LayerCache
+from engine.config import TextConfig
+from engine.errors import EngineError
+
+DEFAULT_BLOCK_SIZE = 64
+
+
+@dataclass(frozen=True)
+class PoolGeometry:
+    """The sizes one pool is built with (also what a plan reports before allocating)."""
+
+    max_seqs: int
+    num_blocks: int  # including block 0, the padding slot's
+    block_size: int
+    max_context: int
+    ring_slots: int  # R: rows of a sliding layer's ring per sequence (0: no sliding layers)
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        return -(-self.max_context // self.block_size)
+
+    @property
+    def token_capacity(self) -> int:
+        """Tokens the shared blocks hold (block 0 excluded): vLLM's "KV cache size"."""
+        return (self.num_blocks - 1) * self.block_size
+
+
+def bytes_per_token(cfg: TextConfig, dtype: torch.dtype) -> int:
+    """K+V bytes one position costs in the full layers' blocks."""
+    size = torch.tensor([], dtype=dtype).element_size()
+    return sum(
+        2 * cfg.layer_kv_heads[i] * cfg.layer_head_dims[i] * size
+        for i in range(cfg.first_shared_layer)
+        if not cfg.is_sliding(i)
+    )
+
+
+def ring_bytes_per_seq(cfg: TextConfig, dtype: torch.dtype, max_context: int) -> int:
+    """K+V bytes of one sequence's sliding rings (+ their recorded positions)."""
+    size = torch.tensor([], dtype=dtype).element_size()
+    r = min(cfg.sliding_window or 0, max_context)
+    per_row = sum(
+        2 * cfg.layer_kv_heads[i] * cfg.layer_head_dims[i] * size
+        for i in range(cfg.first_shared_layer)
+        if cfg.is_sliding(i)
+    )
+    return r * (per_row + 8)
+
+
+def plan_geometry(
+    cfg: TextConfig,
+    dtype: torch.dtype,
+    max_context: int,
+    budget_bytes: int,
+    max_seqs: int,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+) -> PoolGeometry:
+    """The pool that fits `budget_bytes`: the rings of max_seqs + 1 slots first, the rest in
+    blocks. Refuses (EngineError) a budget that cannot hold one block per sequence."""
+    if max_seqs < 1:
+        raise EngineError(f"max_num_seqs {max_seqs} must be at least 1", "use 1 or more")
+    if block_size < 1 or block_size & (block_size - 1):
+        raise EngineError(f"block size {block_size} is not a power of two", "use e.g. 64")
+    rings = (max_seqs + 1) * ring_bytes_per_seq(cfg, dtype, max_context)
+    per_block = block_size * (bytes_per_token(cfg, dtype) + 8)
+    blocks = (budget_bytes - rings) // per_block if per_block else max_seqs + 1
+    if blocks < max_seqs + 1:
+        need = (rings + (max_seqs + 1) * per_block) / (1 << 20)
+        raise EngineError(
+            f"the KV cache budget ({budget_bytes / (1 << 20):.0f} MiB) does not hold "
+            f"{max_seqs} sequences (at least {need:.0f} MiB)",
+            "lower max_num_seqs or max_context, or give the engine more memory",
+        )
+    # more blocks than every slot could ever use at once would only waste memory
+    blocks = min(blocks, max_seqs * -(-max_context // block_size) + 1)
+    r = (
+        min(cfg.sliding_window or 0, max_context)
+        if any(cfg.is_sliding(i) for i in range(cfg.first_shared_layer))
+        else 0
+    )
+    return PoolGeometry(max_seqs, int(blocks), block_size, max_context, r)
+
+
+class KVPool:
+    """Every own-KV layer's rows, the block tables, and who holds what."""
+
+    def __init__(
+        self, cfg: TextConfig, geometry: PoolGeometry, device: torch.device, dtype: torch.dtype
+    ) -> None:
+        self.cfg = cfg
+        self.geometry = g = geometry
+        self.device = device
+        self.dtype = dtype
+        self.block_size = g.block_size
+        self.ring_slots = g.ring_slots
+        self.max_context = g.max_context
+        self.pad_slot = g.max_seqs
+        full_rows = g.num_blocks * g.block_size
+        ring_rows = (g.max_seqs + 1) * g.ring_slots
+        self.k: dict[int, torch.Tensor] = {}
+        self.v: dict[int, torch.Tensor] = {}
+        self.pos: dict[int, torch.Tensor] = {}
+        for i in range(cfg.first_shared_layer):
+            rows = ring_rows if cfg.is_sliding(i) else full_rows
+            shape = (rows, cfg.layer_kv_heads[i], cfg.layer_head_dims[i])
+            self.k[i] = torch.zeros(shape, dtype=dtype, device=device)
+            self.v[i] = torch.zeros(shape, dtype=dtype, device=device)
+            self.pos[i] = torch.full((rows,), -1, dtype=torch.int64, device=device)
+        self._full = [i for i in self.k if not cfg.is_sliding(i)]
+        self._rings = [i for i in self.k if cfg.is_sliding(i)]
+        self.block_tables = torch.zeros(
+            (g.max_seqs + 1, g.max_blocks_per_seq), dtype=torch.int32, device=device
+        )
+        self._free_blocks = list(range(g.num_blocks - 1, 0, -1))  # block 0: the padding slot's
+        self._free_slots = list(range(g.max_seqs - 1, -1, -1))
+        self._blocks: dict[int, list[int]] = {}
+
+    # ---- bookkeeping -------------------------------------------------------------------------
+    @property
+    def free_blocks(self) -> int:
+        return len(self._free_blocks)
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free_slots)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of the shared blocks held by sequences (vLLM's kv_cache_usage_perc)."""
+        total = self.geometry.num_blocks - 1
+        return (total - len(self._free_blocks)) / total if total else 0.0
+
+    def held(self, slot: int) -> int:
+        """Blocks the sequence in `slot` holds."""
+        return len(self._blocks.get(slot, ()))
+
+    def blocks_for(self, tokens: int) -> int:
+        return -(-tokens // self.block_size)
+
+    def open_slot(self) -> int:
+        """A sequence slot for a new sequence (its ring forgotten); EngineError if none is free."""
+        if not self._free_slots:
+            raise EngineError("no free sequence slot", "wait for a sequence to finish")
+        slot = self._free_slots.pop()
+        self._blocks[slot] = []
+        r = self.ring_slots
+        for i in self._rings:
+            self.pos[i][slot * r : (slot + 1) * r].fill_(-1)
+        return slot
+
+    def grow(self, slot: int, tokens: int) -> bool:
+        """Make `slot` hold positions 0..tokens-1; False (nothing changed) when the free blocks
+        do not reach."""
+        held = self._blocks[slot]
+        need = self.blocks_for(min(tokens, self.max_context)) - len(held)
+        if need <= 0:
+            return True
+        if need > len(self._free_blocks):
+            return False
+        new = [self._free_blocks.pop() for _ in range(need)]
+        start = len(held)
+        held.extend(new)
+        ids = torch.tensor(new, dtype=torch.int32)
+        self.block_tables[slot, start : start + need].copy_(self._staged(ids), non_blocking=True)
+        rows = ids.to(torch.int64)[:, None] * self.block_size + torch.arange(self.block_size)
+        rows = self._staged(rows.reshape(-1)).to(self.device, non_blocking=True)
+        for i in self._full:
+            self.pos[i].index_fill_(0, rows, -1)
+        return True
+
+    def _staged(self, host: torch.Tensor) -> torch.Tensor:
+        """`host` in pinned memory on CUDA, so copying it queues behind the running step
+        instead of waiting for it (the caching host allocator keeps the block until then)."""
+        return host.pin_memory() if self.device.type == "cuda" else host
+
+    def close_slot(self, slot: int) -> None:
+        """The sequence in `slot` is done: its blocks and the slot go back to the free lists."""
+        held = self._blocks.pop(slot, None)
+        if held is None:
+            return
+        self._free_blocks.extend(reversed(held))
+        self._free_slots.append(slot)
+
+    # ---- views -------------------------------------------------------------------------------
+    def view(self, slot: int) -> SequenceCache:
+        """A `KVCache`-like view of one sequence, for reading prompt chunks and the reference
+        decode step (engine.model takes it unchanged)."""
+        return SequenceCache(self, slot)
+
+    def rows_of(self, slot: int, positions: torch.Tensor) -> torch.Tensor:
+        """Physical full-layer rows of `positions` of the sequence in `slot`."""
+        table = self.block_tables[slot].to(torch.int64)
+        return table[positions // self.block_size] * self.block_size + positions % self.block_size
+
+    def nbytes(self) -> int:
+        tensors = [*self.k.values(), *self.v.values(), *self.pos.values()]
+        return sum(t.numel() * t.element_size() for t in tensors) + (self.block_tables.numel() * 4)
+
+
+class PagedLayer:
+    """One full layer of one sequence seen as a `LayerCache` (slot = position): reads gather the
+    sequence's rows (a copy, used by prompt reading and the reference step), writes scatter."""
+
+    window = None
+
+    def __init__(self, pool: KVPool, layer: int, slot: int) -> None:
+        self.pool, self.layer, self.slot = pool, layer, slot
+
+    @property
+    def slots(self) -> int:
+        return len(self.pool._blocks[self.slot]) * self.pool.block_size
+
+    def _rows(self) -> torch.Tensor:
+        return self.pool.rows_of(self.slot, torch.arange(self.slots, device=self.pool.device))
+
+    @property
+    def k(self) -> torch.Tensor:
+        return self.pool.k[self.layer][self._rows()]
+
+    @property
+    def v(self) -> torch.Tensor:
+        return self.pool.v[self.layer][self._rows()]
+
+    @property
+    def pos(self) -> torch.Tensor:
+        return self.pool.pos[self.layer][self._rows()]
+
+    def write(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
+        rows = self.pool.rows_of(self.slot, positions)
+        self.pool.k[self.layer].index_copy_(0, rows, k.to(self.pool.dtype))
+        self.pool.v[self.layer].index_copy_(0, rows, v.to(self.pool.dtype))
+        self.pool.pos[self.layer].index_copy_(0, rows, positions)
+
+
+class SequenceCache:
+    """What engine.model and engine.fast.prefill read as a cache, for one sequence of a pool."""
+
+    def __init__(self, pool: KVPool, slot: int) -> None:
+        self.max_context = pool.max_context
+        self.layers: dict[int, LayerCache | PagedLayer] = {}
+        r = pool.ring_slots
+        for i in pool.k:
+            if pool.cfg.is_sliding(i):
+                rows = slice(slot * r, (slot + 1) * r)
+                self.layers[i] = LayerCache(pool.k[i][rows], pool.v[i][rows], pool.pos[i][rows], r)
+            else:
+                self.layers[i] = PagedLayer(pool, i, slot)
