@@ -1,0 +1,280 @@
+"""The int4 matrix product for a few activation rows (Triton): Y[M, N] = X[M, K] @ dequant(W).T
+with M = 2..16, each packed weight word read ONCE for all M rows.
+
+Here: the kernels, their launch and the default tiling. The Python API is
+engine/kernels/w4gemm.py; tile tuning engine/kernels/w4gemm_tune.py.
+
+Layout (as the GEMV, engine/kernels/w4gemv_kernel.py): ``packed`` int32 [N, K/8], element k of
+a row in word k//8 at bits 4*(k%8), stored as q+8; ``scales`` [N, K/32].
+``w[n, k] = (code - 8) * scales[n, k // 32]``.
+
+Why it is written this way: the GEMV's grid is (N tiles, M), so M rows read the weights M times;
+here one program owns BLOCK_N weight rows and ALL the activation rows, so a decode step of 8 or
+16 sequences reads the weights once, as one sequence does. Two inner paths:
+
+* TC (sm_80 on): the [BLOCK_N, 8*BLOCK_KW] weight tile is unpacked in registers (the magic
+  number 2^23 OR'd with each 4-bit field gives 2^23 + code exactly in fp32), times its group
+  scale, rounded to the activations' 16-bit dtype (fp32 activations keep fp32 and an "ieee"
+  dot: no tf32) and multiplied on the tensor cores against the activation tile padded to 16
+  rows (masked loads), accumulating in fp32.
+* FMA (Turing and older: tl.dot there is an FMA loop through too much shared memory): the
+  unpacked fp32 tile times every activation row, broadcast over a [rows, BLOCK_N, BLOCK_K]
+  accumulator that is summed over K once, at the end.
+
+Split-K (narrow N, long K: N=1536 with K=6144 has few tiles for 132 SMs): program (n, s) sums
+its K slice into an fp32 workspace [SPLIT, M, N]; the reduction is deterministic either way:
+the last program of an N tile to finish (a ticket counter; no value is ever added atomically)
+sums the SPLIT partials in split order and runs the epilogue (FUSED), or a second small kernel
+does the same. Nothing is allocated per call: the workspace and the tickets are held per device
+(w4gemm.py), and every ticket is back at 0 when a launch ends, so a CUDA graph replays it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+from engine.kernels.fused import _gelu_tanh, _round
+from engine.options import triton_interpreted
+
+KERNEL_NAME = "w4gemm"
+KERNEL_VERSION = 1  # bump when the kernel changes: stored tilings of older versions are ignored
+
+
+@triton.jit
+def _dequant(w, s, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr):
+    """[BN, BKW] words and their group scales (fp32) -> fp32 [BN, 8*BKW] in element order."""
+    sh = tl.arange(0, 8) * 4
+    c = ((w[:, :, None] >> sh[None, None, :]) & 0xF) | 0x4B000000  # 2^23 + code, as fp32 bits
+    v = (c.to(tl.float32, bitcast=True) - 8388616.0) * s[:, :, None]  # (code - 8) * scale
+    return tl.reshape(v, [BLOCK_N, BLOCK_KW * 8])
+
+
+@triton.jit
+def _loads(w_ptrs, s_ptrs, x_ptrs, rk, rkk, m_mask, kw0, KW, EVEN_K: tl.constexpr):
+    """One K step's words [BN, BKW], scales [BN, BKW] (fp32) and activations [BM, 8*BKW]."""
+    if EVEN_K:
+        w = tl.load(w_ptrs + kw0)
+        s = tl.load(s_ptrs + kw0 // 4).to(tl.float32)
+        x = tl.load(x_ptrs + kw0 * 8, mask=m_mask[:, None], other=0.0)
+    else:
+        km = (kw0 + rk) < KW
+        w = tl.load(w_ptrs + kw0, mask=km[None, :], other=0)
+        s = tl.load(s_ptrs + kw0 // 4, mask=km[None, :], other=0.0).to(tl.float32)
+        xm = m_mask[:, None] & ((kw0 * 8 + rkk) < KW * 8)[None, :]
+        x = tl.load(x_ptrs + kw0 * 8, mask=xm, other=0.0)
+    return w, s, x
+
+
+@triton.jit
+def _step(acc, w, s, x, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr, TC: tl.constexpr,
+          SWAP: tl.constexpr, IEEE: tl.constexpr):  # fmt: skip
+    """acc + this K step's products (TC: [BM, BN] or, SWAP, [BN, BM]; FMA: [BM, BN, BK])."""
+    v = _dequant(w, s, BLOCK_N, BLOCK_KW)
+    if TC:
+        v = v.to(x.dtype)
+        if IEEE and x.dtype != tl.float32:  # the CPU interpreter's bf16 dot is wrong: the
+            v = v.to(tl.float32)  # same products (exact in fp32) through its fp32 dot
+            x = x.to(tl.float32)
+        if SWAP:  # the weight tile as the dot's A operand (its rows on the wide side)
+            if IEEE:
+                acc = tl.dot(v, tl.trans(x), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(v, tl.trans(x), acc)
+        else:
+            if IEEE:
+                acc = tl.dot(x, tl.trans(v), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(x, tl.trans(v), acc)
+    else:
+        acc += v[None, :, :] * x.to(tl.float32)[:, None, :]
+    return acc
+
+
+@triton.jit
+def _epilogue(y, rm, m_mask, pid_n, N, y_ptr, stride_ym, aux_ptr, stride_am,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EPI: tl.constexpr):  # fmt: skip
+    """Store y [BM, BN] (fp32) of rows rm and columns pid_n*BN.. as the GEMV's epilogues do:
+    0 plain; 1 GLU over interleaved (gate, up) columns -> [M, N/2]; 2 gelu(y) * aux[m, n].
+    Intermediates round to the output's dtype where the reference rounds."""
+    DT: tl.constexpr = y_ptr.dtype.element_ty
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    if EPI == 1:
+        g, u = tl.split(tl.reshape(_round(y, DT), [BLOCK_M, BLOCK_N // 2, 2]))
+        act = _round(_round(_gelu_tanh(g), DT) * u, DT)
+        rp = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        mask = m_mask[:, None] & (rp < N // 2)[None, :]
+        tl.store(y_ptr + rm[:, None] * stride_ym + rp[None, :], act.to(DT), mask=mask)
+    elif EPI == 2:
+        mask = m_mask[:, None] & (rn < N)[None, :]
+        a = tl.load(aux_ptr + rm[:, None] * stride_am + rn[None, :], mask=mask, other=0.0)
+        out = _round(_round(_gelu_tanh(_round(y, DT)), DT) * a.to(tl.float32), DT)
+        tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], out.to(DT), mask=mask)
+    else:
+        mask = m_mask[:, None] & (rn < N)[None, :]
+        tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], y.to(DT), mask=mask)
+
+
+@triton.jit
+def _sum_partials(ws_ptr, rm, m_mask, rn, M, N, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr):  # fmt: skip
+    """The SPLIT fp32 partials of one tile, summed in split order (deterministic). .cg: read
+    from L2, where the other programs' stores are, never a stale L1 line of an earlier call."""
+    mask = m_mask[:, None] & (rn < N)[None, :]
+    offs = rm[:, None] * N + rn[None, :]
+    y = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for i in tl.static_range(SPLIT):
+        y += tl.load(ws_ptr + i * M * N + offs, mask=mask, other=0.0, cache_modifier=".cg")
+    return y
+
+
+@triton.jit
+def _w4_gemm_kernel(
+    x_ptr, w_ptr, s_ptr, y_ptr, ws_ptr, tk_ptr, aux_ptr,
+    M, N, KW, G, stride_xm, stride_ym, stride_am, chunk_kw,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr,
+    EVEN_K: tl.constexpr, TC: tl.constexpr, SWAP: tl.constexpr, IEEE: tl.constexpr,
+    SPLIT: tl.constexpr, FUSED: tl.constexpr, EPI: tl.constexpr, PIPE: tl.constexpr,
+):  # fmt: skip
+    """Program (n, s): rows pid_n*BLOCK_N.. of the weight over K words [s*chunk_kw, +chunk_kw)
+    against all M activation rows. SPLIT == 1: the epilogue straight away; else the partial
+    goes to the workspace and (FUSED) the tile's last program reduces it."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_KW)
+    rkk = tl.arange(0, BLOCK_KW * 8)
+    rm = tl.arange(0, BLOCK_M)
+    m_mask = rm < M
+    rn_safe = tl.where(rn < N, rn, 0).to(tl.int64)
+    w_ptrs = w_ptr + rn_safe[:, None] * KW + rk[None, :]
+    s_ptrs = s_ptr + rn_safe[:, None] * G + rk[None, :] // 4
+    x_ptrs = x_ptr + rm[:, None] * stride_xm + rkk[None, :]
+    k0 = pid_k * chunk_kw
+    k1 = tl.minimum(k0 + chunk_kw, KW)
+    if TC:
+        if SWAP:
+            acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        else:
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_KW * 8], dtype=tl.float32)
+    w, s, x = _loads(w_ptrs, s_ptrs, x_ptrs, rk, rkk, m_mask, k0, KW, EVEN_K)
+    for kn in range(k0 + BLOCK_KW, k1, BLOCK_KW):  # kn: the NEXT step's first word
+        # PIPE: the next step's operands are requested before this step's arithmetic (a
+        # software pipeline in registers, as in the GEMV); else after it
+        if PIPE:
+            nw, ns, nx = _loads(w_ptrs, s_ptrs, x_ptrs, rk, rkk, m_mask, kn, KW, EVEN_K)
+            acc = _step(acc, w, s, x, BLOCK_N, BLOCK_KW, TC, SWAP, IEEE)
+        else:
+            acc = _step(acc, w, s, x, BLOCK_N, BLOCK_KW, TC, SWAP, IEEE)
+            nw, ns, nx = _loads(w_ptrs, s_ptrs, x_ptrs, rk, rkk, m_mask, kn, KW, EVEN_K)
+        w, s, x = nw, ns, nx
+    acc = _step(acc, w, s, x, BLOCK_N, BLOCK_KW, TC, SWAP, IEEE)
+    if TC:  # noqa: SIM108 - constexpr branches
+        y = tl.trans(acc) if SWAP else acc
+    else:
+        y = tl.sum(acc, axis=2)
+    if SPLIT == 1:
+        _epilogue(y, rm, m_mask, pid_n, N, y_ptr, stride_ym, aux_ptr, stride_am, BLOCK_M,
+                  BLOCK_N, EPI)  # fmt: skip
+    else:
+        mask = m_mask[:, None] & (rn < N)[None, :]
+        tl.store(ws_ptr + pid_k * M * N + rm[:, None] * N + rn[None, :], y, mask=mask)
+        if FUSED:
+            # every thread's partial is stored before the ticket is taken (barrier, then a
+            # release at GPU scope); the program that draws the last ticket sees them all
+            tl.debug_barrier()
+            ticket = tl.atomic_add(tk_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+            if ticket == SPLIT - 1:
+                tl.debug_barrier()
+                y = _sum_partials(ws_ptr, rm, m_mask, rn, M, N, SPLIT, BLOCK_M, BLOCK_N)
+                _epilogue(y, rm, m_mask, pid_n, N, y_ptr, stride_ym, aux_ptr, stride_am,
+                          BLOCK_M, BLOCK_N, EPI)  # fmt: skip
+                tl.atomic_xchg(tk_ptr + pid_n, 0, sem="relaxed", scope="gpu")  # for the next
+
+
+@triton.jit
+def _w4_gemm_reduce_kernel(ws_ptr, y_ptr, aux_ptr, M, N, stride_ym, stride_am,
+                           SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                           EPI: tl.constexpr):  # fmt: skip
+    """The unfused split-K reduction: the SPLIT partials of one column tile, in order."""
+    pid_n = tl.program_id(0)
+    rm = tl.arange(0, BLOCK_M)
+    m_mask = rm < M
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    y = _sum_partials(ws_ptr, rm, m_mask, rn, M, N, SPLIT, BLOCK_M, BLOCK_N)
+    _epilogue(y, rm, m_mask, pid_n, N, y_ptr, stride_ym, aux_ptr, stride_am, BLOCK_M, BLOCK_N,
+              EPI)  # fmt: skip
+
+
+def split_plan(k: int, cfg: dict[str, Any]) -> tuple[int, int]:
+    """(splits actually launched, words per split): every split gets whole K steps, none is
+    empty."""
+    kw = k // 8
+    steps = triton.cdiv(kw, cfg["BLOCK_KW"])
+    split = max(1, min(int(cfg.get("SPLIT", 1)), steps))
+    per = triton.cdiv(steps, split)
+    return triton.cdiv(steps, per), per * cfg["BLOCK_KW"]
+
+
+def block_m(m: int, tc: bool) -> int:
+    """Activation rows per tile: 16 for the tensor cores (the dot's least), else M rounded up."""
+    return 16 if tc else max(2, triton.next_power_of_2(m))
+
+
+def launch(x2, packed, scales, y, cfg: dict[str, Any], epi: int = 0, aux=None,
+           ws=None, tickets=None) -> None:  # fmt: skip
+    """One product on prepared operands: x2 [M, K] (unit stride along K), y [M, N or N/2].
+    ws: fp32 workspace of at least SPLIT*M*N and tickets: zeroed int32, one per N tile, when
+    the config splits K."""
+    m, k = x2.shape
+    n = packed.shape[0]
+    tc = bool(cfg.get("TC", True))
+    bm = block_m(m, tc)
+    split, chunk = split_plan(k, cfg)
+    fused = bool(cfg.get("FUSED", True))
+    grid = (triton.cdiv(n, cfg["BLOCK_N"]), split)
+    if split > 1 and (ws is None or ws.numel() < split * m * n or tickets is None
+                      or tickets.numel() < grid[0]):  # fmt: skip
+        raise ValueError("w4gemm launch: split-K needs a workspace and tickets of this size")
+    ws = ws if ws is not None else y
+    tickets = tickets if tickets is not None else y
+    aux_t = aux if aux is not None else y
+    stride_am = aux.stride(0) if aux is not None else 0
+    _w4_gemm_kernel[grid](
+        x2, packed, scales, y, ws, tickets, aux_t,
+        m, n, k // 8, k // 32, x2.stride(0), y.stride(0), stride_am, chunk,
+        BLOCK_M=bm, BLOCK_N=cfg["BLOCK_N"], BLOCK_KW=cfg["BLOCK_KW"],
+        EVEN_K=(k // 8) % cfg["BLOCK_KW"] == 0, TC=tc, SWAP=bool(cfg.get("SWAP", False)),
+        IEEE=x2.dtype == torch.float32 or triton_interpreted(), SPLIT=split, FUSED=fused, EPI=epi,
+        PIPE=bool(cfg.get("PIPE", True)), num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
+    )  # fmt: skip
+    if split > 1 and not fused:
+        br = 64
+        _w4_gemm_reduce_kernel[(triton.cdiv(n, br),)](
+            ws, y, aux_t, m, n, y.stride(0), stride_am, SPLIT=split, BLOCK_M=bm, BLOCK_N=br,
+            EPI=epi, num_warps=4,
+        )  # fmt: skip
+
+
+def default_config(n: int, k: int, m: int, tc: bool, sms: int = 132) -> dict[str, Any]:
+    """A reasonable tiling when nothing is tuned (capture before tuning, tuning off, a new
+    card): ~2 programs per SM through split-K where N alone gives too few."""
+    kw = k // 8
+    if tc:
+        bn, bkw, warps = (64 if n >= 8192 else 32), 16, 4
+    else:  # the [M, BN, BK] accumulator: about 32 fp32 registers per thread
+        bn, warps = 4, 4
+        bkw = max(2, min(32, 4096 // (block_m(m, False) * bn * 8)))
+    bkw = min(bkw, max(2, triton.next_power_of_2(kw)))
+    tiles = triton.cdiv(n, bn)
+    split = 1
+    while tiles * split * 2 <= 2 * sms and kw // (split * 2) >= 4 * bkw:
+        split *= 2
+    return {"TC": tc, "BLOCK_N": bn, "BLOCK_KW": bkw, "num_warps": warps, "num_stages": 2,
+            "SPLIT": split, "FUSED": True, "SWAP": False, "PIPE": True}  # fmt: skip
