@@ -61,7 +61,7 @@ def load(
     options: EngineOptions | None = None,
     max_num_seqs: int | str | None = None,
     prefill_budget: int | None = None,
-    kv_cache_mib: int | None = None,
+    kv_cache_mib: float | None = None,
     warm_up: bool = True,
 ) -> Engine:
     """Load a Gemma 4 W4A16 checkpoint directory (see engine.runtime.load for every argument).

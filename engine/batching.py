@@ -49,13 +49,13 @@ def plan(
     max_num_seqs: int | str,
     prefill_budget: int,
     memory_cap_mib: int | None,
-    kv_cache_mib: int | None = None,
+    kv_cache_mib: float | None = None,
     block_size: int = DEFAULT_BLOCK_SIZE,
 ) -> BatchingPlan:
     """The pool and the number of sequences for what is left on the device (see the module)."""
     cfg, dtype = model.cfg, model.dtype
     if kv_cache_mib is not None:
-        budget = int(kv_cache_mib) * MIB
+        budget = int(kv_cache_mib * MIB)
     else:
         left = available_bytes(model.device, memory_cap_mib)
         if left is None:

@@ -58,8 +58,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="serve a checkpoint over an OpenAI-compatible API (/v1/chat/completions, ...)",
         description=(
             "Serve a Gemma 4 W4A16 checkpoint: POST /v1/chat/completions and /v1/completions "
-            "(streaming, tools), GET /v1/models, /health, /metrics and /openapi.json. One "
-            "generation at a time behind a FIFO queue."
+            "(streaming, tools), GET /v1/models, /health, /metrics and /openapi.json. "
+            "Concurrent requests share each decode step (continuous batching over a KV block "
+            "pool); requests beyond --max-num-seqs wait in arrival order."
         ),
     )
     p.add_argument("--model", required=True, help="checkpoint directory")
@@ -109,6 +110,34 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "fit the context are refused below it)",
     )
     p.add_argument(
+        "--max-num-seqs",
+        type=_seqs,
+        default="auto",
+        help="most requests decoded together (1-64; default auto: 16, or fewer when the memory "
+        "left after the weights cannot give each 4,096 tokens of KV cache)",
+    )
+    p.add_argument(
+        "--memory-cap-mib",
+        type=_positive_int,
+        default=None,
+        help="cap this process's CUDA memory (MiB), e.g. 3732 to act as a 4 GB card; the KV "
+        "pool is sized within it",
+    )
+    p.add_argument(
+        "--kv-cache-mib",
+        type=_positive_int,
+        default=None,
+        help="KV block pool size in MiB (default: what is left after the weights, less room "
+        "for reading prompts)",
+    )
+    p.add_argument(
+        "--prefill-budget",
+        type=_positive_int,
+        default=None,
+        help="most prompt tokens read between two decode steps (default 1024 on CUDA): lower "
+        "keeps streams smoother while long prompts arrive, higher reads them faster",
+    )
+    p.add_argument(
         "--model-name", default=None, help="name clients use in 'model' (default: directory name)"
     )
     p.add_argument(
@@ -121,6 +150,25 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="uvicorn log level (info shows one line per request)",
     )
     p.set_defaults(func=_serve)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
+    return value
+
+
+def _seqs(text: str) -> int | str:
+    if text == "auto":
+        return text
+    value = _positive_int(text)
+    if value > 64:
+        raise argparse.ArgumentTypeError(f"{value} is more than 64; use 1-64 or auto")
+    return value
 
 
 _BIND_REMEDY = (
@@ -253,8 +301,16 @@ def _serve(args: argparse.Namespace) -> int:
         model_dir,
         device=args.device,
         max_context=max_ctx,
+        memory_cap_mib=args.memory_cap_mib,
         options=engine.EngineOptions.from_env(),
+        max_num_seqs=args.max_num_seqs,
+        prefill_budget=args.prefill_budget,
+        kv_cache_mib=args.kv_cache_mib,
+        warm_up=not args.no_warmup,
     )
+    from engine.batching import kv_cache_line
+
+    sys.stderr.write(f"gpurig engine: {kv_cache_line(eng.batching, eng.pool.nbytes())}\n")
     if not args.no_warmup:  # first-use costs (kernel builds, allocations) stay out of timings
         import time
 

@@ -34,7 +34,9 @@ KEPT = {
     "vllm:num_requests_running": "requests_running",
     "vllm:generation_tokens_total": "generation_tokens",
     "vllm:prompt_tokens_total": "prompt_tokens",
-    "gpurig_engine_queue_waiting": "requests_waiting",
+    "gpurig_engine_num_requests_waiting": "requests_waiting",
+    "gpurig_engine_num_requests_running": "requests_running",
+    "gpurig_engine_kv_cache_usage_perc": "kv_cache_usage",
     "gpurig_engine_completion_tokens_total": "generation_tokens",
     "gpurig_engine_prompt_tokens_total": "prompt_tokens",
 }

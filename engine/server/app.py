@@ -69,6 +69,8 @@ async def health(request: Request) -> Response:
             "max_context": state.max_context,
             "busy": snap["busy"],
             "queue_waiting": snap["queue_waiting"],
+            "running": snap["num_requests_running"],
+            "waiting": snap["num_requests_waiting"],
         }
     )
 

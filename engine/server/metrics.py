@@ -10,6 +10,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -33,7 +34,10 @@ class Metrics:
         self.decode_tokens = 0.0
         self.queue_seconds = 0.0
         self.queue_waiting = 0
+        self.running = 0
         self.busy = False
+        # the batching engine's scheduler (engine.scheduler.Scheduler.stats), when it has one
+        self.scheduler_stats: Callable[[], Any] | None = None
         self.last_decode_tok_per_s = 0.0
         self.last_prompt_tok_per_s = 0.0
 
@@ -45,10 +49,11 @@ class Metrics:
         with self._lock:
             self.cancelled += 1
 
-    def set_queue(self, waiting: int, busy: bool) -> None:
+    def set_queue(self, waiting: int, busy: bool, running: int | None = None) -> None:
         with self._lock:
             self.queue_waiting = waiting
             self.busy = busy
+            self.running = int(busy) if running is None else running
 
     def record_generation(self, r: GenerationResult, queue_ms: float) -> None:
         with self._lock:
@@ -64,8 +69,9 @@ class Metrics:
                 self.last_prompt_tok_per_s = r.prompt_tokens / r.prefill_seconds
 
     def snapshot(self) -> dict[str, Any]:
+        batch = self._batch()
         with self._lock:
-            return {
+            return batch | {
                 "model": self.model_name,
                 "uptime_s": round(time.time() - self.started, 3),
                 "requests": [
@@ -87,6 +93,31 @@ class Metrics:
                 "prompt_tok_per_s_last": round(self.last_prompt_tok_per_s, 2),
                 "decode_tok_per_s_last": round(self.last_decode_tok_per_s, 2),
             }
+
+    def _batch(self) -> dict[str, Any]:
+        """What the scheduler says (vLLM's gauges): requests running in the batch and waiting
+        (in the server's queue and the scheduler's), KV cache usage, tokens per decode step.
+        Without a scheduler, the one-at-a-time queue's view."""
+        if self.scheduler_stats is None:
+            with self._lock:
+                return {
+                    "num_requests_running": self.running,
+                    "num_requests_waiting": self.queue_waiting,
+                }
+        st = self.scheduler_stats()
+        with self._lock:
+            waiting = self.queue_waiting
+        return {
+            "num_requests_running": st.running,
+            "num_requests_waiting": st.waiting + waiting,
+            "max_num_seqs": st.max_num_seqs,
+            "kv_cache_usage_perc": round(st.kv_usage, 6),
+            "kv_cache_tokens": st.kv_tokens,
+            "decode_steps_total": st.steps,
+            "decode_step_rows_total": st.step_rows,
+            "tokens_per_step_last": st.last_step_rows,
+            "tokens_per_step_avg": round(st.step_rows / st.steps, 3) if st.steps else 0.0,
+        }
 
     def prometheus(self) -> str:
         s = self.snapshot()
@@ -118,6 +149,13 @@ class Metrics:
         metric("queue_seconds_total", "counter", "Time waiting in queue.", s["queue_seconds_total"])
         metric("queue_waiting", "gauge", "Requests waiting for the engine.", s["queue_waiting"])
         metric("busy", "gauge", "1 while a generation runs.", int(s["busy"]))
+        metric("num_requests_running", "gauge", "Requests in the decode batch (vLLM's "
+               "num_requests_running).", s["num_requests_running"])  # fmt: skip
+        metric("num_requests_waiting", "gauge", "Requests waiting to join the batch.",
+               s["num_requests_waiting"])  # fmt: skip
+        for name, kind, text in _BATCH_METRICS:
+            if name in s:
+                metric(name, kind, text, s[name])
         metric(
             "prompt_tok_per_s_avg", "gauge", "Prompt tokens per second.", s["prompt_tok_per_s_avg"]
         )
@@ -131,6 +169,17 @@ class Metrics:
             s["decode_tok_per_s_last"],
         )
         return "\n".join(lines) + "\n"
+
+
+_BATCH_METRICS = (
+    ("max_num_seqs", "gauge", "Sequences the engine batches at most."),
+    ("kv_cache_usage_perc", "gauge", "Fraction of the KV block pool in use (1 = full)."),
+    ("kv_cache_tokens", "gauge", "Tokens the KV block pool holds."),
+    ("decode_steps_total", "counter", "Decode steps run."),
+    ("decode_step_rows_total", "counter", "Sequences decoded, summed over the steps."),
+    ("tokens_per_step_last", "gauge", "Sequences in the last decode step."),
+    ("tokens_per_step_avg", "gauge", "Average sequences per decode step."),
+)
 
 
 def _rate(tokens: float, seconds: float) -> float:

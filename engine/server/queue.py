@@ -1,14 +1,17 @@
-"""One generation at a time, first come first served, off the event loop.
+"""Generations off the event loop, first come first served.
 
-The engine is blocking torch code and not thread-safe, so a single worker thread owns it and
-takes jobs from a FIFO queue; the asyncio side only enqueues and listens. Each job streams its
-text back to the event loop as it is made (a thread-safe hand-off into an asyncio.Queue), so
-streaming clients see tokens as they come and the loop keeps answering /health and /metrics
-while a long generation runs.
+The engine is blocking torch code, so worker threads drive it and take jobs from a FIFO queue;
+the asyncio side only enqueues and listens. With a batching engine (`engine.load(max_num_seqs=N)`,
+what `gpurig engine serve` loads) there are N workers, each a client of the engine's scheduler
+(engine/scheduler.py), which puts every open generation in the same decode steps; a job beyond N
+waits here in arrival order. A single-sequence engine (not thread-safe) gets one worker: one
+generation at a time. Each job streams its text back to the event loop as it is made (a
+thread-safe hand-off into an asyncio.Queue), so streaming clients see tokens as they come and the
+loop keeps answering /health and /metrics while generations run.
 
 Cancelling a job (a client that went away) is a flag the worker checks after every token: it then
-closes the engine's stream iterator, which stops generation at once, and the engine is free for
-the next job. A job cancelled while still waiting is skipped without touching the engine.
+closes the engine's stream, which frees its place in the batch at the next step. A job cancelled
+while still waiting is skipped without touching the engine.
 """
 
 from __future__ import annotations
@@ -103,55 +106,79 @@ class Job:
                 return
 
 
+def worker_count(engine: Any) -> int:
+    """One worker per sequence the engine batches; one for an engine without a scheduler."""
+    scheduler = getattr(engine, "scheduler", None)
+    return int(scheduler.max_num_seqs) if scheduler is not None else 1
+
+
 class GenerationQueue:
-    """The FIFO in front of the engine, and the one thread that runs it."""
+    """The FIFO in front of the engine, and the worker threads that run it."""
 
     def __init__(self, engine: Any, metrics: Metrics) -> None:
         self.engine = engine
         self.metrics = metrics
+        self.workers = worker_count(engine)
         self._jobs: queue.Queue[Job | None] = queue.Queue()
-        self._thread: threading.Thread | None = None
-        self.current: Job | None = None
+        self._threads: list[threading.Thread] = []
+        self._lock = threading.Lock()
+        self.active: set[Job] = set()
 
     def start(self) -> None:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="gpurig-generate", daemon=True)
-            self._thread.start()
+        if self._threads:
+            return
+        for i in range(self.workers):
+            thread = threading.Thread(target=self._run, name=f"gpurig-generate-{i}", daemon=True)
+            thread.start()
+            self._threads.append(thread)
 
     def stop(self, timeout: float = 10.0) -> None:
-        if self._thread is None:
+        if not self._threads:
             return
-        if self.current is not None:
-            self.current.cancel()
-        self._jobs.put(None)
-        self._thread.join(timeout)
-        self._thread = None
+        with self._lock:
+            for job in self.active:
+                job.cancel()
+        for _ in self._threads:
+            self._jobs.put(None)
+        deadline = time.monotonic() + timeout
+        for thread in self._threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        self._threads = []
 
     @property
     def waiting(self) -> int:
         return self._jobs.qsize()
 
+    @property
+    def running(self) -> int:
+        return len(self.active)
+
     def submit(self, request: GenerationRequest) -> Job:
         job = Job(request, asyncio.get_running_loop())
         self._jobs.put(job)
-        self.metrics.set_queue(self.waiting, self.current is not None)
+        self._report()
         return job
+
+    def _report(self) -> None:
+        self.metrics.set_queue(self.waiting, bool(self.active), len(self.active))
 
     def _run(self) -> None:
         while True:
             job = self._jobs.get()
             if job is None:
                 return
-            self.current = job
-            self.metrics.set_queue(self.waiting, True)
+            with self._lock:
+                self.active.add(job)
+            self._report()
             try:
                 self._execute(job)
             except BaseException as exc:  # never let one request kill the worker
                 log.exception("generation failed")
                 job.put(Event("error", error=exc))
             finally:
-                self.current = None
-                self.metrics.set_queue(self.waiting, False)
+                with self._lock:
+                    self.active.discard(job)
+                self._report()
 
     def _execute(self, job: Job) -> None:
         req = job.request

@@ -54,6 +54,9 @@ class ServerState:
         )
         self.created = int(time.time())
         self.metrics = Metrics(self.model_name)
+        scheduler = getattr(engine, "scheduler", None)
+        if scheduler is not None:
+            self.metrics.scheduler_stats = scheduler.stats
         self.queue = GenerationQueue(engine, self.metrics)
         self.eos_ids = [int(i) for i in (getattr(engine, "eos_ids", None) or [])]
         self.defaults = sampling_defaults(model_dir)
