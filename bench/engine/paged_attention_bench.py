@@ -35,6 +35,13 @@ LAYERS = {  # kind: head_dim, ring slots (0: paged), window
 BLOCK_SIZE = 16
 MAX_CONTEXT = 8192
 COLD_BYTES = 256 << 20
+# --sweep: (layer, rows, context, max_batch) x (BLOCK_S, warps, splits per row) beside the
+# defaults (full: 32 keys a tile, 4 warps; ring: 64 keys, at most one slice per 64 keys)
+SWEEP = [
+    *[(("full", r, c, r), t) for r, c in ((16, 4096), (8, 4096), (1, 4096), (16, 512))
+      for t in ((32, 8, None), (64, 4, None), (64, 8, None), (16, 4, None))],
+    *[(("ring", 16, 512, 16), t) for t in ((32, 4, 16), (16, 4, 16), (32, 8, 16))],
+]  # fmt: skip
 MAX_COPIES = 32
 
 
@@ -93,8 +100,18 @@ def _time_graph(calls, device: torch.device, replays: int) -> float:
     return statistics.median(times)
 
 
-def measure(kind: str, rows: int, ctx: int, max_batch: int, device, smoke: bool) -> dict:
-    from engine.kernels.attention_paged import PagedDecodeAttention
+def measure(
+    kind: str,
+    rows: int,
+    ctx: int,
+    max_batch: int,
+    device,
+    smoke: bool,
+    tiling: tuple[int | None, int | None, int | None] = (None, None, None),
+) -> dict:
+    """One PagedDecodeAttention call; `tiling` (BLOCK_S, warps, splits per row) overrides
+    the defaults for the --sweep rows."""
+    from engine.kernels.attention_paged import PagedDecodeAttention, paged_attention_reference
 
     dim, r_slots, window = LAYERS[kind]
     bytes_per_call = rows * _keys_read(kind, ctx) * dim * 2 * DTYPE.itemsize
@@ -102,7 +119,9 @@ def measure(kind: str, rows: int, ctx: int, max_batch: int, device, smoke: bool)
     pools = _pools(kind, rows, ctx, copies, device)
     att = PagedDecodeAttention(H, dim, max_batch, MAX_CONTEXT, device, ring=bool(r_slots),
                                ring_slots=r_slots, window=window, block_size=BLOCK_SIZE,
-                               scale=1.0)  # fmt: skip
+                               scale=1.0, block_s=tiling[0], splits=tiling[2])  # fmt: skip
+    if tiling[1]:
+        att.num_warps = tiling[1]
     q = (0.05 * torch.randn(rows, H, dim, device=device)).to(DTYPE)
     positions = torch.full((rows,), ctx - 1, dtype=torch.int64, device=device)
     seq_slots = torch.arange(rows, dtype=torch.int32, device=device)
@@ -116,20 +135,19 @@ def measure(kind: str, rows: int, ctx: int, max_batch: int, device, smoke: bool)
     cold = _time_graph([call(p) for p in pools], device, replays) / n
     hot = _time_graph([call(pools[0])] * n, device, replays) / n
     row = {"layer": kind, "head_dim": dim, "rows": rows, "context": ctx, "max_batch": max_batch,
-           "splits_per_row": att.splits, "use_dot": att.use_dot, "copies": n,
+           "splits_per_row": att.splits, "use_dot": att.use_dot, "block_s": att.block_s,
+           "num_warps": att.num_warps, "copies": n,
            "keys_per_row": _keys_read(kind, ctx), "mb_read": round(bytes_per_call / 1e6, 3),
            "us_cold": round(cold, 2), "us_hot": round(hot, 2),
            "gbps_cold": round(bytes_per_call / cold / 1e3, 1),
            "gbps_hot": round(bytes_per_call / hot / 1e3, 1)}  # fmt: skip
-    if smoke:  # the answer, not only the speed: against the reference
-        from engine.kernels.attention_paged import paged_attention_reference
-
-        k, v, table = pools[0]
-        want = paged_attention_reference(q, k, v, positions, seq_slots, table,
-                                         ring=bool(r_slots), ring_slots=r_slots, window=window,
-                                         block_size=BLOCK_SIZE)  # fmt: skip
-        err = ((out.float() - want.float()).norm() / want.float().norm()).item()
-        row["rel_err_vs_reference"] = err
+    # the answer, not only the speed: the hot graph's call (on copy 0) against the reference
+    k, v, table = pools[0]
+    want = paged_attention_reference(q, k, v, positions, seq_slots, table, ring=bool(r_slots),
+                                     ring_slots=r_slots, window=window,
+                                     block_size=BLOCK_SIZE)  # fmt: skip
+    err = ((out.float() - want.float()).norm() / want.float().norm()).item()
+    row["rel_err_vs_reference"] = float(f"{err:.3g}")
     return row
 
 
@@ -161,6 +179,16 @@ def measure_single(kind: str, ctx: int, device, smoke: bool) -> dict:
             "gbps_hot": round(bytes_per_call / hot / 1e3, 1)}  # fmt: skip
 
 
+def sweep(device: torch.device) -> dict:
+    rows = []
+    for (kind, r, ctx, max_batch), tiling in SWEEP:
+        row = measure(kind, r, ctx, max_batch, device, False, tiling)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        torch.cuda.empty_cache()
+    return {"device": torch.cuda.get_device_name(device), "sweep": rows}
+
+
 def run(rows_list: list[int], contexts: list[int], device: torch.device, smoke: bool) -> dict:
     res: dict[str, Any] = {"device": torch.cuda.get_device_name(device) if device.type == "cuda"
                            else "cpu (TRITON_INTERPRET=1)", "dtype": "bfloat16", "heads": H,
@@ -189,12 +217,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--smoke", action="store_true",
                     help="tiny shapes on the CPU under the Triton interpreter, checked against "
                          "the reference")  # fmt: skip
+    ap.add_argument("--sweep", action="store_true",
+                    help="only the tile / warp / split variants of SWEEP (GPU)")  # fmt: skip
     ap.add_argument("--out", default=None,
                     help="the JSON result (default: $OUT/paged_attention.json on the GPU, "
                          "none with --smoke)")  # fmt: skip
     args = ap.parse_args(argv)
     rows_list = [int(x) for x in args.rows.split(",") if x]
     contexts = [int(x) for x in args.contexts.split(",") if x]
+    if args.smoke and args.sweep:
+        ap.error("--sweep is for the GPU; --smoke alone checks the CPU path")
     if args.smoke:
         os.environ["TRITON_INTERPRET"] = "1"  # before the kernel modules are imported
         for name in ("engine.kernels.attention_decode", "engine.kernels.attention_paged"):
@@ -210,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("no CUDA GPU here: run with --smoke for the CPU check")
     else:
         device = torch.device("cuda")
-    res = run(rows_list, contexts, device, args.smoke)
+    res = sweep(device) if args.sweep else run(rows_list, contexts, device, args.smoke)
     if args.smoke:
         worst = max(r["rel_err_vs_reference"] for r in res["paged"])
         print(f"smoke: worst relative error against the reference {worst:.2e}")
