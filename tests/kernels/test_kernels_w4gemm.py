@@ -4,6 +4,8 @@ multiply-and-sum), split-K with the fused ticket reduction and the two-pass one.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -142,3 +144,114 @@ def test_candidates_fit_their_shape() -> None:
     keys = {shape_key(1536, 6144, torch.bfloat16, m, tc) for m in (2, 3, 4, 5, 16)
             for tc in (True, False)}  # fmt: skip
     assert len(keys) == 8  # buckets 2, 4, 8, 16 (3 -> 4, 5 -> 8), each for both paths
+
+
+# ---- on the GPU (skipped where there is none): every E2B shape, CUDA-graph capture ----
+
+E2B_SHAPES = [
+    (2560, 1536), (5120, 1536), (2048, 1536), (4096, 1536),  # qkv, q only (sliding, full)
+    (1536, 2048), (1536, 4096), (12288, 1536), (24576, 1536),  # o; gate|up (normal, wide)
+    (1536, 6144), (1536, 12288), (256, 1536), (1536, 256),  # down; per-layer gate, proj
+    (8960, 1536), (262144, 1536),  # per-layer model projection, lm_head
+]  # fmt: skip
+
+
+@pytest.fixture
+def no_autotune(monkeypatch):
+    """The tuned table or the default tiling: no minutes of tuning inside the test run."""
+    from engine.kernels import tuning
+
+    monkeypatch.setattr(tuning, "_SETTINGS", dict(tuning._SETTINGS))
+    tuning.configure(autotune=False, directory=tuning.cache_dir())
+
+
+@pytest.mark.parametrize(("n", "k"), E2B_SHAPES)
+@pytest.mark.parametrize("m", [1, 2, 4, 8, 16])
+@pytest.mark.usefixtures("no_autotune")
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+def test_w4_gemm_at_e2b_shape(n, k, m) -> None:
+    dev = torch.device("cuda")
+    _check(dev, m, n, k, torch.bfloat16, 0, out_dtype=torch.bfloat16, seed=n + k)
+    if n in (12288, 24576):  # the gate|up matrices run the GLU epilogue
+        _check(dev, m, n, k, torch.bfloat16, 1, seed=n + k)
+    if n == 256:  # gelu(gate) * per-layer input
+        _check(dev, m, n, k, torch.bfloat16, 2, seed=n + k)
+    if n == 262144:  # logits straight into fp32
+        _check(dev, m, n, k, torch.bfloat16, 0, out_dtype=torch.float32, seed=n + k)
+
+
+@pytest.mark.parametrize(("n", "k"), [(2560, 1536), (1536, 12288), (12288, 1536)])
+@pytest.mark.usefixtures("no_autotune")
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+def test_fp32_is_exact_on_the_gpu_and_fp16_too(n, k) -> None:
+    """fp32 activations: an ieee dot (no tf32), so the reference's tolerance is fp32's."""
+    dev = torch.device("cuda")
+    for m in (2, 7, 16):
+        _check(dev, m, n, k, torch.float32, 0, seed=m)
+        _check(dev, m, n, k, torch.float16, 1 if n == 12288 else 0, seed=m)
+
+
+@pytest.mark.usefixtures("no_autotune")
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+def test_paths_and_split_k_on_the_gpu() -> None:
+    """The multiply-and-sum path (Turing's), forced on this GPU, and split-K under both
+    reductions, at a down-projection shape."""
+    dev = torch.device("cuda")
+    for cfg in (_cfg(TC=False, BLOCK_N=4, BLOCK_KW=8), _cfg(BLOCK_N=32, BLOCK_KW=16, SPLIT=8),
+                _cfg(BLOCK_N=64, BLOCK_KW=16, SPLIT=4, FUSED=False, SWAP=True)):  # fmt: skip
+        for m in (2, 9, 16):
+            for epi in (0, 2):
+                _check(dev, m, 1536, 6144, torch.bfloat16, epi, config=cfg, seed=m)
+
+
+@pytest.mark.usefixtures("no_autotune")
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+def test_captured_in_a_cuda_graph_and_replayed() -> None:
+    """warm, capture (split-K shape included), replay on new inputs: the graph's results equal
+    eager calls, and replays are bitwise repeatable (the ticket reduction is ordered)."""
+    from engine.kernels.w4gemm import warm
+
+    dev = torch.device("cuda")
+    layers = [(_layer(n, k, torch.bfloat16, dev, n)) for n, k in ((1536, 12288), (12288, 1536))]
+    xs = [torch.randn(8, 12288, device=dev).bfloat16(), torch.randn(8, 1536, device=dev).bfloat16()]
+    outs = [torch.empty(8, 1536, device=dev, dtype=torch.bfloat16),
+            torch.empty(8, 6144, device=dev, dtype=torch.bfloat16)]  # fmt: skip
+    for (p, _s), x in zip(layers, xs, strict=True):
+        warm(p.shape[0], x.shape[1], torch.bfloat16, dev, rows=(8,))
+    w4_gemm(xs[0], *layers[0], out=outs[0])  # one eager call each before capture
+    w4_gemm(xs[1], *layers[1], out=outs[1], epi=1)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        w4_gemm(xs[0], *layers[0], out=outs[0])
+        w4_gemm(xs[1], *layers[1], out=outs[1], epi=1)
+    for x in xs:
+        x.copy_(torch.randn_like(x))
+    graph.replay()
+    first = [o.clone() for o in outs]
+    graph.replay()
+    assert all(torch.equal(a, b) for a, b in zip(first, outs, strict=True))
+    assert torch.equal(first[0], w4_gemm(xs[0], *layers[0]))
+    assert torch.equal(first[1], w4_gemm(xs[1], *layers[1], epi=1))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the smoke mode is the CPU interpreter's")
+def test_gemm_bench_smoke_mode_writes_its_table(tmp_path) -> None:
+    """bench/engine/gemm_bench.py --smoke: every method measured or reported n/a with a reason,
+    the kernel's error small, the JSON and markdown written."""
+    from bench.engine.gemm_bench import main
+
+    out_json, out_md = tmp_path / "g.json", tmp_path / "g.md"
+    assert main(["--smoke", "--rows", "1,4", "--out-json", str(out_json),
+                 "--out-md", str(out_md)]) == 0  # fmt: skip
+    res = json.loads(out_json.read_text())
+    cells = {(c["shape"], c["method"], c["m"]): c for c in res["cells"]}
+    assert len(cells) == 2 * 5 * 2
+    ours = [c for c in res["cells"] if c["method"] == "w4_gemm"]
+    assert all(c["us"] > 0 and c["rel_err"] < 3e-2 for c in ours)
+    assert "needs CUDA" in cells[("smoke_a", "tinygemm", 4)]["na"]
+    assert "| smoke_b (96 x 256) | 4 |" in out_md.read_text()
