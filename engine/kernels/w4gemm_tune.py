@@ -82,7 +82,7 @@ def candidate_configs(n: int, k: int, m: int, tc: bool, epi: int = 0) -> list[di
             continue
         n_tiles = triton.cdiv(n, bn)
         for split in (1, 2, 4, 8):
-            if split > 1 and (n_tiles * split > 8 * 132 or kw // split < 2 * bkw):
+            if split > 1 and (n_tiles >= 2 * 132 or kw // split < 2 * bkw):  # few tiles only
                 continue
             out.append({"TC": tc, "BLOCK_N": bn, "BLOCK_KW": bkw, "num_warps": warps,
                         "num_stages": stages, "SPLIT": split, "FUSED": True, "SWAP": swap,
