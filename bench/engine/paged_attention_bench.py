@@ -35,13 +35,34 @@ LAYERS = {  # kind: head_dim, ring slots (0: paged), window
 BLOCK_SIZE = 16
 MAX_CONTEXT = 8192
 COLD_BYTES = 256 << 20
-# --sweep: (layer, rows, context, max_batch) x (BLOCK_S, warps, splits per row) beside the
-# defaults (full: 32 keys a tile, 4 warps; ring: 64 keys, at most one slice per 64 keys)
-SWEEP = [
-    *[(("full", r, c, r), t) for r, c in ((16, 4096), (8, 4096), (1, 4096), (16, 512))
-      for t in ((32, 8, None), (64, 4, None), (64, 8, None), (16, 4, None))],
-    *[(("ring", 16, 512, 16), t) for t in ((32, 4, 16), (16, 4, 16), (32, 8, 16))],
-]  # fmt: skip
+# --sweep NAME: (layer, rows, context, max_batch) x (BLOCK_S, warps, splits per row, pipeline
+# stages) beside the defaults (full: 32 keys a tile, 4 warps, 2 stages; ring: 64 keys, at most
+# one slice per 64 keys; splits about 2 per SM over the batch)
+_LONG = [("full", 16, 4096, 16), ("full", 8, 4096, 8)]
+SWEEPS = {
+    "tiles": [
+        *[
+            (("full", r, c, r), (*t, None))
+            for r, c in ((16, 4096), (8, 4096), (1, 4096), (16, 512))
+            for t in ((32, 8, None), (64, 4, None), (64, 8, None), (16, 4, None))
+        ],
+        *[(("ring", 16, 512, 16), (*t, None)) for t in ((32, 4, 16), (16, 4, 16), (32, 8, 16))],
+    ],
+    "stages": [
+        *[
+            (shape, t)
+            for shape in _LONG
+            for t in (
+                (None, None, 32, None),
+                (None, None, None, 3),
+                (None, None, 32, 3),
+                (None, None, 64, 2),
+                (None, None, None, 1),
+            )
+        ],
+        (("full", 1, 4096, 1), (None, None, None, 3)),
+    ],
+}
 MAX_COPIES = 32
 
 
@@ -107,10 +128,10 @@ def measure(
     max_batch: int,
     device,
     smoke: bool,
-    tiling: tuple[int | None, int | None, int | None] = (None, None, None),
+    tiling: tuple[int | None, ...] = (None, None, None, None),
 ) -> dict:
-    """One PagedDecodeAttention call; `tiling` (BLOCK_S, warps, splits per row) overrides
-    the defaults for the --sweep rows."""
+    """One PagedDecodeAttention call; `tiling` (BLOCK_S, warps, splits per row, stages)
+    overrides the defaults for the --sweep rows."""
     from engine.kernels.attention_paged import PagedDecodeAttention, paged_attention_reference
 
     dim, r_slots, window = LAYERS[kind]
@@ -122,6 +143,8 @@ def measure(
                                scale=1.0, block_s=tiling[0], splits=tiling[2])  # fmt: skip
     if tiling[1]:
         att.num_warps = tiling[1]
+    if tiling[3]:
+        att.num_stages = tiling[3]
     q = (0.05 * torch.randn(rows, H, dim, device=device)).to(DTYPE)
     positions = torch.full((rows,), ctx - 1, dtype=torch.int64, device=device)
     seq_slots = torch.arange(rows, dtype=torch.int32, device=device)
@@ -136,7 +159,7 @@ def measure(
     hot = _time_graph([call(pools[0])] * n, device, replays) / n
     row = {"layer": kind, "head_dim": dim, "rows": rows, "context": ctx, "max_batch": max_batch,
            "splits_per_row": att.splits, "use_dot": att.use_dot, "block_s": att.block_s,
-           "num_warps": att.num_warps, "copies": n,
+           "num_warps": att.num_warps, "num_stages": att.num_stages, "copies": n,
            "keys_per_row": _keys_read(kind, ctx), "mb_read": round(bytes_per_call / 1e6, 3),
            "us_cold": round(cold, 2), "us_hot": round(hot, 2),
            "gbps_cold": round(bytes_per_call / cold / 1e3, 1),
@@ -179,14 +202,14 @@ def measure_single(kind: str, ctx: int, device, smoke: bool) -> dict:
             "gbps_hot": round(bytes_per_call / hot / 1e3, 1)}  # fmt: skip
 
 
-def sweep(device: torch.device) -> dict:
+def sweep(name: str, device: torch.device) -> dict:
     rows = []
-    for (kind, r, ctx, max_batch), tiling in SWEEP:
+    for (kind, r, ctx, max_batch), tiling in SWEEPS[name]:
         row = measure(kind, r, ctx, max_batch, device, False, tiling)
         rows.append(row)
         print(json.dumps(row), flush=True)
         torch.cuda.empty_cache()
-    return {"device": torch.cuda.get_device_name(device), "sweep": rows}
+    return {"device": torch.cuda.get_device_name(device), f"sweep_{name}": rows}
 
 
 def run(rows_list: list[int], contexts: list[int], device: torch.device, smoke: bool) -> dict:
@@ -217,8 +240,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--smoke", action="store_true",
                     help="tiny shapes on the CPU under the Triton interpreter, checked against "
                          "the reference")  # fmt: skip
-    ap.add_argument("--sweep", action="store_true",
-                    help="only the tile / warp / split variants of SWEEP (GPU)")  # fmt: skip
+    ap.add_argument("--sweep", choices=sorted(SWEEPS),
+                    help="only these variants of tiles, warps, splits, stages (GPU)")  # fmt: skip
     ap.add_argument("--out", default=None,
                     help="the JSON result (default: $OUT/paged_attention.json on the GPU, "
                          "none with --smoke)")  # fmt: skip
@@ -242,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("no CUDA GPU here: run with --smoke for the CPU check")
     else:
         device = torch.device("cuda")
-    res = sweep(device) if args.sweep else run(rows_list, contexts, device, args.smoke)
+    res = sweep(args.sweep, device) if args.sweep else run(rows_list, contexts, device, args.smoke)
     if args.smoke:
         worst = max(r["rel_err_vs_reference"] for r in res["paged"])
         print(f"smoke: worst relative error against the reference {worst:.2e}")

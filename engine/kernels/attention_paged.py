@@ -241,6 +241,7 @@ class PagedDecodeAttention:
         default_block_s, self.heads_padded, self.num_warps = split_tiling(head_dim, num_heads,
                                                                           use_dot)  # fmt: skip
         self.block_s = block_s or default_block_s
+        self.num_stages = 2  # the single-sequence kernel's; a bench may try others
         if not _is_pow2(self.block_s) or (use_dot and self.block_s < 16):
             raise ValueError(f"block_s {self.block_s}: a power of two, >= 16 with tl.dot")
         keys = min(self.ring_slots, max_context) if ring else max_context
@@ -293,7 +294,8 @@ class PagedDecodeAttention:
             self.ring_slots, self.window, max_keys, self.scale, q.stride(0), q.stride(1),
             k_pool.stride(0), v_pool.stride(0), stride_bt,
             H=h, HP=self.heads_padded, D=d, BLOCK_S=self.block_s, BLOCK_KV=self.block_size,
-            RING=self.ring, USE_DOT=self.use_dot, num_warps=self.num_warps, num_stages=2,
+            RING=self.ring, USE_DOT=self.use_dot, num_warps=self.num_warps,
+            num_stages=self.num_stages,
         )  # fmt: skip
         block_d = min(d, COMBINE_BLOCK_D)
         block_p = triton.next_power_of_2(self.splits)
