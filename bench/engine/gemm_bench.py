@@ -178,9 +178,53 @@ def measure(sh: Shape, method: str, m: int) -> dict[str, Any]:
             "pct_peak": round(100 * gbps / PEAK_GBPS, 1), "rel_err": float(f"{err:.3g}")}  # fmt: skip
 
 
-def tune_all(shapes, device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
+def _precompile_worker(job: tuple[int, int, list[tuple[int, int]], str]) -> int:
+    """Compile (by running once, on zeros) every candidate whose index % procs == rank, at
+    every shape: Triton's disk cache then serves the tuning process. Returns launches run."""
+    rank, procs, shapes, dtype_name = job
+    from engine.kernels.w4gemm import workspace
+    from engine.kernels.w4gemm_kernel import launch
+    from engine.kernels.w4gemm_tune import candidate_configs
+
+    dev, dtype, done = torch.device("cuda"), getattr(torch, dtype_name), 0
+    for n, k in shapes:
+        p = torch.zeros(n, k // 8, device=dev, dtype=torch.int32)
+        s = torch.ones(n, k // 32, device=dev, dtype=dtype)
+        for m in (2, 4, 8, 16):
+            x, y = (
+                torch.zeros(m, k, device=dev, dtype=dtype),
+                torch.empty(m, n, device=dev, dtype=dtype),
+            )
+            ws, tk = workspace(dev, 8 * m * n, n)
+            for cfg in candidate_configs(n, k, m, True):
+                key = json.dumps(cfg, sort_keys=True)
+                if hash(key) % procs != rank or (cfg["TC"] and m in (4, 8)):
+                    continue  # M 2, 4, 8 share one specialization on the tensor-core path
+                try:
+                    launch(x, p, s, y, cfg, ws=ws, tickets=tk)
+                    done += 1
+                except Exception:  # noqa: BLE001 - tuning skips what does not build
+                    pass
+    torch.cuda.synchronize()
+    return done
+
+
+def precompile(shapes, procs: int, dtype: torch.dtype) -> None:
+    """Build the candidates in `procs` processes at once (compiling, not timing, is what tuning
+    spends its time on)."""
+    import multiprocessing as mp
+
+    os.environ["PYTHONHASHSEED"] = "0"  # one hash() of a config in every process
+    nk = [(n, k) for _, n, k in shapes]
+    with mp.get_context("spawn").Pool(procs) as pool:
+        done = pool.map(_precompile_worker, [(r, procs, nk, str(dtype).split(".")[-1])
+                                             for r in range(procs)])  # fmt: skip
+    print(f"precompiled: {sum(done)} launches in {procs} processes", flush=True)
+
+
+def tune_all(shapes, device: torch.device, dtype: torch.dtype, path: Path | None = None):
     """Time every candidate per shape and row bucket; store the winners in the tuning cache
-    (so this process's benchmark uses them) and return the table for w4gemm_tune.TUNED_H200."""
+    (so this process's benchmark uses them) and return the table (engine/kernels/configs/w4gemm_NVIDIA_H200.json)."""
     from engine.kernels import tuning
     from engine.kernels.w4gemm_kernel import KERNEL_NAME, default_config
     from engine.kernels.w4gemm_tune import candidate_configs, path_for, random_sets, shape_key, tune
@@ -205,6 +249,8 @@ def tune_all(shapes, device: torch.device, dtype: torch.dtype) -> dict[str, Any]
                   f"[{len(results)} cands, {time.time() - t0:.1f}s]", flush=True)  # fmt: skip
         del sets
         torch.cuda.empty_cache()
+        if path:  # after every shape: a run cut short keeps what it measured
+            path.write_text(json.dumps(table, indent=1, sort_keys=True))
     return table
 
 
@@ -269,6 +315,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out-json", type=Path)
     ap.add_argument("--out-md", type=Path)
     ap.add_argument("--tuned-json", type=Path, help="where --tune writes its table")
+    ap.add_argument("--precompile-procs", type=int, default=0,
+                    help="with --tune: build the candidates in this many processes first")  # fmt: skip
     a = ap.parse_args(argv)
     t0 = time.time()
     if a.smoke:
@@ -289,9 +337,11 @@ def main(argv: list[str] | None = None) -> int:
                            "L2, median of 5 replays (no launch overhead)",
                            "peak_gbps": PEAK_GBPS, "dtype": "bfloat16"}  # fmt: skip
     if a.tune and device.type == "cuda":
-        res["tuned"] = tune_all(shapes, device, dtype)
-        if a.tuned_json:
-            a.tuned_json.write_text(json.dumps(res["tuned"], indent=1, sort_keys=True))
+        if a.precompile_procs:
+            t1 = time.time()
+            precompile(shapes, a.precompile_procs, dtype)
+            res["precompile_s"] = round(time.time() - t1, 1)
+        res["tuned"] = tune_all(shapes, device, dtype, a.tuned_json)
     res["cells"] = run(shapes, rows, a.methods.split(","), device, dtype, t0 + a.budget_s)
     res["wall_s"] = round(time.time() - t0, 1)
     md = markdown(res["cells"], rows)

@@ -54,16 +54,25 @@ def _dequant(w, s, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr):
 
 
 @triton.jit
-def _loads(w_ptrs, s_ptrs, x_ptrs, rk, rkk, m_mask, kw0, KW, EVEN_K: tl.constexpr):
-    """One K step's words [BN, BKW], scales [BN, BKW] (fp32) and activations [BM, 8*BKW]."""
+def _ws_loads(w_ptrs, s_ptrs, rk, kw0, KW, EVEN_K: tl.constexpr):
+    """One K step's words [BN, BKW] and their group scales [BN, BKW] (fp32)."""
     if EVEN_K:
         w = tl.load(w_ptrs + kw0)
         s = tl.load(s_ptrs + kw0 // 4).to(tl.float32)
-        x = tl.load(x_ptrs + kw0 * 8, mask=m_mask[:, None], other=0.0)
     else:
         km = (kw0 + rk) < KW
         w = tl.load(w_ptrs + kw0, mask=km[None, :], other=0)
         s = tl.load(s_ptrs + kw0 // 4, mask=km[None, :], other=0.0).to(tl.float32)
+    return w, s
+
+
+@triton.jit
+def _loads(w_ptrs, s_ptrs, x_ptrs, rk, rkk, m_mask, kw0, KW, EVEN_K: tl.constexpr):
+    """One K step's words, scales and activations [BM, 8*BKW]."""
+    w, s = _ws_loads(w_ptrs, s_ptrs, rk, kw0, KW, EVEN_K)
+    if EVEN_K:
+        x = tl.load(x_ptrs + kw0 * 8, mask=m_mask[:, None], other=0.0)
+    else:
         xm = m_mask[:, None] & ((kw0 * 8 + rkk) < KW * 8)[None, :]
         x = tl.load(x_ptrs + kw0 * 8, mask=xm, other=0.0)
     return w, s, x
@@ -178,6 +187,16 @@ def _w4_gemm_kernel(
         y = tl.trans(acc) if SWAP else acc
     else:
         y = tl.sum(acc, axis=2)
+    _finish(y, rm, m_mask, rn, pid_n, pid_k, M, N, y_ptr, stride_ym, ws_ptr, tk_ptr, aux_ptr,
+            stride_am, BLOCK_M, BLOCK_N, SPLIT, FUSED, EPI)  # fmt: skip
+
+
+@triton.jit
+def _finish(y, rm, m_mask, rn, pid_n, pid_k, M, N, y_ptr, stride_ym, ws_ptr, tk_ptr, aux_ptr,
+            stride_am, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+            FUSED: tl.constexpr, EPI: tl.constexpr):  # fmt: skip
+    """y [BM, BN] of K slice pid_k: the epilogue (SPLIT 1), else the workspace, and (FUSED)
+    the reduction by the tile's last program."""
     if SPLIT == 1:
         _epilogue(y, rm, m_mask, pid_n, N, y_ptr, stride_ym, aux_ptr, stride_am, BLOCK_M,
                   BLOCK_N, EPI)  # fmt: skip
@@ -195,6 +214,118 @@ def _w4_gemm_kernel(
                 _epilogue(y, rm, m_mask, pid_n, N, y_ptr, stride_ym, aux_ptr, stride_am,
                           BLOCK_M, BLOCK_N, EPI)  # fmt: skip
                 tl.atomic_xchg(tk_ptr + pid_n, 0, sem="relaxed", scope="gpu")  # for the next
+
+
+@triton.jit
+def _slab_loads(w_ptrs, s_ptrs, x_ptrs, rk, m_mask, kw0, KW, EVEN_K: tl.constexpr):
+    """One K step for the slab form: words, scales, and the 8 activation slabs [BM, BKW]
+    (slab j: x[m, (kw0 + i) * 8 + j], the activations of nibble j of every word)."""
+    w, s = _ws_loads(w_ptrs, s_ptrs, rk, kw0, KW, EVEN_K)
+    xm = m_mask[:, None] if EVEN_K else m_mask[:, None] & (kw0 + rk < KW)[None, :]
+    p = x_ptrs + kw0 * 8
+    x0 = tl.load(p, mask=xm, other=0.0)
+    x1 = tl.load(p + 1, mask=xm, other=0.0)
+    x2 = tl.load(p + 2, mask=xm, other=0.0)
+    x3 = tl.load(p + 3, mask=xm, other=0.0)
+    x4 = tl.load(p + 4, mask=xm, other=0.0)
+    x5 = tl.load(p + 5, mask=xm, other=0.0)
+    x6 = tl.load(p + 6, mask=xm, other=0.0)
+    x7 = tl.load(p + 7, mask=xm, other=0.0)
+    return w, s, x0, x1, x2, x3, x4, x5, x6, x7
+
+
+@triton.jit
+def _slab_dot(acc, w, s, xj, J: tl.constexpr, TC: tl.constexpr, SWAP: tl.constexpr,
+              IEEE: tl.constexpr):  # fmt: skip
+    """acc + nibble J of every word of the tile, dequantized, against its activation slab: an
+    elementwise function of the loaded words, so Triton can load them straight in the dot
+    operand's layout (no shared-memory round trip of the 16-bit weights)."""
+    c = ((w >> (4 * J)) & 0xF) | 0x4B000000
+    v = (c.to(tl.float32, bitcast=True) - 8388616.0) * s
+    if not TC:  # multiply-and-sum: [BM, BN, BKW] products of the exact fp32 weights
+        acc += v[None, :, :] * xj.to(tl.float32)[:, None, :]
+    else:
+        v = v.to(xj.dtype)
+        if IEEE and xj.dtype != tl.float32:  # the CPU interpreter's bf16 dot: see _step
+            v = v.to(tl.float32)
+            xj = xj.to(tl.float32)
+        if SWAP:
+            if IEEE:
+                acc = tl.dot(v, tl.trans(xj), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(v, tl.trans(xj), acc)
+        else:
+            if IEEE:
+                acc = tl.dot(xj, tl.trans(v), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(xj, tl.trans(v), acc)
+    return acc
+
+
+@triton.jit
+def _slab_step(acc, w, s, x0, x1, x2, x3, x4, x5, x6, x7, TC: tl.constexpr, SWAP: tl.constexpr,
+               IEEE: tl.constexpr):  # fmt: skip
+    acc = _slab_dot(acc, w, s, x0, 0, TC, SWAP, IEEE)
+    acc = _slab_dot(acc, w, s, x1, 1, TC, SWAP, IEEE)
+    acc = _slab_dot(acc, w, s, x2, 2, TC, SWAP, IEEE)
+    acc = _slab_dot(acc, w, s, x3, 3, TC, SWAP, IEEE)
+    acc = _slab_dot(acc, w, s, x4, 4, TC, SWAP, IEEE)
+    acc = _slab_dot(acc, w, s, x5, 5, TC, SWAP, IEEE)
+    acc = _slab_dot(acc, w, s, x6, 6, TC, SWAP, IEEE)
+    acc = _slab_dot(acc, w, s, x7, 7, TC, SWAP, IEEE)
+    return acc
+
+
+@triton.jit
+def _w4_gemm_slab_kernel(
+    x_ptr, w_ptr, s_ptr, y_ptr, ws_ptr, tk_ptr, aux_ptr,
+    M, N, KW, G, stride_xm, stride_ym, stride_am, chunk_kw,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr,
+    EVEN_K: tl.constexpr, SWAP: tl.constexpr, IEEE: tl.constexpr,
+    SPLIT: tl.constexpr, FUSED: tl.constexpr, EPI: tl.constexpr, PIPE: tl.constexpr = True,
+    TC: tl.constexpr = True,
+):  # fmt: skip
+    """The tensor-core path with K taken nibble by nibble: each K step is 8 dots of K=BLOCK_KW
+    (nibble j of every word against the activations at k = 8i + j), which sums the same
+    products as one dot over the unpacked tile. Grid and epilogue as _w4_gemm_kernel."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_KW)
+    rm = tl.arange(0, BLOCK_M)
+    m_mask = rm < M
+    rn_safe = tl.where(rn < N, rn, 0).to(tl.int64)
+    w_ptrs = w_ptr + rn_safe[:, None] * KW + rk[None, :]
+    s_ptrs = s_ptr + rn_safe[:, None] * G + rk[None, :] // 4
+    x_ptrs = x_ptr + rm[:, None] * stride_xm + rk[None, :] * 8
+    k0 = pid_k * chunk_kw
+    k1 = tl.minimum(k0 + chunk_kw, KW)
+    if not TC:
+        acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_KW], dtype=tl.float32)
+    elif SWAP:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if PIPE:  # the next step's operands are requested before this step's dots
+        w, s, x0, x1, x2, x3, x4, x5, x6, x7 = _slab_loads(w_ptrs, s_ptrs, x_ptrs, rk, m_mask,
+                                                            k0, KW, EVEN_K)  # fmt: skip
+        for kn in range(k0 + BLOCK_KW, k1, BLOCK_KW):
+            nw, ns, n0, n1, n2, n3, n4, n5, n6, n7 = _slab_loads(w_ptrs, s_ptrs, x_ptrs, rk,
+                                                                 m_mask, kn, KW, EVEN_K)  # fmt: skip
+            acc = _slab_step(acc, w, s, x0, x1, x2, x3, x4, x5, x6, x7, TC, SWAP, IEEE)
+            w, s, x0, x1, x2, x3, x4, x5, x6, x7 = nw, ns, n0, n1, n2, n3, n4, n5, n6, n7
+        acc = _slab_step(acc, w, s, x0, x1, x2, x3, x4, x5, x6, x7, TC, SWAP, IEEE)
+    else:  # loads and their use in one iteration: Triton's own pipeliner may stage them
+        for kn in range(k0, k1, BLOCK_KW):
+            w, s, x0, x1, x2, x3, x4, x5, x6, x7 = _slab_loads(w_ptrs, s_ptrs, x_ptrs, rk,
+                                                                m_mask, kn, KW, EVEN_K)  # fmt: skip
+            acc = _slab_step(acc, w, s, x0, x1, x2, x3, x4, x5, x6, x7, TC, SWAP, IEEE)
+    if not TC:  # noqa: SIM108 - constexpr branches
+        y = tl.sum(acc, axis=2)
+    else:
+        y = tl.trans(acc) if SWAP else acc
+    _finish(y, rm, m_mask, rn, pid_n, pid_k, M, N, y_ptr, stride_ym, ws_ptr, tk_ptr, aux_ptr,
+            stride_am, BLOCK_M, BLOCK_N, SPLIT, FUSED, EPI)  # fmt: skip
 
 
 @triton.jit
@@ -245,15 +376,26 @@ def launch(x2, packed, scales, y, cfg: dict[str, Any], epi: int = 0, aux=None,
     tickets = tickets if tickets is not None else y
     aux_t = aux if aux is not None else y
     stride_am = aux.stride(0) if aux is not None else 0
-    _w4_gemm_kernel[grid](
-        x2, packed, scales, y, ws, tickets, aux_t,
-        m, n, k // 8, k // 32, x2.stride(0), y.stride(0), stride_am, chunk,
-        BLOCK_M=bm, BLOCK_N=cfg["BLOCK_N"], BLOCK_KW=cfg["BLOCK_KW"],
-        EVEN_K=(k // 8) % cfg["BLOCK_KW"] == 0, TC=tc, SWAP=bool(cfg.get("SWAP", False)),
-        IEEE=x2.dtype == torch.float32 or triton_interpreted(), SPLIT=split, FUSED=fused, EPI=epi,
-        PIPE=bool(cfg.get("PIPE", True)), num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"],
-    )  # fmt: skip
+    ieee = x2.dtype == torch.float32 or triton_interpreted()
+    even_k = (k // 8) % cfg["BLOCK_KW"] == 0
+    if cfg.get("SLAB", False):
+        _w4_gemm_slab_kernel[grid](
+            x2, packed, scales, y, ws, tickets, aux_t,
+            m, n, k // 8, k // 32, x2.stride(0), y.stride(0), stride_am, chunk,
+            BLOCK_M=bm, BLOCK_N=cfg["BLOCK_N"], BLOCK_KW=cfg["BLOCK_KW"], EVEN_K=even_k,
+            SWAP=bool(cfg.get("SWAP", False)), IEEE=ieee, SPLIT=split, FUSED=fused, EPI=epi,
+            PIPE=bool(cfg.get("PIPE", True)), TC=tc, num_warps=cfg["num_warps"],
+            num_stages=cfg["num_stages"],
+        )  # fmt: skip
+    else:
+        _w4_gemm_kernel[grid](
+            x2, packed, scales, y, ws, tickets, aux_t,
+            m, n, k // 8, k // 32, x2.stride(0), y.stride(0), stride_am, chunk,
+            BLOCK_M=bm, BLOCK_N=cfg["BLOCK_N"], BLOCK_KW=cfg["BLOCK_KW"], EVEN_K=even_k, TC=tc,
+            SWAP=bool(cfg.get("SWAP", False)), IEEE=ieee, SPLIT=split, FUSED=fused, EPI=epi,
+            PIPE=bool(cfg.get("PIPE", True)), num_warps=cfg["num_warps"],
+            num_stages=cfg["num_stages"],
+        )  # fmt: skip
     if split > 1 and not fused:
         br = 64
         _w4_gemm_reduce_kernel[(triton.cdiv(n, br),)](

@@ -2,15 +2,17 @@
 split-K) runs a shape fastest for a row-count bucket (2, 4, 8, 16) on this GPU.
 
 Order of lookup: the tuning cache (engine/kernels/tuning.py, kernel "w4gemm"), then the table
-measured on the lent H200 (TUNED_H200 below, kept in code), then, outside CUDA-graph capture
+measured on the lent H200 (engine/kernels/configs/w4gemm_NVIDIA_H200.json), then, outside CUDA-graph capture
 with autotuning on, a timing of the candidates (stored in the cache), else `default_config`.
 """
 
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import math
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -22,25 +24,42 @@ from engine.kernels.w4gemm_kernel import KERNEL_NAME, KERNEL_VERSION, default_co
 
 _log = logging.getLogger(__name__)
 
-# measured on the lent H200 by bench/engine/gemm_bench.py --tune: shape key -> tiling
-TUNED_H200: dict[str, dict[str, Any]] = {}
+# measured on the lent H200 by bench/engine/gemm_bench.py --tune (bf16): shape key -> tiling
+_TUNED_FILE = Path(__file__).with_name("configs") / "w4gemm_NVIDIA_H200.json"
 
-# (BLOCK_N, BLOCK_KW, num_warps, num_stages, SWAP) for the tensor-core path; split-K is added
-# per shape (1, 2, 4, 8 where N gives few tiles)
+
+@functools.cache
+def tuned_table(gpu: str) -> dict[str, dict[str, Any]]:
+    """The table measured on this GPU model and shipped with the package (empty if none)."""
+    if gpu != "NVIDIA_H200":
+        return {}
+    try:
+        return json.loads(_TUNED_FILE.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+# tensor-core tilings: (BLOCK_N, BLOCK_KW, num_warps, SWAP, SLAB, PIPE). SLAB: K taken nibble
+# by nibble (8 dots per step, no reshape of the unpacked tile); SWAP: the weight tile is the
+# dot's A operand (wgmma on Hopper). Split-K is added per shape where N gives few tiles.
 _TC_TILES = [
-    (16, 16, 2, 2, False),
-    (16, 32, 4, 2, False),
-    (32, 8, 2, 2, False),
-    (32, 16, 4, 2, False),
-    (32, 32, 4, 2, False),
-    (64, 8, 4, 2, False),
-    (64, 16, 4, 2, False),
-    (64, 16, 8, 2, False),
-    (64, 16, 4, 2, True),
-    (128, 8, 4, 2, True),
-    (128, 16, 8, 2, True),
+    (16, 16, 2, False, False, True),
+    (32, 8, 2, False, False, True),
+    (64, 16, 4, True, False, True),
+    (128, 8, 4, True, False, True),
+    (32, 16, 4, False, True, False),
+    (64, 16, 4, False, True, False),
+    (32, 32, 4, False, True, True),
+    (64, 16, 4, True, True, False),
+    (64, 16, 4, True, True, True),
+    (64, 32, 4, True, True, False),
+    (128, 16, 4, True, True, False),
+    (128, 16, 8, True, True, False),
 ]
-_FMA_TILES = [(4, 8, 4, 2), (8, 4, 4, 2), (2, 16, 4, 2), (4, 16, 8, 2)]
+# multiply-and-sum tilings (BLOCK_N, BLOCK_KW, num_warps, SLAB): Turing, and few rows anywhere;
+# SLAB: the [rows, BLOCK_N, BLOCK_KW] accumulator takes one nibble position at a time
+_FMA_TILES = [(4, 8, 4, False), (8, 16, 4, True), (16, 16, 4, True), (4, 32, 4, True),
+              (16, 32, 8, True), (32, 8, 4, True)]  # fmt: skip
 
 
 def bucket(m: int) -> int:
@@ -71,22 +90,26 @@ def _sms(device: torch.device) -> int:
 
 
 def candidate_configs(n: int, k: int, m: int, tc: bool, epi: int = 0) -> list[dict[str, Any]]:
-    """The tilings worth timing for one shape and row bucket."""
+    """The tilings worth timing for one shape and row bucket: the tensor-core ones where the
+    GPU has them, the multiply-and-sum ones (alone below sm_80; beside them up to 8 rows)."""
     kw = k // 8
+    tiles = []
+    if tc:
+        tiles += [dict(TC=True, BLOCK_N=bn, BLOCK_KW=bkw, num_warps=w, SWAP=sw, SLAB=sl, PIPE=pp)
+                  for bn, bkw, w, sw, sl, pp in _TC_TILES]  # fmt: skip
+    if not tc or bucket(m) <= 8:
+        tiles += [dict(TC=False, BLOCK_N=bn, BLOCK_KW=bkw, num_warps=w, SWAP=False, SLAB=sl,
+                       PIPE=True) for bn, bkw, w, sl in _FMA_TILES
+                  if bucket(m) * bn * bkw * (1 if sl else 8) <= 8192]  # fmt: skip
     out = []
-    tiles = _TC_TILES if tc else [(*t, False) for t in _FMA_TILES]
-    for bn, bkw, warps, stages, swap in tiles:
-        if bkw > max(2, triton.next_power_of_2(kw)) or (epi == 1 and bn % 2):
+    for t in tiles:
+        if t["BLOCK_KW"] > max(2, triton.next_power_of_2(kw)) or (epi == 1 and t["BLOCK_N"] % 2):
             continue
-        if not tc and bucket(m) * bn * bkw * 8 > 8192:
-            continue
-        n_tiles = triton.cdiv(n, bn)
+        n_tiles = triton.cdiv(n, t["BLOCK_N"])
         for split in (1, 2, 4, 8):
-            if split > 1 and (n_tiles >= 2 * 132 or kw // split < 2 * bkw):  # few tiles only
-                continue
-            out.append({"TC": tc, "BLOCK_N": bn, "BLOCK_KW": bkw, "num_warps": warps,
-                        "num_stages": stages, "SPLIT": split, "FUSED": True, "SWAP": swap,
-                        "PIPE": True})  # fmt: skip
+            if split > 1 and (n_tiles >= 2 * 132 or kw // split < 2 * t["BLOCK_KW"]):
+                continue  # split-K only where N gives few tiles
+            out.append(dict(t, num_stages=2, SPLIT=split, FUSED=True))
     return out
 
 
@@ -136,8 +159,8 @@ def config_for(n: int, k: int, dtype: torch.dtype, m: int, device: torch.device)
     gpu = tuning.gpu_key(device)
     key = shape_key(n, k, dtype, m, tc)
     cfg = tuning.lookup(KERNEL_NAME, key, gpu)
-    if cfg is None and gpu == "NVIDIA_H200":
-        cfg = TUNED_H200.get(key)
+    if cfg is None:
+        cfg = tuned_table(gpu).get(key)
     if cfg is not None:
         return cfg
     if not tuning.autotune_enabled() or torch.cuda.is_current_stream_capturing():

@@ -73,9 +73,10 @@ def _cfg(**kw):
 
 
 @pytest.mark.parametrize("m", [2, 5, 16])
-def test_multiply_and_sum_path_forced(device, m) -> None:
+@pytest.mark.parametrize("slab", [False, True])
+def test_multiply_and_sum_path_forced(device, m, slab) -> None:
     """The Turing path (no tl.dot): same function, several K steps and a masked last one."""
-    cfg = _cfg(TC=False, BLOCK_N=4, BLOCK_KW=4)
+    cfg = _cfg(TC=False, BLOCK_N=4, BLOCK_KW=4, SLAB=slab)
     for dtype in DTYPES:
         for epi in (0, 1, 2):
             _check(device, m, 40, 96, dtype, epi, config=cfg, seed=m + epi)
@@ -91,6 +92,11 @@ def test_multiply_and_sum_path_forced(device, m) -> None:
         _cfg(SPLIT=2, PIPE=False),
         _cfg(TC=False, BLOCK_N=8, BLOCK_KW=2, SPLIT=4),
         _cfg(SPLIT=64),  # more splits than K steps: clamped, none empty
+        # nibble by nibble: 8 dots per K step, or the multiply-and-sum over [rows, BN, BKW]
+        _cfg(SLAB=True, PIPE=False),
+        _cfg(SLAB=True, SWAP=True, SPLIT=2),
+        _cfg(SLAB=True, SPLIT=3, FUSED=False),
+        _cfg(SLAB=True, TC=False, BLOCK_N=8, BLOCK_KW=4, SPLIT=2),
     ],
 )
 def test_split_k_and_tilings_compute_the_same_function(device, cfg) -> None:
@@ -201,6 +207,8 @@ def test_paths_and_split_k_on_the_gpu() -> None:
     reductions, at a down-projection shape."""
     dev = torch.device("cuda")
     for cfg in (_cfg(TC=False, BLOCK_N=4, BLOCK_KW=8), _cfg(BLOCK_N=32, BLOCK_KW=16, SPLIT=8),
+                _cfg(SLAB=True, SWAP=True, BLOCK_N=64, BLOCK_KW=16, SPLIT=4, PIPE=False),
+                _cfg(SLAB=True, TC=False, BLOCK_N=8, BLOCK_KW=16),
                 _cfg(BLOCK_N=64, BLOCK_KW=16, SPLIT=4, FUSED=False, SWAP=True)):  # fmt: skip
         for m in (2, 9, 16):
             for epi in (0, 2):
