@@ -7,8 +7,8 @@ step of engine/fast/decode.py widened to B rows:
 * the products are the int4 GEMM for 2..16 rows (engine/kernels/w4gemm.py), which reads each
   weight word once for all rows; a one-row batch keeps the single-token GEMV whose prologue
   makes the residual+norm before it (the measured-fastest arrangement for one stream);
-* the q/k/v head norms and RoPE are one launch for all rows (qkv_rope_rows), the new K/V rows go
-  to the pool by two index copies, at rows computed once per step from the block tables;
+* the q/k/v head norms and RoPE are one launch for all rows (qkv_rope_rows), which writes the
+  new K/V rows straight into the pool, at rows computed once per step from the block tables;
 * attention reads each row's sequence through its block table (full layers) or its ring
   (sliding layers) with the paged split kernel (engine/kernels/attention_paged.py).
 
@@ -163,11 +163,10 @@ class BatchDecoder:
                 qkv = then(y, w_post, self.qkv_lin[i], scalar=scalar, w_next=w.input_norm)
             own = w.k is not None
             if own:
-                q, k, v = qkv_rope_rows(qkv, w.q_norm, w.k_norm, cos, sin, hq,
-                                        cfg.layer_kv_heads[i], hd, eps, v_from_k=w.v is None)  # fmt: skip
                 rows = ring_rows if cfg.is_sliding(i) else full_rows
-                pool.k[i].index_copy_(0, rows, k)
-                pool.v[i].index_copy_(0, rows, v)
+                q, _, _ = qkv_rope_rows(qkv, w.q_norm, w.k_norm, cos, sin, hq,
+                                        cfg.layer_kv_heads[i], hd, eps, v_from_k=w.v is None,
+                                        kv_out=(pool.k[i], pool.v[i], rows))  # fmt: skip
             else:
                 q, _, _ = qkv_rope_rows(qkv, w.q_norm, w.q_norm, cos, sin, hq, 0, hd, eps)
             src = cfg.kv_producer(i)

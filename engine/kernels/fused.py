@@ -187,8 +187,8 @@ def _qkv_rope_kernel(
 @triton.jit
 def _qkv_rope_rows_kernel(
     qkv_ptr, q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr, v_out_ptr,
-    stride_row, eps, HQ: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr,
-    V_FROM_K: tl.constexpr,
+    stride_row, eps, rows_ptr, HQ: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr,
+    V_FROM_K: tl.constexpr, SCATTER: tl.constexpr = False,
 ):  # fmt: skip
     """Prompt rows: program (t, head) norms one head of row t of the q|k|v output (q and k with
     their weights, v without) and rotates q and k with row t's cos / sin, as qkv_rope does for
@@ -198,6 +198,10 @@ def _qkv_rope_rows_kernel(
     head = tl.program_id(1)
     offs, partner, sign, mask = _rope_lanes(D)
     row = qkv_ptr + t * stride_row
+    if SCATTER:  # k/v go straight to the KV pool's row of this token (a batched decode step)
+        kv_row = tl.load(rows_ptr + t).to(tl.int64)
+    else:
+        kv_row = t
     if head < HQ + KVH:
         cos = tl.load(cos_ptr + t * D + offs).to(tl.float32)
         sin = tl.load(sin_ptr + t * D + offs).to(tl.float32)
@@ -208,7 +212,7 @@ def _qkv_rope_rows_kernel(
             tl.store(q_out_ptr + (t * HQ + head) * D + offs, out)
         else:
             out = _norm_rope(x, xp, k_norm_ptr, offs, partner, mask, cos, sin, sign, D, eps, DT)
-            tl.store(k_out_ptr + (t * KVH + head - HQ) * D + offs, out)
+            tl.store(k_out_ptr + (kv_row * KVH + head - HQ) * D + offs, out)
     else:
         j = head - HQ - KVH
         if V_FROM_K:  # noqa: SIM108 - a constexpr branch
@@ -216,7 +220,7 @@ def _qkv_rope_rows_kernel(
         else:
             src = row + (HQ + KVH + j) * D
         x = tl.load(src + offs).to(tl.float32)
-        tl.store(v_out_ptr + (t * KVH + j) * D + offs,
+        tl.store(v_out_ptr + (kv_row * KVH + j) * D + offs,
                  _rms(x, k_norm_ptr, offs, mask, D, eps, False, DT))  # fmt: skip
 
 
@@ -231,10 +235,14 @@ def qkv_rope_rows(
     head_dim: int,
     eps: float,
     v_from_k: bool = False,
+    kv_out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A prompt chunk's q [T, HQ, D], k and v [T, KVH, D] from the fused q|k|v output
     qkv [T, N] (rows may be strided): the reference's per-head RMSNorms and RoPE in one launch
-    instead of ~16 ops. v_from_k: the layer has no v_proj, its values are its raw keys."""
+    instead of ~16 ops. v_from_k: the layer has no v_proj, its values are its raw keys.
+    kv_out (k_pool, v_pool [R, KVH, D] contiguous, rows int64 [T]): k and v of row t are
+    written to row rows[t] of the pools instead (a batched decode step writing its KV cache;
+    two index copies fewer per layer); the returned k and v are then the pools."""
     t = qkv.shape[0]
     if qkv.stride(-1) != 1 or cos.shape != (t, head_dim) or not cos.is_contiguous():
         raise ValueError("qkv_rope_rows: qkv rows must be contiguous inside, cos/sin [T, D]")
@@ -247,13 +255,19 @@ def qkv_rope_rows(
             f"(v_from_k={v_from_k})"
         )
     q = torch.empty(t, num_heads, head_dim, device=qkv.device, dtype=qkv.dtype)
-    k = torch.empty(t, kv_heads, head_dim, device=qkv.device, dtype=qkv.dtype)
-    v = torch.empty_like(k)
+    if kv_out is not None:
+        k, v, rows = kv_out
+        if not (k.is_contiguous() and v.is_contiguous() and k.dtype == qkv.dtype == v.dtype):
+            raise ValueError("qkv_rope_rows: kv_out pools must be contiguous, in qkv's dtype")
+    else:
+        k = torch.empty(t, kv_heads, head_dim, device=qkv.device, dtype=qkv.dtype)
+        v = torch.empty_like(k)
+        rows = q
     if t:
         _qkv_rope_rows_kernel[(t, num_heads + 2 * kv_heads)](
-            qkv, q_norm, k_norm, cos, sin.contiguous(), q, k, v, qkv.stride(0), eps,
+            qkv, q_norm, k_norm, cos, sin.contiguous(), q, k, v, qkv.stride(0), eps, rows,
             HQ=num_heads, KVH=kv_heads, D=head_dim, V_FROM_K=v_from_k,
-            num_warps=_warps(head_dim),
+            SCATTER=kv_out is not None, num_warps=_warps(head_dim),
         )  # fmt: skip
     return q, k, v
 

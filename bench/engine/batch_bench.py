@@ -1,0 +1,281 @@
+"""Continuous batching in process on the GPU: throughput by concurrency, the GPU time of each
+batch bucket's step, a request joining 15 decoding ones, and 8 long streams under a 4 GB cap.
+
+    python3 -m bench.engine.batch_bench all --out $OUT/batch.json [--ckpt /tmp/gpurig_e2b_emb4]
+    python3 -m bench.engine.batch_bench capped --ckpt DIR --json x   # a fresh capped process
+
+What it measures, on the e2b preset's random weights (4-bit linears and embedding tables):
+* `Engine.stream` from c threads at once (c = 1, 4, 8, 16), input 512, 128 tokens each, greedy,
+  no stop ids: aggregate tok/s (all tokens / wall time from the first submit to the last token),
+  per-stream tok/s (each stream's tokens after its first / its decode time), TTFT;
+* each bucket's graph replayed back to back (CUDA events): the GPU time of one step of B rows;
+* 15 streams decoding, then a 16th arrives with a 512-token prompt: its time to first token;
+* greedy identity on the GPU: fp32 e2b-shaped tokens of 16 requests in one batch against each
+  alone, and bf16's agreement (bf16 rows sum in another order in a batch than alone);
+* a fresh process capped at 3,732 MiB: the pool's size, then 8 streams of 3,968 + 128 tokens.
+The HTTP figures (the server, the sweep's driver) come from bench/sweep_e2b.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+E2B_DIR = Path(os.environ.get("GPURIG_BENCH_CKPT", "/tmp/gpurig_e2b_emb4"))
+
+
+def make(ckpt: Path) -> None:
+    if (ckpt / "config.json").is_file():
+        return
+    from engine.checkpoint_maker import make_checkpoint
+
+    make_checkpoint(ckpt, preset="e2b", seed=0, emb4=True)
+
+
+def prompt(n: int, salt: int) -> list[int]:
+    return [2] + [(7919 * (i + 1) + 104729 * salt) % 200000 + 1000 for i in range(n - 1)]
+
+
+def load(ckpt: Path, **kw: Any):
+    import engine
+
+    return engine.load(ckpt, device="cuda", options=engine.EngineOptions.from_env(), **kw)
+
+
+def concurrent(eng, conc: int, input_len: int, output_len: int, salt: int = 0) -> dict[str, Any]:
+    """c streams at once; each thread reads its own Generation to the end."""
+    gens: list[Any] = [None] * conc
+    done: list[float] = [0.0] * conc
+    barrier = threading.Barrier(conc + 1)
+
+    def run(i: int) -> None:
+        barrier.wait()
+        gen = eng.stream(prompt(input_len, salt * 100 + i), output_len, stop_ids=[])
+        gens[i] = gen
+        for _ in gen:
+            pass
+        done[i] = time.perf_counter()
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(conc)]
+    for t in threads:
+        t.start()
+    barrier.wait()
+    t0 = time.perf_counter()
+    for t in threads:
+        t.join()
+    wall = max(done) - t0
+    tokens = sum(g.completion_tokens for g in gens)
+    per_stream = [g.timings.decode_tokens_per_s or 0.0 for g in gens]
+    ttft = [g.timings.time_to_first_token * 1000 for g in gens]
+    return {
+        "concurrency": conc,
+        "input_len": input_len,
+        "output_len": output_len,
+        "tokens": tokens,
+        "wall_s": round(wall, 4),
+        "aggregate_tok_s": round(tokens / wall, 1),
+        "per_stream_tok_s_median": round(statistics.median(per_stream), 1),
+        "ttft_ms_median": round(statistics.median(ttft), 1),
+        "ttft_ms_max": round(max(ttft), 1),
+    }
+
+
+def bucket_times(eng, iters: int = 50) -> list[dict[str, Any]]:
+    """GPU time of one step per bucket: its graph replayed back to back (padding rows only)."""
+    graphs = eng.scheduler.runner.graphs
+    out = []
+    if graphs is None:
+        return out
+    for b in graphs.buckets:
+        bucket = graphs._by_size[b]
+        if bucket.graph is None:
+            continue
+        for _ in range(5):
+            bucket.graph.replay()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        start.record()
+        for _ in range(iters):
+            bucket.graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        us = start.elapsed_time(end) * 1000 / iters
+        out.append({"rows": b, "step_us": round(us, 1), "tok_s_at_full_bucket": round(b * 1e6 / us)})
+    return out
+
+
+def join_ttft(eng, decoding: int = 15, input_len: int = 512) -> dict[str, Any]:
+    """`decoding` streams of long outputs run; then one more arrives: its time to first token."""
+    stop = threading.Event()
+    gens = []
+
+    def background(i: int) -> None:
+        gen = eng.stream(prompt(64, 500 + i), 4000, stop_ids=[])
+        gens.append(gen)
+        for _ in gen:
+            if stop.is_set():
+                break
+        gen.close()
+
+    threads = [threading.Thread(target=background, args=(i,)) for i in range(decoding)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 30
+    while eng.scheduler.stats().last_step_rows < decoding and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.3)  # steady decoding
+    samples = []
+    for k in range(5):
+        gen = eng.stream(prompt(input_len, 900 + k), 4, stop_ids=[])
+        next(gen)
+        samples.append(gen.timings.time_to_first_token * 1000)
+        gen.close()
+        time.sleep(0.1)
+    rows = eng.scheduler.stats().last_step_rows
+    stop.set()
+    for t in threads:
+        t.join()
+    return {
+        "decoding": decoding,
+        "input_len": input_len,
+        "ttft_ms": [round(s, 1) for s in samples],
+        "ttft_ms_median": round(statistics.median(samples), 1),
+        "rows_in_last_step": rows,
+    }
+
+
+def identity(ckpt: Path) -> dict[str, Any]:
+    """16 requests of different lengths in one batch vs each alone: fp32 (equal) and bf16."""
+    import engine
+
+    out: dict[str, Any] = {}
+    specs = [(17 + 29 * i, 24 + (i % 5) * 8) for i in range(16)]
+    for dtype in (torch.float32, torch.bfloat16):
+        single = engine.load(ckpt, device="cuda", max_context=4096, dtype=dtype)
+        alone = [single.generate(prompt(n, 300 + i), m, stop_ids=[]) for i, (n, m) in
+                 enumerate(specs)]  # fmt: skip
+        del single
+        torch.cuda.empty_cache()
+        multi = engine.load(ckpt, device="cuda", max_context=4096, dtype=dtype, max_num_seqs=16)
+        got: list[Any] = [None] * len(specs)
+
+        def run(i: int, multi=multi) -> None:
+            time.sleep(0.003 * i)
+            got[i] = multi.generate(prompt(specs[i][0], 300 + i), specs[i][1], stop_ids=[])
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(specs))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        st = multi.scheduler.stats()
+        multi.close()
+        del multi
+        torch.cuda.empty_cache()
+        same = [a == b for a, b in zip(alone, got, strict=True)]
+        agree = [
+            next((j for j, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
+            for a, b in zip(alone, got, strict=True)
+        ]
+        out[str(dtype).removeprefix("torch.")] = {
+            "requests": len(specs),
+            "identical": sum(same),
+            "first_difference_at": agree,
+            "tokens_per_step_avg": round(st.step_rows / max(st.steps, 1), 2),
+        }
+    return out
+
+
+def capped(ckpt: Path) -> dict[str, Any]:
+    """In this (fresh) process: a 3,732 MiB cap, 8 streams of 3,968 prompt + 128 new tokens."""
+    t0 = time.perf_counter()
+    eng = load(ckpt, max_context=4096, memory_cap_mib=3732, max_num_seqs=8)
+    from engine.batching import kv_cache_line
+
+    line = kv_cache_line(eng.batching, eng.pool.nbytes())
+    loaded = time.perf_counter() - t0
+    torch.cuda.reset_peak_memory_stats()
+    res = concurrent(eng, 8, 3968, 128, salt=7)
+    res.update(
+        {
+            "kv_cache_line": line,
+            "kv_cache_tokens": eng.pool.geometry.token_capacity,
+            "max_num_seqs": eng.batching.max_num_seqs,
+            "load_s": round(loaded, 1),
+            "peak_allocated_mib": round(torch.cuda.max_memory_allocated() / 2**20),
+            "reserved_mib": round(torch.cuda.memory_reserved() / 2**20),
+        }
+    )
+    eng.close()
+    return res
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("what", choices=["all", "throughput", "identity", "capped"])
+    ap.add_argument("--ckpt", type=Path, default=E2B_DIR)
+    ap.add_argument("--out", type=Path, help="JSON file for everything")
+    ap.add_argument("--json", type=Path, help="(capped) where the child writes its result")
+    ap.add_argument("--conc", default="1,4,8,16")
+    ap.add_argument("--input-len", type=int, default=512)
+    ap.add_argument("--output-len", type=int, default=128)
+    args = ap.parse_args(argv)
+    make(args.ckpt)
+    if args.what == "capped":
+        result: dict[str, Any] = capped(args.ckpt)
+        text = json.dumps(result, indent=2)
+        if args.json:
+            args.json.write_text(text)
+        print(text)
+        return 0
+    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    if args.what in ("all", "throughput"):
+        t0 = time.perf_counter()
+        eng = load(args.ckpt, max_context=8192, max_num_seqs=16)
+        result["load_and_capture_s"] = round(time.perf_counter() - t0, 1)
+        from engine.batching import kv_cache_line
+
+        result["kv_cache_line"] = kv_cache_line(eng.batching, eng.pool.nbytes())
+        concurrent(eng, 2, 64, 8)  # warm the paths once
+        result["buckets"] = bucket_times(eng)
+        result["concurrency"] = [
+            concurrent(eng, int(c), args.input_len, args.output_len, salt=k)
+            for k, c in enumerate(args.conc.split(","))
+        ]
+        result["join"] = join_ttft(eng)
+        eng.close()
+        del eng
+        torch.cuda.empty_cache()
+        print(json.dumps(result, indent=2), flush=True)
+    if args.what in ("all", "identity"):
+        result["identity"] = identity(args.ckpt)
+        print(json.dumps(result["identity"], indent=2), flush=True)
+    if args.what == "all":
+        child = args.out.with_suffix(".capped.json") if args.out else Path("/tmp/capped.json")
+        proc = subprocess.run(
+            [sys.executable, "-m", "bench.engine.batch_bench", "capped", "--ckpt",
+             str(args.ckpt), "--json", str(child)],
+            capture_output=True, text=True, timeout=600,
+        )  # fmt: skip
+        result["capped"] = (
+            json.loads(child.read_text()) if proc.returncode == 0 and child.is_file()
+            else {"failed": proc.stderr[-3000:]}
+        )  # fmt: skip
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
