@@ -1,8 +1,9 @@
 """BatchRunner: how a multi-sequence engine computes, over its KVPool.
 
 Two jobs for the scheduler (engine/scheduler.py), which decides what runs when:
-* `read_chunk(slot, ids, start, budget)`: prompt tokens into one sequence's blocks and ring (the
-  KV-producing layers only, as engine.generate.read_prompt reads a prompt's body);
+* `read_chunks([(slot, ids, start), ...], budget)`: prompt tokens into sequences' blocks and
+  rings (the KV-producing layers only, as engine.generate.read_prompt reads a prompt's body),
+  several sequences in one pass on the fast path;
 * `step(tokens, positions, slots)`: one new token for each of B sequences -> logits [B, V].
 
 The arrangement is chosen once, like the single-sequence Backend: on the fast path the batched
@@ -30,9 +31,7 @@ class BatchRunner:
         self.max_batch = max_batch
         self.batched = False  # the fused batched step runs (else row by row)
         self.graphs = None
-        self._read = lambda ids, start, slot, budget: model.prefill_chunk(  # noqa: E731
-            ids, start, pool.view(slot), False, budget
-        )
+        self._read = self._rows_read
         self._step = self._rows_step
         if options.fast_on(model.device):
             from engine.fast import batch_decode
@@ -43,8 +42,8 @@ class BatchRunner:
 
                 if prefill.supported(model, fused):
                     reader = prefill.FusedPrefill(model, fused, backend._kernels())
-                    self._read = lambda ids, start, slot, budget: reader.chunk(  # noqa: E731
-                        ids, start, pool.view(slot), budget
+                    self._read = lambda parts, budget: reader.chunks(  # noqa: E731
+                        [(ids, start, pool.view(slot)) for slot, ids, start in parts], budget
                     )
             if batch_decode.supported(model, fused):
                 decoder = batch_decode.BatchDecoder(
@@ -65,8 +64,16 @@ class BatchRunner:
         if self.graphs is not None:
             self.graphs.capture_all()
 
-    def read_chunk(self, slot: int, ids: torch.Tensor, start: int, budget: int | None) -> None:
-        self._read(ids, start, slot, budget)
+    def read_chunks(
+        self, parts: list[tuple[int, torch.Tensor, int]], budget: int | None
+    ) -> None:
+        """Prompt chunks of several sequences, (slot, ids, start) each, read in one pass where
+        the fused reader runs (one chunk after another on the reference)."""
+        self._read(parts, budget)
+
+    def _rows_read(self, parts: list[tuple[int, torch.Tensor, int]], budget: int | None) -> None:
+        for slot, ids, start in parts:
+            self.model.prefill_chunk(ids, start, self.pool.view(slot), False, budget)
 
     def step(
         self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor

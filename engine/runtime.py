@@ -226,7 +226,7 @@ def load(
     max_num_seqs (an int, or "auto"): serve many sequences at once from a shared KV block pool
     with continuous batching (engine/batching.py sizes it: the memory left after the weights,
     or `kv_cache_mib`); prefill_budget: the most prompt tokens read between two decode steps
-    (default: the prompt chunk, at most 1,024 on CUDA); warm_up: capture the batch graphs now.
+    (default: the prompt chunk, at most 2,048 on CUDA); warm_up: capture the batch graphs now.
     """
     options = options or EngineOptions()
     model_dir = Path(path).expanduser()
@@ -274,7 +274,7 @@ def load(
                       read_template(model_dir), chunk, memory_cap_mib, options)  # fmt: skip
     from engine import batching
 
-    budget = prefill_budget if prefill_budget is not None else min(chunk, 1024)
+    budget = prefill_budget if prefill_budget is not None else min(chunk, 2048)
     if budget < 1:
         raise EngineError(f"prefill_budget {budget} must be at least 1", "use e.g. 512")
     plan = batching.plan(model, ctx, max_num_seqs, budget, memory_cap_mib, kv_cache_mib)

@@ -9,8 +9,9 @@ their tokens are made in the same steps. One thread owns the device and loops:
 2. admission, first come first served: the head of the queue starts when a sequence slot is free
    and the pool's free blocks, less those promised to running sequences, hold its prompt plus its
    max tokens (so a running sequence never runs out of blocks and nothing is ever preempted);
-3. prompt reading: at most `prefill_budget` prompt tokens per iteration, in chunks, oldest first,
-   so a new request gets its first token while the others keep streaming;
+3. prompt reading: at most `prefill_budget` prompt tokens per iteration, oldest first, several
+   sequences' pieces in one pass, so a new request gets its first token while the others keep
+   streaming;
 4. one decode step for every sequence whose prompt is read (its first step feeds the prompt's
    last token), each row sampled by its own request's sampler (own seeded generator, own logit
    bias): a request's tokens do not depend on who else is in the batch;
@@ -261,19 +262,28 @@ class Scheduler:
             self._running.append(s)
 
     def _read_prompts(self) -> None:
-        budget = self.prefill_budget
-        for s in self._running:
-            if budget <= 0:
-                return
-            while not s.ready and budget > 0 and not s.finished:
-                n = min(s.chunk, s.body - s.read, budget)
-                if not self.pool.grow(s.slot, s.read + n):  # promised at admission
-                    raise EngineError("the KV pool ran out of blocks", "report this bug")
-                self.runner.read_chunk(s.slot, s.ids[s.read : s.read + n], s.read,
-                                       s.score_budget)  # fmt: skip
-                s.read += n
-                budget -= n
-                self._prompt_read += n
+        """Up to prefill_budget prompt tokens, oldest sequence first, read in one pass: one
+        piece per sequence (a sequence's next piece follows in the next iteration), the pass no
+        longer than the smallest chunk the memory plan allowed any of them."""
+        pending = [s for s in self._running if not s.ready and not s.finished]
+        if not pending:
+            return
+        budget = min(self.prefill_budget, *(s.chunk for s in pending))
+        parts, readers = [], []
+        for s in pending:
+            n = min(s.body - s.read, budget)
+            if n <= 0:
+                break
+            if not self.pool.grow(s.slot, s.read + n):  # promised at admission
+                raise EngineError("the KV pool ran out of blocks", "report this bug")
+            parts.append((s.slot, s.ids[s.read : s.read + n], s.read))
+            readers.append((s, n))
+            budget -= n
+        score = [s.score_budget for s, _ in readers if s.score_budget is not None]
+        self.runner.read_chunks(parts, min(score) if score else None)
+        for s, n in readers:
+            s.read += n
+            self._prompt_read += n
 
     def _launch(self, previous: _Launched | None) -> _Launched | None:
         rows = [

@@ -134,7 +134,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--prefill-budget",
         type=_positive_int,
         default=None,
-        help="most prompt tokens read between two decode steps (default 1024 on CUDA): lower "
+        help="most prompt tokens read between two decode steps (default 2048 on CUDA): lower "
         "keeps streams smoother while long prompts arrive, higher reads them faster",
     )
     p.add_argument(
