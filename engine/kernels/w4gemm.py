@@ -11,6 +11,10 @@ CUDA graphs: the config is chosen on the host from (N, K, M bucket, dtype, devic
 a shape's first call outside capture may tune it (`warm` does it ahead). Split-K's workspace and
 tickets are held per device, grown outside capture only and never freed (a captured graph keeps
 pointing at them); one stream at a time uses them, as a decode step does.
+
+Measured on the H200 (bench/results/engine/gemm_h200_2026-12-01.md): the time is flat in the
+row count (the weights are read once), but 1.5-3.6x the one-row GEMV's at 8-16 rows, because
+the unpacked tile is staged through shared memory for the dot; see that file for what is next.
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ _OLD: list[tuple[torch.Tensor, torch.Tensor]] = []  # outgrown buffers a graph m
 
 def workspace(device: torch.device, floats: int, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The device's split-K workspace (fp32, >= floats) and tickets (int32 zeros, >= tiles)."""
+    if device.type == "cuda" and device.index is None:  # "cuda" and "cuda:0": one buffer
+        device = torch.device("cuda", torch.cuda.current_device())
     key = str(device)
     ws, tk = _WORKSPACES.get(key, (None, None))
     if ws is not None and ws.numel() >= floats and tk.numel() >= tiles:
