@@ -57,6 +57,7 @@ class SchedulerStats:
     steps: int  # decode steps run
     step_rows: int  # sequences decoded in those steps, summed (rows / steps = tokens per step)
     last_step_rows: int
+    peak_step_rows: int  # the most sequences one step carried
     prompt_tokens_read: int
 
 
@@ -133,7 +134,7 @@ class Scheduler:
         self._closing = False
         self._waiting: deque[_Sequence] = deque()
         self._running: list[_Sequence] = []
-        self._steps = self._step_rows = self._last_rows = self._prompt_read = 0
+        self._steps = self._step_rows = self._last_rows = self._peak_rows = self._prompt_read = 0
         self._failure: BaseException | None = None
         self._thread = threading.Thread(target=self._loop, name="gpurig-scheduler", daemon=True)
         self._thread.start()
@@ -191,6 +192,7 @@ class Scheduler:
             steps=self._steps,
             step_rows=self._step_rows,
             last_step_rows=self._last_rows,
+            peak_step_rows=self._peak_rows,
             prompt_tokens_read=self._prompt_read,
         )
 
@@ -268,10 +270,12 @@ class Scheduler:
         pending = [s for s in self._running if not s.ready and not s.finished]
         if not pending:
             return
-        budget = min(self.prefill_budget, *(s.chunk for s in pending))
+        # a plan's chunk below its prompt's body is what memory allows per pass; one equal to
+        # the body (a short prompt read whole) limits nothing
+        budget = min([self.prefill_budget] + [s.chunk for s in pending if s.chunk < s.body])
         parts, readers = [], []
         for s in pending:
-            n = min(s.body - s.read, budget)
+            n = min(s.body - s.read, s.chunk, budget)
             if n <= 0:
                 break
             if not self.pool.grow(s.slot, s.read + n):  # promised at admission
@@ -330,6 +334,7 @@ class Scheduler:
         self._steps += 1
         self._step_rows += b
         self._last_rows = b
+        self._peak_rows = max(self._peak_rows, b)
         return _Launched(rows, ids, out, event, {id(s): r for r, s in enumerate(rows)})
 
     def _sample(self, logits: torch.Tensor, rows: list[_Sequence]) -> torch.Tensor:

@@ -194,3 +194,23 @@ def test_pool_blocks_are_handed_out_and_back(checkpoint):
     free = pool.free_blocks
     pool.close_slot(a)
     assert pool.free_blocks == free + 3 and pool.free_slots == 1
+
+
+def test_sixteen_sequences_share_steps_and_each_gets_its_own_tokens(checkpoint, single):
+    """16 slots, 17 requests of different lengths arriving together: up to 16 in one step, the
+    17th waits for a slot; every request's tokens equal the request run alone."""
+    eng = engine.load(checkpoint, device="cpu", max_context=CTX, options=REF, max_num_seqs=16)
+    try:
+        specs = [(1 + (i * 11) % 37, 3 + (i * 5) % 9) for i in range(17)]
+        prompts = [_prompt(n, 40 + i) for i, (n, _) in enumerate(specs)]
+        alone = [
+            single.generate(p, m, stop_ids=[]) for p, (_, m) in zip(prompts, specs, strict=True)
+        ]
+        gens = [eng.stream(p, m, stop_ids=[]) for p, (_, m) in zip(prompts, specs, strict=True)]
+        got = [list(g) for g in gens]
+        assert got == alone
+        st = eng.scheduler.stats()
+        assert st.step_rows == sum(m for _, m in specs)
+        assert st.steps < st.step_rows and st.peak_step_rows >= 8  # steps carried many
+    finally:
+        eng.close()

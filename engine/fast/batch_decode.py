@@ -28,10 +28,12 @@ from engine.kernels.attention_paged import PagedDecodeAttention
 from engine.kernels.fused import ple_mix, qkv_rope_rows, residual_norm, rmsnorm_rows
 from engine.kernels.w4dequant import w4_gather_rows
 from engine.kernels.w4gemm import w4_gemm
-from engine.kernels.w4gemv import w4_gemv_after_residual
+from engine.kernels.w4gemv import w4_gemv, w4_gemv_after_residual, w4_gemv_glu
 from engine.kv_pool import KVPool
 
 GEMM_ROWS = 16  # the most rows one int4 GEMM launch takes
+GEMV_ROWS = 4  # up to this many rows the GEMV beats the GEMM (see BatchDecoder._mm)
+GEMV_MAX_N = 65536  # the lm_head (262,144 rows) is read once by the GEMM at any row count
 
 
 def supported(model, fused: list[FusedLayer]) -> bool:
@@ -78,8 +80,17 @@ class BatchDecoder:
         return att
 
     def _mm(self, x: torch.Tensor, w, epi: int = 0, aux: torch.Tensor | None = None):
-        """x [B, K] @ w^T by the int4 GEMM, 16 rows a launch."""
-        if x.shape[0] <= GEMM_ROWS:
+        """x [B, K] @ w^T: up to GEMV_ROWS rows by the GEMV (one program row per activation row:
+        the weights are read again per row, mostly from L2), more by the int4 GEMM, 16 rows a
+        launch. Why the split: on the H200 the GEMM's unpacking makes it ~2x the one-row GEMV
+        at every row count, and at 4 rows the GEMV re-reading the weights is still 10-25% faster
+        on every E2B matrix below the lm_head (bench/results/engine/gemm_h200_2026-12-01.md)."""
+        rows = x.shape[0]
+        if rows <= GEMV_ROWS and epi != 2 and w.out_features < GEMV_MAX_N:
+            if epi == 1:
+                return w4_gemv_glu(x, w.packed, w.scales, half2=self.ops.half2)
+            return w4_gemv(x, w.packed, w.scales, half2=self.ops.half2)
+        if rows <= GEMM_ROWS:
             return w4_gemm(x, w.packed, w.scales, epi=epi, aux=aux)
         parts = [
             w4_gemm(

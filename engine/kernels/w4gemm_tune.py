@@ -165,10 +165,15 @@ def config_for(n: int, k: int, dtype: torch.dtype, m: int, device: torch.device)
         return cfg
     if not tuning.autotune_enabled() or torch.cuda.is_current_stream_capturing():
         return default_config(n, k, m, tc, _sms(device))
+    if dtype == torch.float32:  # exactness runs: the multiply-and-sum's fp32 FMAs, untuned
+        return default_config(n, k, m, False, _sms(device))
     try:
         best, us, _ = tune(n, k, dtype, bucket(m), device)
     except torch.OutOfMemoryError:  # a capped card: tune another time, run the default now
         torch.cuda.empty_cache()
+        return default_config(n, k, m, tc, _sms(device))
+    except RuntimeError as exc:  # no candidate compiled here: the default, and say so
+        _log.warning("w4gemm: tuning N=%d K=%d %s failed (%s); default tiles", n, k, dtype, exc)
         return default_config(n, k, m, tc, _sms(device))
     best = dict(best, us=round(us, 3))
     _log.info("w4gemm: tuned N=%d K=%d %s M<=%d on %s: %s", n, k, dtype, bucket(m), gpu, best)
