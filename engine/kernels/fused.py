@@ -198,7 +198,7 @@ def _qkv_rope_rows_kernel(
     head = tl.program_id(1)
     offs, partner, sign, mask = _rope_lanes(D)
     row = qkv_ptr + t * stride_row
-    if SCATTER:  # k/v go straight to the KV pool's row of this token (a batched decode step)
+    if SCATTER:  # noqa: SIM108 - constexpr; k/v go straight to the pool row (batched decode)
         kv_row = tl.load(rows_ptr + t).to(tl.int64)
     else:
         kv_row = t
