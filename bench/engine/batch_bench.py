@@ -110,7 +110,9 @@ def bucket_times(eng, iters: int = 50) -> list[dict[str, Any]]:
         end.record()
         torch.cuda.synchronize()
         us = start.elapsed_time(end) * 1000 / iters
-        out.append({"rows": b, "step_us": round(us, 1), "tok_s_at_full_bucket": round(b * 1e6 / us)})
+        out.append(
+            {"rows": b, "step_us": round(us, 1), "tok_s_at_full_bucket": round(b * 1e6 / us)}
+        )
     return out
 
 
@@ -154,13 +156,13 @@ def join_ttft(eng, decoding: int = 15, input_len: int = 512) -> dict[str, Any]:
     }
 
 
-def identity(ckpt: Path) -> dict[str, Any]:
+def identity(ckpt: Path, dtypes=(torch.float32, torch.bfloat16)) -> dict[str, Any]:
     """16 requests of different lengths in one batch vs each alone: fp32 (equal) and bf16."""
     import engine
 
     out: dict[str, Any] = {}
     specs = [(17 + 29 * i, 24 + (i % 5) * 8) for i in range(16)]
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype in dtypes:
         single = engine.load(ckpt, device="cuda", max_context=4096, dtype=dtype)
         alone = [single.generate(prompt(n, 300 + i), m, stop_ids=[]) for i, (n, m) in
                  enumerate(specs)]  # fmt: skip
@@ -169,7 +171,7 @@ def identity(ckpt: Path) -> dict[str, Any]:
         multi = engine.load(ckpt, device="cuda", max_context=4096, dtype=dtype, max_num_seqs=16)
         got: list[Any] = [None] * len(specs)
 
-        def run(i: int, multi=multi) -> None:
+        def run(i: int, multi=multi, got=got) -> None:
             time.sleep(0.003 * i)
             got[i] = multi.generate(prompt(specs[i][0], 300 + i), specs[i][1], stop_ids=[])
 
@@ -229,6 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--conc", default="1,4,8,16")
     ap.add_argument("--input-len", type=int, default=512)
     ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--dtypes", default="float32,bfloat16", help="(identity) compute dtypes")
     args = ap.parse_args(argv)
     make(args.ckpt)
     if args.what == "capped":
@@ -258,7 +261,8 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.empty_cache()
         print(json.dumps(result, indent=2), flush=True)
     if args.what in ("all", "identity"):
-        result["identity"] = identity(args.ckpt)
+        dtypes = tuple(getattr(torch, name) for name in args.dtypes.split(","))
+        result["identity"] = identity(args.ckpt, dtypes)
         print(json.dumps(result["identity"], indent=2), flush=True)
     if args.what == "all":
         child = args.out.with_suffix(".capped.json") if args.out else Path("/tmp/capped.json")

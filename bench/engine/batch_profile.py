@@ -24,7 +24,7 @@ def profile_rows(eng, rows: int, steps: int = 5) -> dict:
     tokens = torch.full((rows,), 1000, dtype=torch.int64, device=dev)
     positions = torch.full((rows,), 600, dtype=torch.int64, device=dev)
     slots = torch.full((rows,), pool.pad_slot, dtype=torch.int32, device=dev)
-    pool.grow  # the padding slot's table row points at block 0 for every position
+    # padding rows: the padding slot, whose table row points at block 0 for every position
     step = runner._step
     for _ in range(3):
         step(tokens, positions, slots)

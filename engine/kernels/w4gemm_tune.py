@@ -163,10 +163,10 @@ def config_for(n: int, k: int, dtype: torch.dtype, m: int, device: torch.device)
         cfg = tuned_table(gpu).get(key)
     if cfg is not None:
         return cfg
-    if not tuning.autotune_enabled() or torch.cuda.is_current_stream_capturing():
-        return default_config(n, k, m, tc, _sms(device))
     if dtype == torch.float32:  # exactness runs: the multiply-and-sum's fp32 FMAs, untuned
         return default_config(n, k, m, False, _sms(device))
+    if not tuning.autotune_enabled() or torch.cuda.is_current_stream_capturing():
+        return default_config(n, k, m, tc, _sms(device))
     try:
         best, us, _ = tune(n, k, dtype, bucket(m), device)
     except torch.OutOfMemoryError:  # a capped card: tune another time, run the default now
