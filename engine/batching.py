@@ -97,13 +97,14 @@ def start(model, backend, options, batching: BatchingPlan, max_context: int,
     return pool, scheduler
 
 
-def kv_cache_line(batching: BatchingPlan, pool_bytes: int) -> str:
-    """The start-up line a vLLM user looks for ("KV cache size: N tokens")."""
+def kv_cache_line(batching: BatchingPlan, pool_bytes: int, device_type: str = "cuda") -> str:
+    """The start-up line a vLLM user looks for, in vLLM's words ("GPU KV cache size: N tokens",
+    "Maximum concurrency for N tokens per request: Nx"), so the same log readers parse both."""
     g = batching.geometry
+    where = "GPU" if device_type == "cuda" else device_type.upper()
     return (
-        f"KV cache size: {g.token_capacity:,} tokens ({(g.num_blocks - 1):,} blocks of "
-        f"{g.block_size}, {pool_bytes / MIB:,.0f} MiB with the sliding rings); "
-        f"max_num_seqs {batching.max_num_seqs}; maximum concurrency for "
-        f"{g.max_context:,} tokens per request: "
-        f"{g.token_capacity / g.max_context:.2f}x"
+        f"{where} KV cache size: {g.token_capacity:,} tokens ({g.num_blocks - 1:,} blocks of "
+        f"{g.block_size}, {pool_bytes / MIB:,.0f} MiB with the sliding rings); max_num_seqs "
+        f"{batching.max_num_seqs}; Maximum concurrency for {g.max_context:,} tokens per "
+        f"request: {g.token_capacity / g.max_context:.2f}x"
     )

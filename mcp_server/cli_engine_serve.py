@@ -310,7 +310,8 @@ def _serve(args: argparse.Namespace) -> int:
     )
     from engine.batching import kv_cache_line
 
-    sys.stderr.write(f"gpurig engine: {kv_cache_line(eng.batching, eng.pool.nbytes())}\n")
+    line = kv_cache_line(eng.batching, eng.pool.nbytes(), eng.device.type)
+    sys.stderr.write(f"gpurig engine: {line}\n")
     if not args.no_warmup:  # first-use costs (kernel builds, allocations) stay out of timings
         import time
 

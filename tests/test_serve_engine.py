@@ -105,6 +105,10 @@ def test_engine_lifecycle_across_two_mcp_processes(gpurig_bin, scripted, tmp_pat
     assert record.served_model_name == "scripted"
     assert record.command[1:6] == ["-m", "mcp_server.cli", "engine", "serve", "--model"]
     assert record.startup_facts.device == "cpu" and record.startup_facts.max_context
+    # the KV block pool's line, in vLLM's words, read by the same parser as vLLM's
+    facts = record.startup_facts
+    assert facts.kv_cache_tokens and facts.max_concurrency_tokens == facts.max_context
+    assert facts.max_concurrency == round(facts.kv_cache_tokens / facts.max_context, 2)
     assert progress and progress[-1][2] == "ready"
     assert [p[0] for p in progress] == sorted(p[0] for p in progress)  # increasing
     assert all(p[1] == 90 for p in progress)
