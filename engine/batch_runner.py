@@ -64,9 +64,7 @@ class BatchRunner:
         if self.graphs is not None:
             self.graphs.capture_all()
 
-    def read_chunks(
-        self, parts: list[tuple[int, torch.Tensor, int]], budget: int | None
-    ) -> None:
+    def read_chunks(self, parts: list[tuple[int, torch.Tensor, int]], budget: int | None) -> None:
         """Prompt chunks of several sequences, (slot, ids, start) each, read in one pass where
         the fused reader runs (one chunk after another on the reference)."""
         self._read(parts, budget)
