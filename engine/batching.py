@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.batch_runner import BatchRunner
-from engine.errors import EngineError
+from engine.errors import EngineError, arg
 from engine.kv_pool import (
     DEFAULT_BLOCK_SIZE,
     KVPool,
@@ -78,7 +78,7 @@ def plan(
         if not 1 <= seqs <= MAX_NUM_SEQS:
             raise EngineError(
                 f"max_num_seqs {seqs} is outside [1, {MAX_NUM_SEQS}]",
-                f"use 1 to {MAX_NUM_SEQS}, or auto",
+                f"use {arg('max_num_seqs')} 1 to {MAX_NUM_SEQS}, or auto",
             )
     geometry = plan_geometry(cfg, dtype, max_context, budget, seqs, block_size)
     return BatchingPlan(seqs, prefill_budget, geometry, budget)

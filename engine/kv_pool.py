@@ -31,7 +31,7 @@ import torch
 
 from engine.cache import LayerCache
 from engine.config import TextConfig
-from engine.errors import EngineError
+from engine.errors import EngineError, arg
 
 DEFAULT_BLOCK_SIZE = 64
 
@@ -89,7 +89,9 @@ def plan_geometry(
     """The pool that fits `budget_bytes`: the rings of max_seqs + 1 slots first, the rest in
     blocks. Refuses (EngineError) a budget that cannot hold one block per sequence."""
     if max_seqs < 1:
-        raise EngineError(f"max_num_seqs {max_seqs} must be at least 1", "use 1 or more")
+        raise EngineError(
+            f"max_num_seqs {max_seqs} must be at least 1", f"use {arg('max_num_seqs')} 1 or more"
+        )
     if block_size < 1 or block_size & (block_size - 1):
         raise EngineError(f"block size {block_size} is not a power of two", "use e.g. 64")
     rings = (max_seqs + 1) * ring_bytes_per_seq(cfg, dtype, max_context)
@@ -100,7 +102,8 @@ def plan_geometry(
         raise EngineError(
             f"the KV cache budget ({budget_bytes / (1 << 20):.0f} MiB) does not hold "
             f"{max_seqs} sequences (at least {need:.0f} MiB)",
-            "lower max_num_seqs or max_context, or give the engine more memory",
+            f"lower {arg('max_num_seqs')} or {arg('max_context')}, or give the pool more memory "
+            f"({arg('kv_cache_mib')}, {arg('memory_cap_mib')})",
         )
     # more blocks than every slot could ever use at once would only waste memory
     blocks = min(blocks, max_seqs * -(-max_context // block_size) + 1)
