@@ -112,6 +112,9 @@ def test_the_start_line_reports_the_settings(server):
     assert health["max_context"] == 2048  # --max-ctx, the alias, took effect
     log = server.log.read_text()
     assert "context 2048" in log and "1 CPU threads" in log
+    # the KV pool's line, in vLLM's words, and the batch size the server chose
+    assert "KV cache size:" in log and "Maximum concurrency for 2,048 tokens per request" in log
+    assert "max_num_seqs 16" in log
     assert f"max_tokens limit {CAP}" in log and "API key on" in log
     assert KEY not in log
     assert "WARNING" not in log  # loopback: no exposure warning
@@ -187,9 +190,22 @@ def test_bad_values_are_refused_before_loading(run_gpurig, tmp_path):
         (["--max-tokens-limit", "-1"], "--max-tokens-limit -1"),
         (["--max-body-mib", "0"], "--max-body-mib"),
         (["--max-context", "0"], "--max-context 0"),
+        (["--max-num-seqs", "0"], "--max-num-seqs"),
+        (["--max-num-seqs", "65"], "use 1-64 or auto"),
+        (["--max-num-seqs", "many"], "not a whole number"),
+        (["--kv-cache-mib", "0"], "--kv-cache-mib"),
+        (["--prefill-budget", "-5"], "--prefill-budget"),
     ):
         r = run_gpurig("engine", "serve", "--model", str(tmp_path), *args)
         assert r.returncode == 2 and words in r.stderr, (args, r.stderr)
+
+
+def test_a_pool_too_small_for_the_sequences_is_refused_in_the_cli_words(run_gpurig, checkpoint):
+    r = run_gpurig("engine", "serve", "--model", str(checkpoint), "--device", "cpu",
+                   "--kv-cache-mib", "1", "--max-num-seqs", "64", "--port", str(free_port()))  # fmt: skip
+    assert r.returncode == 2
+    assert "does not hold 64 sequences" in r.stderr
+    assert "--max-num-seqs" in r.stderr and "--kv-cache-mib" in r.stderr
 
 
 def test_listening_beyond_loopback_warns(run_gpurig, tmp_path):
