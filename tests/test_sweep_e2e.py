@@ -152,6 +152,12 @@ def test_two_engines_same_prompts_every_cell(servers, checkpoints, tmp_path: Pat
     assert tele["server_cpu_cores"] is not None and tele["metrics_after"]["generation_tokens"] > 0
     if tele["gpu"] is None:
         assert tele["gpu_missing"]
+    # the engine batches: at concurrency 2 its decode steps carried more than one sequence
+    for c in cells:
+        rows = c["telemetry"]["decode_rows_per_step"]
+        assert rows is not None and 1.0 <= rows <= c["concurrency"], c["telemetry"]
+    assert max(c["telemetry"]["decode_rows_per_step"] for c in cells if c["concurrency"] == 2) > 1
+    assert "Engine sequences per decode step (batching): a c=1: 1.0, a c=2: " in report
 
 
 def test_down_and_killed_targets_fail_with_reasons(servers, checkpoints, tmp_path: Path) -> None:

@@ -181,6 +181,10 @@ class CellTelemetry(BaseModel):
     prefix_cache_hit_rate: float | None = None
     kv_cache_usage: float | None = Field(None, description="peak KV cache usage (0-1)")
     requests_waiting: float | None = Field(None, description="peak requests waiting")
+    requests_running: float | None = Field(None, description="peak requests running")
+    decode_rows_per_step: float | None = Field(
+        None, description="the engine's sequences per decode step over the cell (batching)"
+    )
     metrics_missing: str | None = None
 
 

@@ -153,6 +153,13 @@ def _telemetry_notes(cells: list[CellRecord]) -> list[str]:
             by_target.setdefault(c.target, []).append(c.telemetry.server_cpu_cores or 0.0)
         for t, xs in by_target.items():
             notes.append(f"{t}: server process CPU {min(xs):.2f}-{max(xs):.2f} cores during cells.")
+    batched = [c for c in cells if c.telemetry.decode_rows_per_step is not None]
+    if batched:
+        per: dict[tuple[str, int], list[float]] = {}
+        for c in batched:
+            per.setdefault((c.target, c.concurrency), []).append(c.telemetry.decode_rows_per_step)
+        parts = [f"{t} c={conc}: {max(xs):.1f}" for (t, conc), xs in sorted(per.items())]
+        notes.append("Engine sequences per decode step (batching): " + ", ".join(parts) + ".")
     hits = [c for c in cells if c.telemetry.prefix_cache_hit_rate is not None]
     if hits:
         worst = max(hits, key=lambda c: c.telemetry.prefix_cache_hit_rate or 0.0)

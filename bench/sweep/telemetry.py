@@ -5,7 +5,8 @@
 - The server process's CPU (and its children's: vLLM's engine core is one) with psutil: CPU
   seconds over the cell's wall time, in cores.
 - The server's Prometheus /metrics before and after the cell: vLLM's prefix-cache queries and
-  hits (a hit rate over the cell), KV cache usage and requests waiting; the engine's gauges.
+  hits (a hit rate over the cell), KV cache usage, requests running and waiting (peaks); the
+  engine's gauges, and its sequences per decode step over the cell (how well it batched).
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ KEPT = {
     "gpurig_engine_num_requests_waiting": "requests_waiting",
     "gpurig_engine_num_requests_running": "requests_running",
     "gpurig_engine_kv_cache_usage_perc": "kv_cache_usage",
+    "gpurig_engine_decode_steps_total": "decode_steps",
+    "gpurig_engine_decode_step_rows_total": "decode_step_rows",
     "gpurig_engine_completion_tokens_total": "generation_tokens",
     "gpurig_engine_prompt_tokens_total": "prompt_tokens",
 }
@@ -210,7 +213,7 @@ class CellWatch:
         """Peaks of the gauges during the cell (after it, the KV cache is empty again)."""
         while not self._stop.wait(1.0):
             now, _ = scrape(self.root_url, timeout_s=2.0)
-            for key in ("kv_cache_usage", "requests_waiting"):
+            for key in ("kv_cache_usage", "requests_waiting", "requests_running"):
                 if key in now:
                     self._peaks[key] = max(self._peaks.get(key, 0.0), now[key])
 
@@ -253,3 +256,8 @@ class CellWatch:
         peaks = {**after, **self._peaks}
         r.kv_cache_usage = peaks.get("kv_cache_usage")
         r.requests_waiting = peaks.get("requests_waiting")
+        r.requests_running = peaks.get("requests_running")
+        steps = after.get("decode_steps", 0) - before.get("decode_steps", 0)
+        if steps > 0:  # the engine's batching: sequences per decode step over the cell
+            rows = after.get("decode_step_rows", 0) - before.get("decode_step_rows", 0)
+            r.decode_rows_per_step = round(rows / steps, 3)
