@@ -155,11 +155,15 @@ def test_two_engines_at_once_by_name(scripted, tmp_path, monkeypatch):
     monkeypatch.setenv("GPURIG_HOME", str(tmp_path / "home"))
     try:
         a = start_vllm_server(str(scripted), backend="engine", name="a", port=free_port(),
-                              device="cpu", timeout_s=90, extra_args=["--no-warmup"])  # fmt: skip
+                              device="cpu", timeout_s=90,
+                              extra_args=["--no-warmup", "--max-num-seqs", "2"])  # fmt: skip
         b = start_vllm_server(str(scripted), backend="engine", name="b", port=free_port(),
                               device="cpu", timeout_s=90, wait=False)  # fmt: skip
         assert a.state == "ready" and b.state == "starting"
         assert "--no-warmup" in a.command
+        # vLLM's batch-size flag, passed through to the engine's scheduler
+        assert a.command[a.command.index("--max-num-seqs") + 1] == "2"
+        assert "max_num_seqs 2" in Path(a.log_path).read_text()
         with pytest.raises(Exception, match="2 servers are running"):
             stop_vllm_server()
         assert stop_vllm_server("a").port_free

@@ -5,7 +5,8 @@ document.
 (tokenizer, stream, chat_template, eos_ids, bos_id, max_context, model_name, model_dir) and
 returns a Starlette app; `gpurig engine serve` runs it under uvicorn. A request's body is read on
 the event loop, then parsed, rendered and tokenised in a worker thread (bounded before any of it:
-engine/server/limits.py), then queued for the single generation thread (queue.py).
+engine/server/limits.py), then queued for the generation workers (queue.py), which the engine's
+scheduler batches (engine/scheduler.py).
 
 Errors have OpenAI's shape `{"error": {"message", "type", "param", "code"}}`: 400 for a body
 that is not JSON or a request the model cannot serve (context overflow, bad token ids, a lone
