@@ -69,6 +69,44 @@ def _my_slice(pos_ptr, S, window, BLOCK_S: tl.constexpr, RING: tl.constexpr):
 
 
 @triton.jit
+def _tile_scores(q, k, valid, scale, USE_DOT: tl.constexpr, IEEE: tl.constexpr,
+                 SC_DT: tl.constexpr):  # fmt: skip
+    """Scores of q [HP, D] against one tile of keys [BLOCK_S, D]: -inf where not `valid`."""
+    if USE_DOT and IEEE:  # fp32 caches: full-precision products, not tf32
+        sc = tl.dot(q, tl.trans(k), input_precision="ieee").to(tl.float32)
+    elif USE_DOT:
+        sc = tl.dot(q, tl.trans(k)).to(tl.float32)
+    else:
+        sc = tl.sum(q.to(tl.float32)[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)
+    # the reference multiplies q and k in the activation dtype: its scores are rounded there
+    sc = sc.to(SC_DT).to(tl.float32)
+    return tl.where(valid[None, :], sc * scale, float("-inf"))
+
+
+@triton.jit
+def _softmax_update(sc, m, l_sum):
+    """One tile into the online softmax: (new max, rescale of the old terms, probabilities,
+    new sum)."""
+    m_new = tl.maximum(m, tl.max(sc, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp(m - m_safe)
+    p = tl.exp(sc - m_safe[:, None])
+    return m_new, alpha, p, l_sum * alpha + tl.sum(p, axis=1)
+
+
+@triton.jit
+def _tile_values(p, v, USE_DOT: tl.constexpr, IEEE: tl.constexpr):
+    """p [HP, BLOCK_S] @ v [BLOCK_S, D] in fp32."""
+    if USE_DOT and IEEE:
+        pv = tl.dot(p.to(v.dtype), v, input_precision="ieee").to(tl.float32)
+    elif USE_DOT:
+        pv = tl.dot(p.to(v.dtype), v).to(tl.float32)
+    else:
+        pv = tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
+    return pv
+
+
+@triton.jit
 def _split_slice(
     q, k_ptr, v_ptr, kpos_ptr, po_ptr, pm_ptr, pl_ptr, pos, start, end, S, window, scale,
     stride_ks, stride_vs, pid, rh, rd, h_mask,
@@ -99,29 +137,11 @@ def _split_slice(
         # dot's operand through registers (measured 6-16% slower at 32k-131k slots)
         k = tl.load(k_ptr + rs[:, None].to(tl.int64) * stride_ks + rd[None, :],
                     mask=inb[:, None], other=0.0)  # fmt: skip
-        if USE_DOT and IEEE:  # fp32 caches: full-precision products, not tf32
-            sc = tl.dot(q, tl.trans(k), input_precision="ieee").to(tl.float32)
-        elif USE_DOT:
-            sc = tl.dot(q, tl.trans(k)).to(tl.float32)
-        else:
-            sc = tl.sum(q.to(tl.float32)[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)
-        # the reference multiplies q and k in the activation dtype: its scores are rounded there
-        sc = sc.to(SC_DT).to(tl.float32)
-        sc = tl.where(valid[None, :], sc * scale, float("-inf"))
-        m_new = tl.maximum(m, tl.max(sc, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m - m_safe)
-        p = tl.exp(sc - m_safe[:, None])
-        l_sum = l_sum * alpha + tl.sum(p, axis=1)
+        sc = _tile_scores(q, k, valid, scale, USE_DOT, IEEE, SC_DT)
+        m_new, alpha, p, l_sum = _softmax_update(sc, m, l_sum)
         v = tl.load(v_ptr + rs[:, None].to(tl.int64) * stride_vs + rd[None, :],
                     mask=valid[:, None], other=0.0)  # fmt: skip
-        if USE_DOT and IEEE:
-            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee").to(tl.float32)
-        elif USE_DOT:
-            pv = tl.dot(p.to(v.dtype), v).to(tl.float32)
-        else:
-            pv = tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
-        acc = acc * alpha[:, None] + pv
+        acc = acc * alpha[:, None] + _tile_values(p, v, USE_DOT, IEEE)
         m = m_new
     # a slice past the live range (a short context in a graph sized for a long one) stores
     # nothing: the combine reads only the slices that got work
@@ -152,6 +172,41 @@ def _attn_split_kernel(
 
 
 @triton.jit
+def _combine_slices(po_ptr, pm_ptr, pl_ptr, row0, used, h, rd, H: tl.constexpr, D: tl.constexpr,
+                    BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr,
+                    CHUNK_P: tl.constexpr):  # fmt: skip
+    """Head h's output columns rd from the `used` slices whose partial results start at slice
+    row0: sum_i w_i o_i / sum_i w_i l_i, w_i = exp(m_i - max_j m_j), fp32."""
+    # every slice's max and sum at once; slices past `used` (no work this step) are -inf / 0
+    rp = tl.arange(0, BLOCK_P)
+    p_mask = rp < used
+    m_all = tl.load(pm_ptr + (row0 + rp) * H + h, mask=p_mask, other=float("-inf"))
+    l_all = tl.load(pl_ptr + (row0 + rp) * H + h, mask=p_mask, other=0.0)
+    m_max = tl.max(m_all, axis=0)
+    m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)  # no visible key at all: weights 0
+    w_all = tl.where(m_all == float("-inf"), 0.0, tl.exp(m_all - m_safe))
+    l_tot = tl.sum(w_all * l_all, axis=0)
+    # the weighted sum of the partial outputs: [slices, BLOCK_D] blocks summed over the slices
+    # axis, at most CHUNK_P x BLOCK_D fp32 in registers at a time
+    if CHUNK_P >= BLOCK_P:  # every slice in one block: reuse the weights above
+        o_all = tl.load(po_ptr + ((row0 + rp)[:, None] * H + h) * D + rd[None, :],
+                        mask=p_mask[:, None], other=0.0)  # fmt: skip
+        acc = tl.sum(w_all[:, None] * o_all, axis=0)
+    else:  # CHUNK_P slices a step, each step's weights recomputed from its maxima
+        rc = tl.arange(0, CHUNK_P)
+        acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+        for p0 in range(0, used, CHUNK_P):
+            ri = p0 + rc
+            c_mask = ri < used
+            m_c = tl.load(pm_ptr + (row0 + ri) * H + h, mask=c_mask, other=float("-inf"))
+            w_c = tl.where(m_c == float("-inf"), 0.0, tl.exp(m_c - m_safe))
+            o_c = tl.load(po_ptr + ((row0 + ri)[:, None] * H + h) * D + rd[None, :],
+                          mask=c_mask[:, None], other=0.0)  # fmt: skip
+            acc += tl.sum(w_c[:, None] * o_c, axis=0)
+    return acc / tl.where(l_tot > 0, l_tot, 1.0)
+
+
+@triton.jit
 def _attn_combine_kernel(
     po_ptr, pm_ptr, pl_ptr, pos_ptr, o_ptr, S, window, P, stride_oh,
     H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
@@ -170,34 +225,9 @@ def _attn_combine_kernel(
     lo, hi = _span(pos, S, window, RING)
     chunk = tl.cdiv(tl.cdiv(hi - lo, P), BLOCK_S) * BLOCK_S
     used = tl.cdiv(hi - lo, chunk)
-    # every slice's max and sum at once; slices past `used` (no work this step) are -inf / 0
-    rp = tl.arange(0, BLOCK_P)
-    p_mask = rp < used
-    m_all = tl.load(pm_ptr + rp * H + h, mask=p_mask, other=float("-inf"))
-    l_all = tl.load(pl_ptr + rp * H + h, mask=p_mask, other=0.0)
-    m_max = tl.max(m_all, axis=0)
-    m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)  # no visible key at all: weights 0
-    w_all = tl.where(m_all == float("-inf"), 0.0, tl.exp(m_all - m_safe))
-    l_tot = tl.sum(w_all * l_all, axis=0)
-    # the weighted sum of the partial outputs: [slices, BLOCK_D] blocks summed over the slices
-    # axis, at most CHUNK_P x BLOCK_D fp32 in registers at a time
     rd = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
-    if CHUNK_P >= BLOCK_P:  # every slice in one block: reuse the weights above
-        o_all = tl.load(po_ptr + (rp[:, None] * H + h) * D + rd[None, :], mask=p_mask[:, None],
-                        other=0.0)  # fmt: skip
-        acc = tl.sum(w_all[:, None] * o_all, axis=0)
-    else:  # CHUNK_P slices a step, each step's weights recomputed from its maxima
-        rc = tl.arange(0, CHUNK_P)
-        acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-        for p0 in range(0, used, CHUNK_P):
-            ri = p0 + rc
-            c_mask = ri < used
-            m_c = tl.load(pm_ptr + ri * H + h, mask=c_mask, other=float("-inf"))
-            w_c = tl.where(m_c == float("-inf"), 0.0, tl.exp(m_c - m_safe))
-            o_c = tl.load(po_ptr + (ri[:, None] * H + h) * D + rd[None, :],
-                          mask=c_mask[:, None], other=0.0)  # fmt: skip
-            acc += tl.sum(w_c[:, None] * o_c, axis=0)
-    out = acc / tl.where(l_tot > 0, l_tot, 1.0)
+    out = _combine_slices(po_ptr, pm_ptr, pl_ptr, 0, used, h, rd, H, D, BLOCK_D, BLOCK_P,
+                          CHUNK_P)  # fmt: skip
     tl.store(o_ptr + h * stride_oh + rd, out.to(o_ptr.dtype.element_ty))
 
 

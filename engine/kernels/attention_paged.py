@@ -42,6 +42,10 @@ import triton.language as tl
 from engine.kernels.attention_decode import (
     COMBINE_BLOCK_D,
     COMBINE_TILE,
+    _combine_slices,
+    _softmax_update,
+    _tile_scores,
+    _tile_values,
     split_tiling,
     use_tensor_core_dot,
 )
@@ -115,28 +119,11 @@ def _paged_split_kernel(
         # key holds); values under the validity mask, as in the single-sequence kernel
         k = tl.load(k_ptr + rows[:, None] * stride_ks + rd[None, :], mask=inb[:, None],
                     other=0.0)  # fmt: skip
-        if USE_DOT and IEEE:  # fp32 pools: full-precision products, not tf32
-            sc = tl.dot(q, tl.trans(k), input_precision="ieee").to(tl.float32)
-        elif USE_DOT:
-            sc = tl.dot(q, tl.trans(k)).to(tl.float32)
-        else:
-            sc = tl.sum(q.to(tl.float32)[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)
-        sc = sc.to(SC_DT).to(tl.float32)  # rounded to the activation dtype, as the reference
-        sc = tl.where(valid[None, :], sc * scale, float("-inf"))
-        m_new = tl.maximum(m, tl.max(sc, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m - m_safe)
-        p = tl.exp(sc - m_safe[:, None])
-        l_sum = l_sum * alpha + tl.sum(p, axis=1)
+        sc = _tile_scores(q, k, valid, scale, USE_DOT, IEEE, SC_DT)
+        m_new, alpha, p, l_sum = _softmax_update(sc, m, l_sum)
         v = tl.load(v_ptr + rows[:, None] * stride_vs + rd[None, :], mask=valid[:, None],
                     other=0.0)  # fmt: skip
-        if USE_DOT and IEEE:
-            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee").to(tl.float32)
-        elif USE_DOT:
-            pv = tl.dot(p.to(v.dtype), v).to(tl.float32)
-        else:
-            pv = tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
-        acc = acc * alpha[:, None] + pv
+        acc = acc * alpha[:, None] + _tile_values(p, v, USE_DOT, IEEE)
         m = m_new
     # a slice past the row's live range stores nothing: the combine reads only used slices
     base = (b * P + pid) * H + rh
@@ -160,32 +147,9 @@ def _paged_combine_kernel(
     pos = tl.load(pos_ptr + b).to(tl.int32)
     lo, lo_tile, hi, chunk = _row_chunk(pos, R, window, max_keys, P, BLOCK_S, RING)
     used = tl.cdiv(hi - lo_tile, chunk)
-    row0 = b * P
-    rp = tl.arange(0, BLOCK_P)
-    p_mask = rp < used
-    m_all = tl.load(pm_ptr + (row0 + rp) * H + h, mask=p_mask, other=float("-inf"))
-    l_all = tl.load(pl_ptr + (row0 + rp) * H + h, mask=p_mask, other=0.0)
-    m_max = tl.max(m_all, axis=0)
-    m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)  # no visible key at all: weights 0
-    w_all = tl.where(m_all == float("-inf"), 0.0, tl.exp(m_all - m_safe))
-    l_tot = tl.sum(w_all * l_all, axis=0)
     rd = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
-    if CHUNK_P >= BLOCK_P:  # every slice in one block: reuse the weights above
-        o_all = tl.load(po_ptr + ((row0 + rp)[:, None] * H + h) * D + rd[None, :],
-                        mask=p_mask[:, None], other=0.0)  # fmt: skip
-        acc = tl.sum(w_all[:, None] * o_all, axis=0)
-    else:  # CHUNK_P slices a step, each step's weights recomputed from its maxima
-        rc = tl.arange(0, CHUNK_P)
-        acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-        for p0 in range(0, used, CHUNK_P):
-            ri = p0 + rc
-            c_mask = ri < used
-            m_c = tl.load(pm_ptr + (row0 + ri) * H + h, mask=c_mask, other=float("-inf"))
-            w_c = tl.where(m_c == float("-inf"), 0.0, tl.exp(m_c - m_safe))
-            o_c = tl.load(po_ptr + ((row0 + ri)[:, None] * H + h) * D + rd[None, :],
-                          mask=c_mask[:, None], other=0.0)  # fmt: skip
-            acc += tl.sum(w_c[:, None] * o_c, axis=0)
-    out = acc / tl.where(l_tot > 0, l_tot, 1.0)
+    out = _combine_slices(po_ptr, pm_ptr, pl_ptr, b * P, used, h, rd, H, D, BLOCK_D, BLOCK_P,
+                          CHUNK_P)  # fmt: skip
     tl.store(o_ptr + b * stride_ob + h * stride_oh + rd, out.to(o_ptr.dtype.element_ty))
 
 
