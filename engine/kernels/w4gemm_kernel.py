@@ -38,6 +38,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels.fused import _gelu_tanh, _round
+from engine.kernels.w4gemv_kernel import _ws_loads  # one K step's words and scales (fp32)
 from engine.options import triton_interpreted
 
 KERNEL_NAME = "w4gemm"
@@ -51,19 +52,6 @@ def _dequant(w, s, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr):
     c = ((w[:, :, None] >> sh[None, None, :]) & 0xF) | 0x4B000000  # 2^23 + code, as fp32 bits
     v = (c.to(tl.float32, bitcast=True) - 8388616.0) * s[:, :, None]  # (code - 8) * scale
     return tl.reshape(v, [BLOCK_N, BLOCK_KW * 8])
-
-
-@triton.jit
-def _ws_loads(w_ptrs, s_ptrs, rk, kw0, KW, EVEN_K: tl.constexpr):
-    """One K step's words [BN, BKW] and their group scales [BN, BKW] (fp32)."""
-    if EVEN_K:
-        w = tl.load(w_ptrs + kw0)
-        s = tl.load(s_ptrs + kw0 // 4).to(tl.float32)
-    else:
-        km = (kw0 + rk) < KW
-        w = tl.load(w_ptrs + kw0, mask=km[None, :], other=0)
-        s = tl.load(s_ptrs + kw0 // 4, mask=km[None, :], other=0.0).to(tl.float32)
-    return w, s
 
 
 @triton.jit
@@ -84,22 +72,30 @@ def _step(acc, w, s, x, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr, TC: tl.co
     """acc + this K step's products (TC: [BM, BN] or, SWAP, [BN, BM]; FMA: [BM, BN, BK])."""
     v = _dequant(w, s, BLOCK_N, BLOCK_KW)
     if TC:
-        v = v.to(x.dtype)
-        if IEEE and x.dtype != tl.float32:  # the CPU interpreter's bf16 dot is wrong: the
-            v = v.to(tl.float32)  # same products (exact in fp32) through its fp32 dot
-            x = x.to(tl.float32)
-        if SWAP:  # the weight tile as the dot's A operand (its rows on the wide side)
-            if IEEE:
-                acc = tl.dot(v, tl.trans(x), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(v, tl.trans(x), acc)
-        else:
-            if IEEE:
-                acc = tl.dot(x, tl.trans(v), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(x, tl.trans(v), acc)
+        acc = _dot_acc(acc, v, x, SWAP, IEEE)
     else:
         acc += v[None, :, :] * x.to(tl.float32)[:, None, :]
+    return acc
+
+
+@triton.jit
+def _dot_acc(acc, v, x, SWAP: tl.constexpr, IEEE: tl.constexpr):
+    """acc + x v^T (SWAP: v x^T) on tensor cores, the fp32 weights v first rounded to x's
+    dtype, as the reference rounds its dequantised weights."""
+    v = v.to(x.dtype)
+    if IEEE and x.dtype != tl.float32:  # the CPU interpreter's bf16 dot is wrong: the
+        v = v.to(tl.float32)  # same products (exact in fp32) through its fp32 dot
+        x = x.to(tl.float32)
+    if SWAP:  # the weight tile as the dot's A operand (its rows on the wide side)
+        if IEEE:
+            acc = tl.dot(v, tl.trans(x), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(v, tl.trans(x), acc)
+    else:
+        if IEEE:
+            acc = tl.dot(x, tl.trans(v), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(x, tl.trans(v), acc)
     return acc
 
 
@@ -245,20 +241,7 @@ def _slab_dot(acc, w, s, xj, J: tl.constexpr, TC: tl.constexpr, SWAP: tl.constex
     if not TC:  # multiply-and-sum: [BM, BN, BKW] products of the exact fp32 weights
         acc += v[None, :, :] * xj.to(tl.float32)[:, None, :]
     else:
-        v = v.to(xj.dtype)
-        if IEEE and xj.dtype != tl.float32:  # the CPU interpreter's bf16 dot: see _step
-            v = v.to(tl.float32)
-            xj = xj.to(tl.float32)
-        if SWAP:
-            if IEEE:
-                acc = tl.dot(v, tl.trans(xj), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(v, tl.trans(xj), acc)
-        else:
-            if IEEE:
-                acc = tl.dot(xj, tl.trans(v), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(xj, tl.trans(v), acc)
+        acc = _dot_acc(acc, v, xj, SWAP, IEEE)
     return acc
 
 
