@@ -21,12 +21,11 @@ from __future__ import annotations
 
 import torch
 
-from engine.fast.decode import _qkv_matrices
+from engine.fast.decode import _qkv_matrices, embed_tokens
 from engine.fast.fuse import FusedLayer
 from engine.fast.ops_fast import FastOps, packed_ok
 from engine.kernels.attention_paged import PagedDecodeAttention
-from engine.kernels.fused import ple_mix, qkv_rope_rows, residual_norm, rmsnorm_rows
-from engine.kernels.w4dequant import w4_gather_rows
+from engine.kernels.fused import qkv_rope_rows, residual_norm, rmsnorm_rows
 from engine.kernels.w4gemm import w4_gemm
 from engine.kernels.w4gemv import w4_gemv, w4_gemv_after_residual, w4_gemv_glu
 from engine.kv_pool import KVPool
@@ -104,27 +103,6 @@ class BatchDecoder:
         ]
         return torch.cat(parts)
 
-    def _embed(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        m, cfg = self.model, self.model.cfg
-        b = tokens.shape[0]
-        if packed_ok(m.embed):
-            h = w4_gather_rows(tokens, m.embed.packed, m.embed.scales, dtype=m.dtype,
-                               mul=m.embed_scale)  # fmt: skip
-        else:
-            h = self.ops.embed_rows(tokens, m.embed, m.dtype) * m.embed_scale
-        if m.ple_table is None:
-            return h.contiguous(), None
-        n, p = cfg.num_hidden_layers, cfg.hidden_size_per_layer_input
-        if packed_ok(m.ple_table):
-            tok = w4_gather_rows(tokens, m.ple_table.packed, m.ple_table.scales, dtype=m.dtype,
-                                 mul=m.ple_scale)  # fmt: skip
-        else:
-            tok = self.ops.embed_rows(tokens, m.ple_table, m.dtype) * m.ple_scale
-        proj = self._linear(h, m.ple_projection).contiguous()
-        ple = ple_mix(proj.view(b * n, p), tok.contiguous().view(b * n, p), m.ple_projection_norm,
-                      b * n, p, cfg.rms_norm_eps, cfg.hidden_size**-0.5, 2.0**-0.5)  # fmt: skip
-        return h.contiguous(), ple.view(b, n, p)
-
     def _linear(self, x: torch.Tensor, w) -> torch.Tensor:
         return self._mm(x, w) if packed_ok(w) else self.ops.linear(x, w)
 
@@ -137,7 +115,7 @@ class BatchDecoder:
         m, cfg, pool = self.model, self.model.cfg, self.pool
         eps, b = cfg.rms_norm_eps, tokens.shape[0]
         single = b == 1
-        h, ple = self._embed(tokens)
+        h, ple = embed_tokens(m, self.ops, tokens, self._linear)
         spare = torch.empty_like(h)
         rope = m.rope(positions)
         # the pool rows this step writes: one set for the full layers, one for the rings

@@ -53,6 +53,34 @@ def supported(model, fused: list[FusedLayer]) -> bool:
     )
 
 
+def embed_tokens(
+    model, ops: FastOps, tokens: torch.Tensor, linear
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Hidden states [B, H] and per-layer inputs [B, layers, width] (None without PLE) of B
+    decode tokens, from the 4-bit tables (one gather each) and one mix kernel; `linear` makes
+    the per-layer-input projection (the GEMV for one row, the batched product for more)."""
+    m, cfg = model, model.cfg
+    b = tokens.shape[0]
+    if packed_ok(m.embed):
+        h = w4_gather_rows(tokens, m.embed.packed, m.embed.scales, dtype=m.dtype,
+                           mul=m.embed_scale)  # fmt: skip
+    else:
+        h = ops.embed_rows(tokens, m.embed, m.dtype) * m.embed_scale
+    h = h.contiguous()
+    if m.ple_table is None:
+        return h, None
+    n, p = cfg.num_hidden_layers, cfg.hidden_size_per_layer_input
+    if packed_ok(m.ple_table):
+        tok = w4_gather_rows(tokens, m.ple_table.packed, m.ple_table.scales, dtype=m.dtype,
+                             mul=m.ple_scale)  # fmt: skip
+    else:
+        tok = ops.embed_rows(tokens, m.ple_table, m.dtype) * m.ple_scale
+    proj = linear(h, m.ple_projection).contiguous()
+    ple = ple_mix(proj.view(b * n, p), tok.contiguous().view(b * n, p), m.ple_projection_norm,
+                  b * n, p, cfg.rms_norm_eps, cfg.hidden_size**-0.5, 2.0**-0.5)  # fmt: skip
+    return h, ple.view(b, n, p)
+
+
 class FusedDecoder:
     """`step(token [1], position [1]) -> logits [1, V]`, writing the cache like decode_step."""
 
@@ -64,24 +92,8 @@ class FusedDecoder:
         self.qkv_lin = _qkv_matrices(model, fused)
 
     def _embed(self, token: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        m, cfg = self.model, self.model.cfg
-        if packed_ok(m.embed):
-            h = w4_gather_rows(token, m.embed.packed, m.embed.scales, dtype=m.dtype,
-                               mul=m.embed_scale)  # fmt: skip
-        else:
-            h = self.ops.embed_rows(token, m.embed, m.dtype) * m.embed_scale
-        if m.ple_table is None:
-            return h, None
-        n, p = cfg.num_hidden_layers, cfg.hidden_size_per_layer_input
-        if packed_ok(m.ple_table):
-            tok = w4_gather_rows(token, m.ple_table.packed, m.ple_table.scales, dtype=m.dtype,
-                                 mul=m.ple_scale)  # fmt: skip
-        else:
-            tok = self.ops.embed_rows(token, m.ple_table, m.dtype) * m.ple_scale
-        proj = self.ops.linear(h, m.ple_projection)
-        ple = ple_mix(proj, tok.contiguous(), m.ple_projection_norm, n, p, cfg.rms_norm_eps,
-                      cfg.hidden_size**-0.5, 2.0**-0.5)  # fmt: skip
-        return h, ple
+        h, ple = embed_tokens(self.model, self.ops, token, self.ops.linear)
+        return h, (ple[0] if ple is not None else None)
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         """lm_head of the final-normed hidden state, soft-capped as the model caps it."""
