@@ -25,6 +25,7 @@ stream runs after everything already queued that still reads them.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -242,22 +243,25 @@ class PagedLayer:
 
     @property
     def slots(self) -> int:
-        return len(self.pool._blocks[self.slot]) * self.pool.block_size
+        return self.pool.held(self.slot) * self.pool.block_size
 
+    @functools.cached_property
     def _rows(self) -> torch.Tensor:
+        """The sequence's rows in position order (a view lives for one chunk or one step, while
+        the sequence's blocks do not change)."""
         return self.pool.rows_of(self.slot, torch.arange(self.slots, device=self.pool.device))
 
     @property
     def k(self) -> torch.Tensor:
-        return self.pool.k[self.layer][self._rows()]
+        return self.pool.k[self.layer][self._rows]
 
     @property
     def v(self) -> torch.Tensor:
-        return self.pool.v[self.layer][self._rows()]
+        return self.pool.v[self.layer][self._rows]
 
     @property
     def pos(self) -> torch.Tensor:
-        return self.pool.pos[self.layer][self._rows()]
+        return self.pool.pos[self.layer][self._rows]
 
     def write(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
         rows = self.pool.rows_of(self.slot, positions)
