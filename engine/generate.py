@@ -18,6 +18,7 @@ import torch
 from engine.backend import Backend
 from engine.cache import KVCache
 from engine.errors import ContextLengthError, GenerationError
+from engine.logprobs import TokenLogprobs, one_row
 from engine.memory import plan_prompt
 from engine.model import Gemma4Model
 
@@ -227,13 +228,17 @@ def generate_stream(
     state: GenerationState,
     memory_cap_mib: int | None,
     backend: Backend,
+    logprobs: int | None = None,
+    logprob_list: list[TokenLogprobs] | None = None,
 ) -> Iterator[int]:
     """Yield new token ids one by one; a stop id ends the stream without being yielded.
 
     Stops at `max_new_tokens` or when the context is full ('length'). Closing the generator
     stops it at the next token. The arguments were checked by the caller (`Engine.stream`:
     check_prompt, SamplingParams.validate, max_new_tokens >= 0) before the first token was
-    asked for. `backend`: the engine's (its decoder is made once and kept).
+    asked for. `backend`: the engine's (its decoder is made once and kept). With `logprobs` k
+    each yielded token's TokenLogprobs (engine/logprobs.py: the raw logits' log_softmax, the
+    top k) is appended to `logprob_list` before the token is yielded.
     """
     sampler = Sampler(sampling, model.device)
     state.finish_reason = None
@@ -247,6 +252,7 @@ def generate_stream(
     else:
         logits = read_prompt(model, cache, prompt, chunk, None, memory_cap_mib)
     token = sampler(logits)  # [1] int64 on the device
+    lp = one_row(logits, token, logprobs) if logprobs is not None else None
     position = torch.tensor([len(prompt)], dtype=torch.int64, device=model.device)
     next_pos = len(prompt)
     reader = _TokenReader(model.device)
@@ -259,12 +265,16 @@ def generate_stream(
         more = made + 1 < max_new_tokens and next_pos < cache.max_context
         reader.request(token)
         if more:
-            following = sampler(step(token, position)[0])
+            out = step(token, position)[0]
+            following = sampler(out)
+            following_lp = one_row(out, following, logprobs) if logprobs is not None else None
             position += 1
         tok = reader.value()
         if tok in stop_ids:
             state.finish_reason = "stop"
             return
+        if lp is not None and logprob_list is not None:
+            logprob_list.append(lp.to_host([tok])[0])
         made += 1
         if not more:
             state.finish_reason = "length"
@@ -272,4 +282,6 @@ def generate_stream(
             return
         yield tok
         token = following
+        if logprobs is not None:
+            lp = following_lp
         next_pos += 1

@@ -8,6 +8,8 @@ benchmarks) reads the same numbers from the same place instead of timing the loo
     for tok in gen: ...
     gen.finish_reason      # "stop" (a stop id) | "length" (max tokens / context) | None
     gen.completion_tokens, gen.prompt_tokens, gen.timings.decode_tokens_per_s
+    gen.logprobs           # with stream(..., logprobs=k): gen.logprobs[i] is tokens[i]'s
+                           # engine.logprobs.TokenLogprobs; None when not asked for
 
 `finish_reason` is None while it runs, and stays None when it was closed before its end (the
 consumer broke off: a stop string, a client that left). Closing stops the engine at once.
@@ -18,7 +20,10 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from engine.logprobs import TokenLogprobs
 
 
 class _State(Protocol):
@@ -59,10 +64,13 @@ class Generation:
         state: _State,
         prompt_tokens: int,
         sync: Callable[[], None] | None = None,
+        logprobs: list[TokenLogprobs] | None = None,
     ) -> None:
         """steps: the decode loop's ids; state: where it writes its finish reason; sync: waits
-        for the device's queued work (so the end time covers it)."""
+        for the device's queued work (so the end time covers it); logprobs: the list the loop
+        appends each token's log-probabilities to before it yields the token (None: not asked)."""
         self._steps = steps
+        self.logprobs = logprobs
         self._state = state
         self._sync = sync
         self.prompt_tokens = prompt_tokens

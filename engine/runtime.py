@@ -91,9 +91,12 @@ class Engine:
         seed: int | None = None,
         stop_ids: list[int] | None = None,
         logit_bias: dict[int, float] | None = None,
+        logprobs: int | None = None,
     ) -> Generation:
         """The new token ids as they are made: a `Generation` (engine/generation.py), which
-        also carries finish_reason, the token counts and timings. stop_ids None means the
+        also carries finish_reason, the token counts and timings. logprobs k (0 or more): each
+        token's log-probability and the step's top k in `Generation.logprobs`
+        (engine/logprobs.py: of the raw logits, before logit_bias and temperature). stop_ids None means the
         checkpoint's eos ids (generation_config.json); pass [] to stop only at max_new_tokens.
         The stop id that ends the generation is not yielded. logit_bias {token id: bias} is
         added to the logits before sampling (greedy too). Bad arguments raise before the
@@ -110,6 +113,11 @@ class Engine:
         check_prompt(list(token_ids), self.config.vocab_size, self.max_context)
         if max_new_tokens < 0:
             raise GenerationError(f"max_new_tokens {max_new_tokens} is negative", "use 0 or more")
+        if logprobs is not None and not 0 <= logprobs <= self.config.vocab_size:
+            raise GenerationError(
+                f"logprobs {logprobs} is outside [0, {self.config.vocab_size}]",
+                "ask for 0 (the token's own) up to the vocabulary's size",
+            )
         chunk = self.prefill_chunk
         if self.batching is not None:
             chunk = min(chunk, self.batching.prefill_budget)
@@ -120,20 +128,22 @@ class Engine:
             return self.scheduler.submit(
                 list(token_ids), max_new_tokens, sampling, stops,
                 plan.chunk if plan is not None else chunk,
-                plan.score_budget if plan is not None else None,
+                plan.score_budget if plan is not None else None, logprobs,
             )  # fmt: skip
-        return self._run(list(token_ids), max_new_tokens, sampling, stops)
+        return self._run(list(token_ids), max_new_tokens, sampling, stops, logprobs)
 
     def _run(
-        self, prompt: list[int], max_new: int, sampling: SamplingParams, stops: set[int]
-    ) -> Generation:
+        self, prompt: list[int], max_new: int, sampling: SamplingParams, stops: set[int],
+        logprobs: int | None = None,
+    ) -> Generation:  # fmt: skip
         """One generation; a newer one on this engine reuses the cache, so this one then stops
         with an error instead of yielding tokens from a cache that is no longer its own."""
         self._run_id += 1
         run_id, state = self._run_id, GenerationState()
+        logprob_list = [] if logprobs is not None else None
         steps = generate_stream(
             self.model, self.cache, prompt, max_new, sampling, stops, self.prefill_chunk, state,
-            self.memory_cap_mib, self.backend,
+            self.memory_cap_mib, self.backend, logprobs, logprob_list,
         )  # fmt: skip
 
         def guarded() -> Iterator[int]:
@@ -154,7 +164,7 @@ class Engine:
 
         device = self.device
         sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else None
-        return Generation(guarded(), state, len(prompt), sync)
+        return Generation(guarded(), state, len(prompt), sync, logprob_list)
 
     def generate(
         self,

@@ -39,6 +39,7 @@ from engine.errors import ContextLengthError, EngineError
 from engine.generate import GenerationState, Sampler, SamplingParams
 from engine.generation import Generation
 from engine.kv_pool import KVPool
+from engine.logprobs import StepLogprobs, TokenLogprobs
 
 log = logging.getLogger(__name__)
 
@@ -66,9 +67,12 @@ class _Sequence:
 
     def __init__(
         self, prompt: list[int], max_new: int, sampling: SamplingParams, stops: frozenset[int],
-        chunk: int, score_budget: int | None,
+        chunk: int, score_budget: int | None, logprobs: int | None = None,
     ) -> None:  # fmt: skip
         self.prompt = prompt
+        # None: no log-probabilities; k >= 0: the token's own and the top k (engine/logprobs.py)
+        self.logprobs = logprobs
+        self.logprob_list: list[TokenLogprobs] | None = [] if logprobs is not None else None
         self.max_new = max_new
         self.sampling = sampling
         self.stops = stops
@@ -110,6 +114,7 @@ class _Launched:
     host: torch.Tensor  # [B] int64 (pinned on CUDA), filled when `event` completes
     event: torch.cuda.Event | None
     index: dict[int, int]  # id(sequence) -> row
+    logprobs: StepLogprobs | None = None  # the rows that asked for them, still on the device
 
 
 class Scheduler:
@@ -148,8 +153,10 @@ class Scheduler:
         stops: set[int],
         chunk: int,
         score_budget: int | None = None,
+        logprobs: int | None = None,
     ) -> Generation:
-        """Queue a request (already validated by Engine.stream); its tokens come as a Generation.
+        """Queue a request (already validated by Engine.stream); its tokens come as a Generation
+        (with `logprobs` k: each token's TokenLogprobs in `Generation.logprobs`, in step).
         A request whose prompt plus max tokens can never fit the pool is refused now."""
         if self._failure is not None or self._closing:
             raise EngineError("the engine's scheduler has stopped", "restart the engine")
@@ -159,8 +166,9 @@ class Scheduler:
             raise ContextLengthError(
                 requested=len(prompt) + max_new, limit=total * self.pool.block_size
             )
-        seq = _Sequence(list(prompt), max_new, sampling, frozenset(stops), chunk, score_budget)
-        gen = Generation(self._tokens(seq), seq.state, len(prompt))
+        seq = _Sequence(list(prompt), max_new, sampling, frozenset(stops), chunk, score_budget,
+                        logprobs)  # fmt: skip
+        gen = Generation(self._tokens(seq), seq.state, len(prompt), logprobs=seq.logprob_list)
         if max_new == 0:
             seq.state.finish_reason = "length"
             seq.out.put(_END)
@@ -321,6 +329,13 @@ class Scheduler:
             tokens = fresh
         logits = self.runner.step(tokens, positions, slots.to(torch.int32))
         ids = self._sample(logits, rows)
+        asked = [r for r, s in enumerate(rows) if s.logprobs is not None]
+        # read now: on CUDA `logits` is the graph's output buffer, which the next step rewrites
+        logprobs = (
+            StepLogprobs.compute(logits, ids, asked, [rows[r].logprobs for r in asked])
+            if asked
+            else None
+        )
         out = torch.empty(b, dtype=torch.int64, pin_memory=self.device.type == "cuda")
         event = None
         if self.device.type == "cuda":
@@ -335,7 +350,8 @@ class Scheduler:
         self._step_rows += b
         self._last_rows = b
         self._peak_rows = max(self._peak_rows, b)
-        return _Launched(rows, ids, out, event, {id(s): r for r, s in enumerate(rows)})
+        index = {id(s): r for r, s in enumerate(rows)}
+        return _Launched(rows, ids, out, event, index, logprobs)
 
     def _sample(self, logits: torch.Tensor, rows: list[_Sequence]) -> torch.Tensor:
         """Each row's token: one argmax for the plain greedy rows, the request's own sampler
@@ -350,13 +366,16 @@ class Scheduler:
         if step.event is not None:
             step.event.synchronize()
         values = step.host.tolist()
-        for s, tok in zip(step.rows, values, strict=True):
+        logprobs = step.logprobs.to_host(values) if step.logprobs is not None else {}
+        for r, (s, tok) in enumerate(zip(step.rows, values, strict=True)):
             if s.finished or s.cancel.is_set():
                 continue
             if tok in s.stops:
                 self._end(s, "stop")
                 continue
             s.made += 1
+            if s.logprob_list is not None:  # before the token: a consumer that has it finds them
+                s.logprob_list.append(logprobs[r])
             s.out.put(tok)
             if s.made >= s.max_new or s.body + s.made >= self.max_context:
                 self._end(s, "length")

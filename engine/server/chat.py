@@ -19,6 +19,7 @@ from engine.chat.render import ChatTemplateError
 from engine.chat.tool_calls import CALL_OPEN, StreamingReplyParser, parse_reply
 from engine.server.body import parse_request, read_body
 from engine.server.errors import ApiError, excerpt
+from engine.server.logprobs import chat_k, chat_logprobs
 from engine.server.queue import Event, GenerationRequest
 from engine.server.schemas import (
     AssistantMessage,
@@ -114,6 +115,7 @@ def chat_prompt(state: ServerState, req: ChatCompletionRequest) -> ChatPrompt:
 def _prepare(state: ServerState, body: bytes) -> tuple[ChatCompletionRequest, ChatPrompt]:
     req = parse_request(body, ChatCompletionRequest)
     state.check_model(req.model)
+    chat_k(req)  # a bad logprobs request is refused before the template renders
     return req, chat_prompt(state, req)
 
 
@@ -123,6 +125,8 @@ async def chat_completions(request: Request) -> Response:
     req, (prompt_ids, parse_calls, forced) = await state.off_loop(_prepare, state, body)
     asked = req.max_completion_tokens or req.max_tokens
     budget = token_budget(state, len(prompt_ids), asked, "messages")
+    k, want_ids = chat_k(req), bool(req.return_token_ids)
+    as_ids = bool(req.return_tokens_as_token_ids)
     job = state.queue.submit(
         GenerationRequest(
             prompt_ids=prompt_ids,
@@ -130,6 +134,8 @@ async def chat_completions(request: Request) -> Response:
             stop_ids=[] if req.ignore_eos else list(state.chat.stop_ids),
             stop_strings=req.stop_strings(),
             skip_special_tokens=False,  # the parser needs the markers
+            logprobs=k,
+            token_ids=want_ids,
             **sampling(state, req),
         )
     )
@@ -141,22 +147,26 @@ async def chat_completions(request: Request) -> Response:
         reply = parse_reply(forced + result.text, parse_calls=parse_calls)
         calls = [ToolCallOut(**c.to_openai()) for c in reply.tool_calls] or None
         finish = "tool_calls" if calls and result.finish_reason == "stop" else result.finish_reason
+        choice = ChatChoice(
+            message=AssistantMessage(
+                content=reply.content,
+                reasoning_content=reply.reasoning_content,
+                tool_calls=calls,
+            ),
+            finish_reason=finish,
+        )
+        if k is not None:
+            choice.logprobs = chat_logprobs(state.token_text, done.logprobs or [], k, as_ids)
+        if want_ids:
+            choice.token_ids = done.token_ids
         out = ChatCompletion(
             id=completion_id,
             created=created,
             model=state.model_name,
-            choices=[
-                ChatChoice(
-                    message=AssistantMessage(
-                        content=reply.content,
-                        reasoning_content=reply.reasoning_content,
-                        tool_calls=calls,
-                    ),
-                    finish_reason=finish,
-                )
-            ],
+            choices=[choice],
             usage=Usage(**usage(done)),
             timings=Timings(**done.timings()),
+            prompt_token_ids=prompt_ids if want_ids else None,
         )
         return JSONResponse({**out.model_dump(exclude_none=False), **capped},
                             headers=budget.headers())  # fmt: skip
@@ -164,13 +174,23 @@ async def chat_completions(request: Request) -> Response:
     events = await first_event_or_error(request.receive, job)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
-    def chunk(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> dict[str, Any]:
+    def chunk(delta: dict[str, Any], finish: str | None = None, event: Any = None,
+              **extra: Any) -> dict[str, Any]:  # fmt: skip
+        choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish,
+                                  "logprobs": None}  # fmt: skip
+        if k is not None and event is not None and event.logprobs:
+            choice["logprobs"] = chat_logprobs(
+                state.token_text, event.logprobs, k, as_ids
+            ).model_dump()
+        if "role" not in delta:  # as vLLM: token_ids on every chunk but the role's, null unless
+            ids = (list(event.token_ids) if event is not None else []) if want_ids else None
+            choice["token_ids"] = ids  # return_token_ids
         return {
             "id": completion_id,
             "object": "chat.completion.chunk",
             "created": created,
             "model": state.model_name,
-            "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}],
+            "choices": [choice],
             **extra,
         }
 
@@ -178,7 +198,9 @@ async def chat_completions(request: Request) -> Response:
         parser = StreamingReplyParser(parse_calls=parse_calls)
         parser.feed(forced)  # opens the call; it emits nothing until the call is complete
         n_calls = 0
-        yield chunk({"role": "assistant", "content": ""})
+        # as vLLM: the prompt's ids on the first chunk, beside (not inside) its choice
+        first = {"prompt_token_ids": prompt_ids if want_ids else None}
+        yield chunk({"role": "assistant", "content": ""}, **first)
 
         def deltas(stream_events: list[Any]) -> list[dict[str, Any]]:
             nonlocal n_calls
@@ -195,8 +217,11 @@ async def chat_completions(request: Request) -> Response:
 
         async for event in events:
             if event.kind == "delta":
-                for d in deltas(parser.feed(event.text)):
-                    yield chunk(d)
+                found = deltas(parser.feed(event.text))
+                if not found and (event.token_ids or event.logprobs):
+                    found = [{}]  # the tokens' text is held (a call, a marker): still send them
+                for i, d in enumerate(found):  # the event's tokens go with its first delta
+                    yield chunk(d, event=event if i == 0 else None)
             elif event.kind == "error":
                 yield error_payload(event.error)
                 return

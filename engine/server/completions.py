@@ -18,6 +18,7 @@ from engine.errors import ContextLengthError, GenerationError
 from engine.server.body import parse_request, read_body
 from engine.server.chat import usage
 from engine.server.errors import ApiError, context_error
+from engine.server.logprobs import completion_k, completion_logprobs
 from engine.server.queue import GenerationRequest
 from engine.server.schemas import Completion, CompletionChoice, CompletionRequest, Timings, Usage
 from engine.server.sse import SSEResponse, error_payload, first_event_or_error, run_to_end
@@ -62,6 +63,7 @@ def completion_prompt(state: ServerState, req: CompletionRequest) -> list[int]:
 def _prepare(state: ServerState, body: bytes) -> tuple[CompletionRequest, list[int], str]:
     req = parse_request(body, CompletionRequest, lambda data: _precheck(state, data))
     state.check_model(req.model)
+    completion_k(req)  # a bad logprobs count is refused before the prompt is tokenised
     ids = completion_prompt(state, req)
     echo = state.tokenizer.decode(ids, skip_special_tokens=True) if req.echo else ""
     return req, ids, echo
@@ -72,6 +74,8 @@ async def completions(request: Request) -> Response:
     body = await read_body(request, state.limits.body_bytes)
     req, prompt_ids, echo = await state.off_loop(_prepare, state, body)
     budget = token_budget(state, len(prompt_ids), req.max_tokens, "prompt")
+    k, want_ids = completion_k(req), bool(req.return_token_ids)
+    as_ids = bool(req.return_tokens_as_token_ids)
     job = state.queue.submit(
         GenerationRequest(
             prompt_ids=prompt_ids,
@@ -79,6 +83,8 @@ async def completions(request: Request) -> Response:
             stop_ids=[] if req.ignore_eos else state.eos_ids,
             stop_strings=req.stop_strings(),
             skip_special_tokens=True,
+            logprobs=k,
+            token_ids=want_ids,
             **sampling(state, req),
         )
     )
@@ -87,11 +93,17 @@ async def completions(request: Request) -> Response:
     if not req.stream:
         done = await run_to_end(request.receive, job)
         result = done.result
+        choice = CompletionChoice(text=echo + result.text, finish_reason=result.finish_reason)
+        if k is not None:
+            choice.logprobs = completion_logprobs(state.token_text, done.logprobs or [], k, 0,
+                                                  as_ids)  # fmt: skip
+        if want_ids:
+            choice.token_ids, choice.prompt_token_ids = done.token_ids, prompt_ids
         out = Completion(
             id=completion_id,
             created=created,
             model=state.model_name,
-            choices=[CompletionChoice(text=echo + result.text, finish_reason=result.finish_reason)],
+            choices=[choice],
             usage=Usage(**usage(done)),
             timings=Timings(**done.timings()),
         )
@@ -100,13 +112,31 @@ async def completions(request: Request) -> Response:
     events = await first_event_or_error(request.receive, job)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
-    def chunk(text: str, finish: str | None = None, **extra: Any) -> dict[str, Any]:
+    sent_text = 0  # the text streamed so far: where the next chunk's text_offset starts
+    first = True  # prompt_token_ids go on the first chunk
+
+    def chunk(text: str, finish: str | None = None, event: Any = None,
+              **extra: Any) -> dict[str, Any]:  # fmt: skip
+        nonlocal sent_text, first
+        choice: dict[str, Any] = {"index": 0, "text": text, "finish_reason": finish,
+                                  "logprobs": None}  # fmt: skip
+        if k is not None and event is not None and event.logprobs:
+            choice["logprobs"] = completion_logprobs(
+                state.token_text, event.logprobs, k, sent_text, as_ids
+            ).model_dump()
+        # as vLLM: both keys on every chunk, null unless return_token_ids
+        choice["prompt_token_ids"] = prompt_ids if want_ids and first else None
+        choice["token_ids"] = (
+            (list(event.token_ids) if event is not None else []) if want_ids else None
+        )
+        first = False
+        sent_text += len(text)
         return {
             "id": completion_id,
             "object": "text_completion",
             "created": created,
             "model": state.model_name,
-            "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}],
+            "choices": [choice],
             **extra,
         }
 
@@ -115,7 +145,7 @@ async def completions(request: Request) -> Response:
             yield chunk(echo)
         async for event in events:
             if event.kind == "delta":
-                yield chunk(event.text)
+                yield chunk(event.text, event=event)
             elif event.kind == "error":
                 yield error_payload(event.error)
                 return

@@ -44,6 +44,13 @@ class GenerationRequest:
     stop_strings: list[str] = field(default_factory=list)
     skip_special_tokens: bool = False
     logit_bias: dict[int, float] | None = None
+    logprobs: int | None = None  # k: each token's log-probability and the top k
+    token_ids: bool = False  # the events carry the new token ids (`return_token_ids`)
+
+    @property
+    def tracks_tokens(self) -> bool:
+        """The events carry token ids and log-probabilities, not only text."""
+        return self.logprobs is not None or self.token_ids
 
 
 @dataclass
@@ -53,6 +60,10 @@ class Event:
     result: GenerationResult | None = None
     queue_ms: float = 0.0  # with "done": how long the job waited for the engine
     error: BaseException | None = None
+    # for a request that tracks tokens: a delta's new token ids and their log-probabilities
+    # (engine.logprobs.TokenLogprobs), or with "done" all of them
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[Any] | None = None
 
     def timings(self) -> dict[str, float]:
         """The reply's `timings` (a "done" event's): where the request's time went."""
@@ -196,14 +207,22 @@ class GenerationQueue:
             seed=req.seed,
             stop_ids=req.stop_ids,
             logit_bias=req.logit_bias,
+            **({"logprobs": req.logprobs} if req.logprobs is not None else {}),
         )
         stream = TextStream(
             generation, self.engine.tokenizer, req.stop_strings, req.skip_special_tokens
         )
         cancelled = False
+        track, sent = req.tracks_tokens, 0
         try:
             for text in stream:
-                if text:
+                if track:  # every token reaches the client, also one whose text is still held
+                    n = len(generation.tokens)
+                    if text or n > sent:
+                        job.put(Event("delta", text=text, token_ids=generation.tokens[sent:n],
+                                      logprobs=_logprobs(generation, sent, n)))  # fmt: skip
+                        sent = n
+                elif text:
                     job.put(Event("delta", text=text))
                 if job.cancelled:
                     cancelled = True
@@ -214,7 +233,17 @@ class GenerationQueue:
         if cancelled:
             self.metrics.record_cancelled()
         self.metrics.record_generation(result, queue_ms)
-        job.put(Event("done", result=result, queue_ms=queue_ms))
+        done = Event("done", result=result, queue_ms=queue_ms)
+        if track:
+            n = len(generation.tokens)
+            done.token_ids, done.logprobs = list(generation.tokens), _logprobs(generation, 0, n)
+        job.put(done)
+
+
+def _logprobs(generation: Any, start: int, end: int) -> list[Any] | None:
+    """The log-probabilities of tokens[start:end] (None when the request did not ask)."""
+    entries = getattr(generation, "logprobs", None)
+    return None if entries is None else list(entries[start:end])
 
 
 def _skipped(req: GenerationRequest) -> GenerationResult:

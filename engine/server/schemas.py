@@ -23,8 +23,8 @@ class _Request(BaseModel):
 # OpenAI fields this server cannot honour, with the value that means "not used": a request that
 # sets one to anything else is refused (400) rather than silently answered without it.
 UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
-    "logprobs": (None, False, 0),
-    "top_logprobs": (None, 0),
+    "prompt_logprobs": (None,),  # vLLM's: log-probabilities of the prompt's tokens
+    "logprob_token_ids": (None, []),  # vLLM's: log-probabilities of chosen ids at every step
     "presence_penalty": (None, 0, 0.0),
     "frequency_penalty": (None, 0, 0.0),
     "repetition_penalty": (None, 1, 1.0),
@@ -117,6 +117,10 @@ class _SamplingFields(_Request):
     stream_options: StreamOptions | None = None
     n: StrictInt | None = Field(None, ge=1, le=1, description="one choice per request")
     ignore_eos: StrictBool = False
+    # vLLM's: the reply carries prompt_token_ids and token_ids (per stream chunk: the new ones)
+    return_token_ids: StrictBool | None = None
+    # vLLM's: logprobs name tokens "token_id:N" instead of their text
+    return_tokens_as_token_ids: StrictBool | None = None
     # OpenAI's {"token id": bias in [-100, 100]}; the ids are checked against the vocabulary
     logit_bias: dict[str, Annotated[StrictFloat, Field(ge=-100.0, le=100.0)]] | None = None
 
@@ -157,6 +161,10 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: StrictInt | None = Field(None, ge=1)
     enable_thinking: StrictBool | None = None
     chat_template_kwargs: ChatTemplateKwargs | None = None
+    # OpenAI's: each content token's log-probability; top_logprobs: the most likely alternatives
+    # (at most 20; checked in engine/server/logprobs.py for a 400 that names the limit)
+    logprobs: StrictBool | None = None
+    top_logprobs: StrictInt | None = None
 
     def thinking(self) -> bool:
         if self.enable_thinking is not None:
@@ -171,6 +179,8 @@ class CompletionRequest(_SamplingFields):
     prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
     max_tokens: StrictInt | None = Field(16, ge=1)
     echo: StrictBool = False
+    # OpenAI's legacy completions: the token's log-probability and the top `logprobs` (0-20)
+    logprobs: StrictInt | None = None
 
 
 # ---- responses ---------------------------------------------------------------------------------
@@ -206,11 +216,39 @@ class AssistantMessage(BaseModel):
     tool_calls: list[ToolCallOut] | None = None
 
 
+class ChatTopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(ChatTopLogprob):
+    top_logprobs: list[ChatTopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    """OpenAI's `choices[i].logprobs` of a chat completion."""
+
+    content: list[ChatTokenLogprob] | None = None
+
+
+class CompletionLogprobs(BaseModel):
+    """OpenAI's `choices[i].logprobs` of a (legacy) completion."""
+
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
 class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
     finish_reason: str
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
+    # vLLM's, with return_token_ids (null otherwise, as vLLM sends it); the prompt's ids are on
+    # the response (ChatCompletion.prompt_token_ids), where vLLM puts them for chat
+    token_ids: list[int] | None = None
 
 
 class ChatCompletion(BaseModel):
@@ -221,13 +259,17 @@ class ChatCompletion(BaseModel):
     choices: list[ChatChoice]
     usage: Usage
     timings: Timings
+    prompt_token_ids: list[int] | None = None  # vLLM's, with return_token_ids
 
 
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
     finish_reason: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
+    # vLLM's, with return_token_ids (null otherwise, as vLLM sends them)
+    token_ids: list[int] | None = None
+    prompt_token_ids: list[int] | None = None
 
 
 class Completion(BaseModel):

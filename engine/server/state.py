@@ -20,6 +20,7 @@ from engine.chat.render import ChatFormat
 from engine.config import read_generation_config
 from engine.server.errors import ApiError, context_error, excerpt
 from engine.server.limits import Limits, ServerOptions, compute_limits
+from engine.server.logprobs import TokenText
 from engine.server.metrics import Metrics
 from engine.server.queue import GenerationQueue
 
@@ -44,6 +45,7 @@ class ServerState:
         self.aliases = {self.model_name, *aliases}
         self.max_context = int(engine.max_context)
         self.tokenizer = engine.tokenizer
+        self.token_text = TokenText(self.tokenizer)  # token texts for logprobs, decoded once
         self.options = options or ServerOptions()
         self.limits: Limits = compute_limits(self.options, self.tokenizer, self.max_context)
         model_dir = getattr(engine, "model_dir", None)

@@ -1,0 +1,80 @@
+"""Log-probabilities of the tokens a generation makes, for the requests that ask for them.
+
+What they are: `log_softmax` in float32 of the logits the model produced for that step, before
+anything the request does to them (logit_bias, temperature, top-k, top-p): the "raw_logprobs" of
+vLLM's default `logprobs_mode`, so the two servers report the same numbers for the same model.
+They are computed from the very logits the token was sampled from (the same step, no second
+forward pass). For a greedy request without logit_bias the sampled token is therefore the top-1
+and its log-probability the top-1's.
+
+`top` lists the sampled token first, then the `k` most likely tokens in rank order, the sampled
+one not repeated, as vLLM's per-step dictionary does (so the OpenAI server can shape completions
+(k + 1 entries at most) and chat (the first k) exactly as vLLM does).
+
+Cost: nothing for a request that does not ask (the scheduler computes only the rows that do);
+one log_softmax, gather and top-k over the vocabulary for those that do.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+MAX_TOP_LOGPROBS = 20  # OpenAI's top_logprobs limit and vLLM's default max_logprobs
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """One generated token: its id, its log-probability and the step's top alternatives
+    ((id, log-probability) pairs: the sampled token first, then the top k in rank order)."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass
+class StepLogprobs:
+    """One step's log-probabilities for some of its rows, still on the device."""
+
+    rows: list[int]  # the rows of the step these belong to
+    ks: list[int]  # each row's k
+    chosen: torch.Tensor  # [R] float32
+    top_values: torch.Tensor | None  # [R, max k] float32
+    top_ids: torch.Tensor | None  # [R, max k] int64
+
+    @classmethod
+    def compute(
+        cls, logits: torch.Tensor, ids: torch.Tensor, rows: list[int], ks: list[int]
+    ) -> StepLogprobs:
+        """logits [B, V] as the model made them, ids [B] the sampled tokens; rows: the rows
+        that asked, ks: how many alternatives each wants (0: only its own token)."""
+        index = torch.tensor(rows, dtype=torch.int64, device=logits.device)
+        lp = torch.log_softmax(logits.index_select(0, index).float(), dim=-1)
+        chosen = lp.gather(1, ids.index_select(0, index).view(-1, 1)).view(-1)
+        k = max(ks)
+        values = top = None
+        if k > 0:
+            values, top = torch.topk(lp, min(k, lp.shape[-1]), dim=-1)
+        return cls(rows, ks, chosen, values, top)
+
+    def to_host(self, ids: list[int]) -> dict[int, TokenLogprobs]:
+        """{row: TokenLogprobs}; ids: every row's sampled token (the step's host copy)."""
+        chosen = self.chosen.tolist()
+        values = self.top_values.tolist() if self.top_values is not None else None
+        tops = self.top_ids.tolist() if self.top_ids is not None else None
+        out = {}
+        for i, (row, k) in enumerate(zip(self.rows, self.ks, strict=True)):
+            token = ids[row]
+            pairs = [(token, chosen[i])]
+            if k and values is not None and tops is not None:
+                pairs += [(t, v) for t, v in zip(tops[i][:k], values[i][:k], strict=True)
+                          if t != token]  # fmt: skip
+            out[row] = TokenLogprobs(token, chosen[i], tuple(pairs))
+        return out
+
+
+def one_row(logits: torch.Tensor, token: torch.Tensor, k: int) -> StepLogprobs:
+    """The single-sequence loop's step: logits [V], token [1]."""
+    return StepLogprobs.compute(logits.view(1, -1), token.view(1), [0], [k])
