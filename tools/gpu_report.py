@@ -58,6 +58,7 @@ SUMMARY_TITLES: dict[str, str] = {
     "fp16_matmul_wrong": "an fp16 matmul gives wrong results",
     "vllm_libcudart": "import vllm fails on libcudart",
     "vllm_import_failed": "import vllm fails",
+    "torchvision_mismatch": "PyPI's CUDA torchvision beside a +cpu torch",
 }
 
 
@@ -65,6 +66,11 @@ def summarize(probe: ProbeReport | None, diagnoses: list[Diagnosis]) -> str:
     fails = [d for d in diagnoses if d.severity == "fail"]
     if fails:
         return "; ".join(dict.fromkeys(SUMMARY_TITLES.get(d.code, d.code) for d in fails))
+    v = probe.vllm if probe else None
+    if v is not None and v.dist_version and v.build == "cpu" and not probe.torch.devices:
+        return (
+            f"vLLM {v.dist_version}, CPU build ({v.distribution}): serves on the CPU, no GPU needed"
+        )
     if probe and probe.torch.devices:
         d0 = probe.torch.devices[0]
         warns = [d.code for d in diagnoses if d.severity == "warn"]

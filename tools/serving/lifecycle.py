@@ -140,13 +140,16 @@ def start_vllm_server(
     wait: bool = True,
     progress: Progress | None = None,
     device: str | None = None,
+    cpu_kv_cache_gib: int | None = None,
     gpus: preflight.GpuFacts | None = None,
     memory: MemoryReport | None = None,
 ) -> ServerRecord:
     """Start a server detached and (by default) wait until it serves; see the module docstring.
 
-    `device` is the engine's (cuda, cuda:1, cpu). `gpus` and `memory` replace the measured GPU
-    facts and host memory (tests replay recorded hosts with them)."""
+    `device` is the engine's (cuda, cuda:1, cpu). `cpu_kv_cache_gib` is the KV cache of vLLM's
+    CPU build (VLLM_CPU_KVCACHE_SPACE, whole GiB; default a quarter of free RAM, at most 8),
+    checked against the RAM available. `gpus` and `memory` replace the measured GPU facts and
+    host memory (tests replay recorded hosts with them)."""
     extra_args = list(extra_args or [])
     env = {str(k): str(v) for k, v in (env or {}).items()}
     if backend not in ("vllm", "engine"):
@@ -165,22 +168,34 @@ def start_vllm_server(
     local = preflight.check_model(model, backend)
     weights = preflight.weights_gib(local, model)
     vllm_version: str | None = None
+    install: cmd.VllmInstall | None = None
+    kv_gib: int | None = None
     with state.start_lock():
         preflight.check_running(state.read_record(name))
         preflight.check_port(host, port)
         if backend == "vllm":
-            gpus = gpus or preflight.measure_gpus()
-            preflight.check_gpus(gpus, full_env, tensor_parallel_size, pipeline_parallel_size)
             python = resolve_python(python_bin)
             install = cmd.find_vllm(python, full_env)
             vllm_version = install.version
-            cap = gpus.min_capability
-            if cap is not None and cap[0] < 8:
-                from tools.turing import require_turing_patch
+            if install.is_cpu:  # vLLM built for the CPU: no GPU to check, RAM for its KV cache
+                kv_gib = preflight.check_cpu_kv_cache(cpu_kv_cache_gib, env, weights, memory)
+                env[preflight.CPU_KV_ENV] = full_env[preflight.CPU_KV_ENV] = str(kv_gib)
+            else:
+                if cpu_kv_cache_gib is not None:
+                    raise InvalidInputError(
+                        f"cpu_kv_cache_gib is for vLLM's CPU build; {install.label} sizes its "
+                        "KV cache from GPU memory",
+                        remedy="leave it out and use gpu_memory_utilization (or max_model_len)",
+                    )
+                gpus = gpus or preflight.measure_gpus()
+                preflight.check_gpus(gpus, full_env, tensor_parallel_size, pipeline_parallel_size)
+                cap = gpus.min_capability
+                if cap is not None and cap[0] < 8:
+                    from tools.turing import require_turing_patch
 
-                require_turing_patch(python, cap)
-                if dtype == "auto":
-                    dtype = "float16"  # sm_75 has no bf16; vLLM would refuse the model's dtype
+                    require_turing_patch(python, cap)
+                    if dtype == "auto":
+                        dtype = "float16"  # sm_75 has no bf16; vLLM would refuse the dtype
             preflight.check_memory(weights, memory)
             command, ours = cmd.vllm_command(
                 install,
@@ -239,6 +254,10 @@ def start_vllm_server(
             env=_masked_env(env),
             python=python,
             vllm_version=vllm_version,
+            vllm_distribution=install.distribution if install else None,
+            vllm_build=install.build if install else None,
+            vllm_label=install.label if install else None,
+            cpu_kv_cache_gib=kv_gib,
             started_at=state.now_iso(),
         )
         state.write_record(record)
@@ -249,7 +268,11 @@ def start_vllm_server(
         timeout_s,
         progress,
         weights=weights,
-        context={"gpu_memory_utilization": gpu_memory_utilization},
+        context={
+            "gpu_memory_utilization": gpu_memory_utilization,
+            "python": python,
+            "cpu_kv_cache_gib": kv_gib,
+        },
     )
 
 
@@ -308,10 +331,19 @@ def wait_ready(
             if record.served_model_name not in ids and len(ids) == 1:
                 record.served_model_name = ids[0]
             if record.served_model_name in ids:
+                if record.backend == "vllm":
+                    left = max(10.0, timeout_s - elapsed)
+                    _report(progress, round(elapsed, 1), timeout_s, "first request (1 token)")
+                    ok, detail, took = observe.first_request(record, min(120.0, left))
+                    if not ok:
+                        return _failed_first_request(record, detail, weights, context)
+                    record.startup_facts.first_request_seconds = took
                 record.state = "ready"
                 record.ready_at = state.now_iso()
                 record.ready_seconds = round(observe.elapsed(record), 2)
+                first = record.startup_facts.first_request_seconds
                 record.startup_facts = parse_startup_facts(read_log_lines(record.log_path))
+                record.startup_facts.first_request_seconds = first
                 state.write_record(record)
                 _report(progress, elapsed, timeout_s, "ready")
                 return record
@@ -325,6 +357,25 @@ def wait_ready(
         last_line = lines[-1][-200:] if lines else last_line
         _report(progress, round(elapsed, 1), timeout_s, last_line or "starting")
         time.sleep(POLL_S)
+
+
+def _failed_first_request(
+    record: ServerRecord, detail: str, weights: float | None, context: dict | None
+) -> ServerRecord:
+    """/health said 200 but the first request failed: the engine is dead (or never worked), so
+    the server is stopped (it holds RAM or a GPU) and written off with the cause from its log."""
+    time.sleep(1.0)  # the engine core's traceback reaches the log just after the 500
+    process.stop_group(record.pid, record.pid_create_time, 15)
+    record = mark_dead(record, weights=weights, context={**(context or {}), "first": detail})
+    failure = record.failure
+    if failure is not None:
+        if failure.cause in ("unknown", "killed"):
+            failure.cause = "first_request_failed"
+            failure.title = "the server said it was healthy but could not answer a request"
+            failure.remedy = "read the log tail (gpurig serve logs NAME --grep Error)"
+        failure.title += f" (after /health 200: {detail})"
+        state.write_record(record)
+    return record
 
 
 __all__ = [

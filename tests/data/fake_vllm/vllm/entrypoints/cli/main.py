@@ -57,6 +57,25 @@ def _serve(argv):
             self.end_headers()
             self.wfile.write(body)
 
+        def do_POST(self):  # the 1-token request a start sends after /health
+            length = int(self.headers.get("content-length") or 0)
+            self.rfile.read(length)
+            if os.environ.get("FAKE_VLLM_DEAD_ENGINE"):  # healthy, then the engine dies
+                _print_log(os.environ["FAKE_VLLM_DEAD_ENGINE"])
+                status, body = 500, {"error": {"message": "EngineCore encountered an issue."}}
+            elif self.path == "/v1/completions":
+                status = 200
+                body = {"object": "text_completion", "model": model,
+                        "choices": [{"index": 0, "text": " 3", "finish_reason": "length"}],
+                        "usage": {"prompt_tokens": 2, "completion_tokens": 1}}  # fmt: skip
+            else:
+                status, body = 404, {"error": {"message": "not found"}}
+            data = json.dumps(body).encode()
+            self.send_response(status)
+            self.send_header("content-length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
         def log_message(self, fmt, *args):
             print("INFO:     " + fmt % args, flush=True)
 
