@@ -98,12 +98,16 @@ def generate_text(
     top_p: float | None = None,
     seed: int | None = None,
     on_text: Callable[[str], None] | None = None,
+    ignore_eos: bool = False,
 ) -> GenerationReport:
     """Generate a reply and time it.
 
     on_text, if given, receives the reply's text piece by piece as tokens arrive (a piece that
-    ends inside a multi-byte character waits for the next token)."""
+    ends inside a multi-byte character waits for the next token). ignore_eos generates exactly
+    max_new_tokens, as vLLM's ignore_eos (for timing a fixed length)."""
     ids, stops = prompt_ids(engine, prompt, chat)
+    if ignore_eos:
+        stops = []
     generation = engine.stream(ids, max_new_tokens, temperature, top_k, top_p, seed, stops)
     stream = TextStream(generation, engine.tokenizer)
     for piece in stream:

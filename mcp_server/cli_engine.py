@@ -60,6 +60,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--top-k", type=int)
     p.add_argument("--top-p", type=float)
     p.add_argument("--seed", type=int)
+    p.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help="do not stop at an end-of-sequence token: generate exactly --max-tokens",
+    )
     _add_load_args(p)
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(func=_run_generate)
@@ -300,6 +305,7 @@ def _run_generate(args: argparse.Namespace) -> int:
         top_k=args.top_k,
         top_p=args.top_p,
         seed=args.seed,
+        ignore_eos=args.ignore_eos,
     )
 
     print_result(result, args.json, render_generation)

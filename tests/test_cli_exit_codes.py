@@ -4,11 +4,13 @@ in the middle of a generation."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import re
 import select
 import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -51,30 +53,53 @@ def test_each_documented_example_exits_with_its_code(code: int, tmp_path: Path, 
         assert "what to do:" in done.stderr
 
 
+# Linux's F_SETPIPE_SZ (fcntl.F_SETPIPE_SZ from Python 3.10, on Linux only)
+F_SETPIPE_SZ = 1031
+PIPE_BYTES = 4096
+
+
 def test_ctrl_c_exits_130_without_a_traceback(tmp_path: Path, gpurig_bin) -> None:
+    """A generation that cannot finish before the signal: --ignore-eos with as many tokens as
+    the context holds, and a stdout pipe of one page that this test stops reading after the
+    first piece, so the CLI blocks writing its reply until it is interrupted. The signal is sent
+    only once tokens stream. (Before: greedy on random weights met an eos token within a few
+    hundred tokens, and on a fast run the command exited 0 before the SIGINT landed.)"""
     example = documented_codes()[130]
     assert "Ctrl-C during `gpurig engine generate`" in example
     from engine.checkpoint_maker import make_checkpoint
 
     make_checkpoint(tmp_path / "tiny", preset="tiny")
+    read_fd, write_fd = os.pipe()
+    fcntl.fcntl(write_fd, F_SETPIPE_SZ, PIPE_BYTES)
     proc = subprocess.Popen(
         [gpurig_bin, "engine", "generate", "--model", str(tmp_path / "tiny"),
-         "--prompt", "hi", "--max-tokens", "4000", "--threads", "1", "--device", "cpu"],
-        stdout=subprocess.PIPE,
+         "--prompt", "hi", "--max-tokens", "4000", "--ignore-eos", "--threads", "1",
+         "--device", "cpu"],
+        stdout=write_fd,
         stderr=subprocess.PIPE,
         stdin=subprocess.DEVNULL,
     )  # fmt: skip
+    os.close(write_fd)
     try:
         deadline = time.monotonic() + 120
         got = b""
         while not got and time.monotonic() < deadline and proc.poll() is None:
-            ready, _, _ = select.select([proc.stdout], [], [], 1.0)
+            ready, _, _ = select.select([read_fd], [], [], 1.0)
             if ready:
-                got = os.read(proc.stdout.fileno(), 4096)  # the reply is streaming: mid-generation
+                got = os.read(read_fd, 64)  # the reply is streaming: mid-generation
         assert got, "the generation never started"
+        # not read again: once a page of the reply is waiting, the CLI blocks on its write
+        assert proc.poll() is None, "the generation ended before it was interrupted"
         proc.send_signal(signal.SIGINT)
+        # read on, so that its exit can flush what its stdout still holds
+        drain = threading.Thread(
+            target=lambda: [None for _ in iter(lambda: os.read(read_fd, 1 << 16), b"")]
+        )
+        drain.start()
         _, err = proc.communicate(timeout=60)
+        drain.join(timeout=60)
     finally:
+        os.close(read_fd)
         if proc.poll() is None:
             proc.kill()
             proc.wait()

@@ -256,6 +256,135 @@ def test_raw_bytes_are_refused_cleanly(http, raw, path):
     _send(http, path, raw)
 
 
+# Byte-level damage to valid bodies: what a broken client, a proxy or a wrong codec sends. The
+# UTF-8 encodings of surrogates (ED A0 80 .. ED BF BF) and overlong forms (C0 AF, E0 80 AF, F0 80
+# 80 AF) are what `json.loads(bytes)` would let through ("surrogatepass") or mis-decode.
+SURROGATE_BYTES = [b"\xed\xa0\x80", b"\xed\xbf\xbf", b"\xed\xa0\xbd\xed\xb8\x80"]
+OVERLONG = [b"\xc0\xaf", b"\xc1\xbf", b"\xe0\x80\xaf", b"\xf0\x80\x80\xaf", b"\xc0\x80"]
+EVIL = [*SURROGATE_BYTES, *OVERLONG, b"\xff", b"\xfe", b"\x80", b"\xf8\x88\x80\x80\x80"]
+CODECS = ["utf-16", "utf-16-le", "utf-16-be", "utf-32", "utf-32-le", "utf-8-sig"]
+
+
+def _valid_body(fields: object) -> bytes:
+    if isinstance(fields, dict):
+        fields = {k: v for k, v in fields.items() if v is not None or k == "content"}
+    # raw UTF-8 in the body (not \u escapes), lone surrogates excepted: they have no UTF-8
+    text = json.dumps(fields, ensure_ascii=False)
+    return text.encode("utf-8", "backslashreplace")
+
+
+@st.composite
+def damaged(draw) -> tuple[str, bytes]:
+    """A valid tame request with one kind of byte damage."""
+    path, fields = draw(
+        st.one_of(
+            st.tuples(st.just("/v1/chat/completions"), TAME[0]),
+            st.tuples(st.just("/v1/completions"), TAME[1]),
+        )
+    )
+    body = _valid_body(fields)
+    kind = draw(st.sampled_from(["evil", "evil", "evil", "random", "cut", "codec", "bom"]))
+    if kind == "codec":  # the whole body in another encoding
+        return path, body.decode("utf-8").encode(draw(st.sampled_from(CODECS)))
+    if kind == "bom":  # a UTF-8 BOM before the body, or a UTF-16 one before UTF-8
+        return path, draw(st.sampled_from([b"\xef\xbb\xbf", b"\xff\xfe", b"\xfe\xff"])) + body
+    if kind == "cut":
+        return path, body[: draw(st.integers(0, max(0, len(body) - 1)))]
+    junk = (
+        draw(st.sampled_from(EVIL)) if kind == "evil" else draw(st.binary(min_size=1, max_size=6))
+    )
+    strings = _count_strings(fields)
+    if not strings or draw(st.integers(0, 5)) == 0:  # anywhere: after one of the quote marks
+        quotes = [i + 1 for i, b in enumerate(body) if b == 0x22] or [len(body)]
+        at = draw(st.sampled_from(quotes))
+        return path, body[:at] + junk + body[at:]
+    # inside one of its keys or string values (a text prompt, a message, a stop string, ...)
+    marked = _mark(fields, draw(st.integers(0, strings - 1)))
+    return path, _valid_body(marked).replace(MARK.encode(), junk, 1)
+
+
+MARK = "\u2063GPURIG-MARK\u2063"
+
+
+def _count_strings(value: object) -> int:
+    if isinstance(value, dict):
+        return sum(1 + _count_strings(v) for v in value.values())
+    if isinstance(value, list):
+        return sum(_count_strings(v) for v in value)
+    return int(isinstance(value, str))
+
+
+def _mark(value: object, target: int) -> object:
+    """`value` with MARK put before its target-th string (keys and values, in walk order)."""
+    seen = -1
+
+    def walk(v: object) -> object:
+        nonlocal seen
+        if isinstance(v, dict):
+            out = {}
+            for k, inner in v.items():
+                seen += 1
+                key = MARK + k if seen == target else k
+                out[key] = walk(inner)
+            return out
+        if isinstance(v, list):
+            return [walk(x) for x in v]
+        if isinstance(v, str):
+            seen += 1
+            return MARK + v if seen == target else v
+        return v
+
+    return walk(value)
+
+
+@settings(max_examples=150, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])  # fmt: skip
+@given(damaged())
+def test_byte_damaged_bodies_never_get_a_5xx_or_hang(http, req):
+    path, body = req
+    _send(http, path, body)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("where", ["value", "key"])
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("evil", SURROGATE_BYTES + OVERLONG, ids=lambda b: b.hex())
+def test_raw_invalid_utf8_is_a_400_naming_the_bytes(http, path, where, stream, evil):
+    """The reported case: `{"prompt": "hi\xed\xa0\x80", "stream": true}` answered 500
+    (UnicodeEncodeError in the tokenizer); raw bytes that are not UTF-8 are refused up front."""
+    content = b'"hi' + evil + b'"'
+    if path == "/v1/completions":
+        text = b'"prompt": ' + (content if where == "value" else b'"hi"')
+    else:
+        text = (
+            b'"messages": [{"role": "user", "content": '
+            + (content if where == "value" else b'"hi"')
+            + b"}]"
+        )
+    extra = b', "x' + evil + b'": 1' if where == "key" else b""
+    body = (
+        b"{" + text + b', "max_tokens": 4, "stream": ' + str(stream).lower().encode() + extra + b"}"
+    )
+    resp = http.post(path, content=body, headers={"content-type": "application/json"})
+    assert resp.status_code == 400, (resp.status_code, resp.text[:300])
+    err = resp.json()["error"]
+    assert err["code"] == "invalid_encoding" and "not valid UTF-8" in err["message"], err
+    assert evil[:1].hex() in err["message"]
+
+
+@pytest.mark.parametrize("codec", ["utf-16", "utf-16-le", "utf-16-be", "utf-32"])
+def test_a_body_in_another_encoding_is_a_400(http, codec):
+    body = json.dumps({"prompt": "hi", "max_tokens": 2}).encode(codec)
+    resp = http.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+    assert resp.status_code == 400 and resp.json()["error"]["code"] == "invalid_encoding"
+
+
+def test_a_utf8_bom_is_skipped(http):
+    body = b"\xef\xbb\xbf" + json.dumps({"prompt": "hi", "max_tokens": 2}).encode()
+    resp = http.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+    assert resp.status_code == 200, resp.text[:300]
+
+
 def test_the_server_is_idle_and_healthy_afterwards(server, http):
     health = http.get("/health").json()
     assert health["status"] == "ok" and health["queue_waiting"] == 0

@@ -2,9 +2,13 @@
 
 `read_body` only gathers bytes (refusing more than the limit as soon as it is passed, before the
 rest arrives); `parse_request` runs in a worker thread and turns them into a request model:
-JSON, plain Unicode (a lone UTF-16 surrogate such as "\\ud800" is refused by name, it cannot be
-encoded for the tokenizer or in the reply), then the pydantic model with errors that name the
-field.
+strict UTF-8 (RFC 8259 allows no other encoding), JSON, plain Unicode (a lone UTF-16 surrogate
+such as "\\ud800" is refused by name, it cannot be encoded for the tokenizer or in the reply),
+then the pydantic model with errors that name the field.
+
+The bytes are decoded here, not by `json.loads(bytes)`: that guesses UTF-16/32 from the first
+bytes and decodes UTF-8 with "surrogatepass", so the raw bytes of a surrogate (ED A0 80) would
+reach the tokenizer as a lone surrogate and fail there, a 500.
 """
 
 from __future__ import annotations
@@ -53,12 +57,43 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not allowed in JSON")
 
 
-def parse_json(body: bytes) -> dict[str, Any]:
+_UTF8_BOM = b"\xef\xbb\xbf"
+# the first bytes of UTF-16/32 JSON: a BOM, or a NUL beside the first ASCII character
+_OTHER_ENCODINGS = (b"\xff\xfe", b"\xfe\xff", b"\x00")
+
+
+def decode_utf8(body: bytes) -> str:
+    """The body as text: strict UTF-8 (no surrogates, no overlong forms), a UTF-8 BOM skipped
+    as RFC 8259 permits; anything else a 400 that says where it went wrong."""
+    if body.startswith(_UTF8_BOM):
+        body = body[len(_UTF8_BOM) :]
+    elif body.startswith(_OTHER_ENCODINGS) or body[1:2] == b"\x00":
+        raise ApiError(
+            400,
+            "The request body is not UTF-8 (it looks like UTF-16 or UTF-32). Send the JSON "
+            "encoded as UTF-8.",
+            code="invalid_encoding",
+        )
     try:
-        data = json.loads(body, parse_constant=_reject_constant)
+        return body.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        bad = body[exc.start : exc.end].hex(" ")
+        raise ApiError(
+            400,
+            f"The request body is not valid UTF-8: bytes {bad} at offset {exc.start} "
+            f"({exc.reason}). Send the JSON encoded as UTF-8; a character outside UTF-8, such "
+            "as a lone surrogate, cannot be sent at all.",
+            code="invalid_encoding",
+        ) from None
+
+
+def parse_json(body: bytes) -> dict[str, Any]:
+    text = decode_utf8(body)
+    try:
+        data = json.loads(text, parse_constant=_reject_constant)
     except RecursionError:
         raise ApiError(400, "The request body is nested too deeply.") from None
-    except (ValueError, UnicodeDecodeError) as exc:
+    except ValueError as exc:
         raise ApiError(400, f"The request body is not valid JSON: {exc}") from None
     if not isinstance(data, dict):
         raise ApiError(400, "The request body must be a JSON object.")
