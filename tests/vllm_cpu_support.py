@@ -9,6 +9,7 @@ so the rest of the suite still runs on any machine.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -110,7 +111,5 @@ class VllmCpuServer:
         except subprocess.TimeoutExpired:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(timeout=30)
-        try:  # the engine core and its workers are in the group too
+        with contextlib.suppress(ProcessLookupError):  # the engine core and workers: the group
             os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
