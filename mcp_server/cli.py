@@ -12,6 +12,7 @@ import logging
 import sys
 
 from mcp_server import (
+    cli_compare,
     cli_demo,
     cli_engine,
     cli_engine_serve,
@@ -24,7 +25,7 @@ from mcp_server.output import report_error
 from tools.errors import GpurigError
 
 # Each module has `register(subparsers)` adding its subcommands.
-TOP_LEVEL_MODULES = [cli_host, cli_patch, cli_serve, cli_sweep, cli_demo]
+TOP_LEVEL_MODULES = [cli_host, cli_patch, cli_serve, cli_sweep, cli_demo, cli_compare]
 # Modules adding subcommands under `gpurig engine ...`.
 ENGINE_MODULES = [cli_engine, cli_engine_serve]
 

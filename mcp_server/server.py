@@ -21,7 +21,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a file by `mcp dev mcp_server/server.py`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from mcp_server import mcp_host, mcp_patch, mcp_resources, mcp_serve, mcp_sweep
+from mcp_server import mcp_compare, mcp_host, mcp_patch, mcp_resources, mcp_serve, mcp_sweep
 from mcp_server.mcp_base import GpurigMCP
 
 log = logging.getLogger("gpurig.mcp")
@@ -38,6 +38,7 @@ TOOL_MODULES = [
     mcp_patch,
     mcp_serve,
     mcp_sweep,
+    mcp_compare,
     mcp_resources,  # resources (server logs), not tools
 ]
 

@@ -1,0 +1,483 @@
+"""`compare_outputs`: token-level comparison of two OpenAI-compatible servers.
+
+The same token-id prompts go to both servers' /v1/completions, greedy (temperature 0,
+`ignore_eos`), asking for `logprobs` (the top k per step), `return_token_ids` and
+`return_tokens_as_token_ids` (vLLM's fields; gpurig's engine server has them too). Per prompt
+the result says how many leading tokens are identical and, at the first difference, both
+tokens with each side's log-probability of both (when the other's token is among its top k),
+so a near-tie (both sides rate the two tokens within `near_tie` nats of each other: rounding
+decides, not the model) is told from a real difference (a bug, a wrong dtype, another model).
+
+With `reference` (a local checkpoint directory) transformers runs the same greedy prompts
+in-process (tools/compare_reference.py) as the implementation both should match, and each
+prompt says which side departs from it first and how close the reference itself was there: on
+one checkpoint vLLM's CPU build departed after 6 tokens while our engine matched transformers
+for all 24, so "they differ" alone does not tell who is wrong.
+
+Before comparing, one text is tokenised by both servers (a `return_token_ids` probe): servers
+whose tokenizers disagree do not serve the same vocabulary, and their token ids cannot be
+compared. Prompts given as `texts` are tokenised by server a (and checked against b).
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Literal
+
+import httpx
+from pydantic import BaseModel, Field
+
+from tools.errors import GpurigError, InvalidInputError
+
+DEFAULT_TEXTS = (
+    "The capital of France is",
+    "def fibonacci(n):\n    ",
+    "Once upon a time, in a small village by the sea,",
+    "The three primary colours are red,",
+    "Water boils at 100 degrees Celsius, which is",
+    "Q: What is 17 times 23?\nA:",
+    "import numpy as np\nx = np.arange(10)\n",
+    "The quick brown fox jumps over the lazy dog. Then the fox",
+)
+PROBE_TEXT = "Hello, world! 12345 caf\u00e9 \u65e5\u672c"
+MAX_PROMPTS = 64
+MAX_PROMPT_TOKENS = 8192
+NEAR_TIE_NATS = 0.1
+
+
+class CompareError(GpurigError):
+    """A server that cannot be compared (down, not OpenAI, no logprobs)."""
+
+
+class ServerTarget(BaseModel):
+    base_url: str = Field(
+        min_length=1,
+        max_length=2048,
+        description="the server's URL, e.g. http://127.0.0.1:8000 (a trailing /v1 is fine)",
+    )
+    name: str | None = Field(None, max_length=64, description="label in the report")
+    model: str | None = Field(
+        None, max_length=512, description="the served model name; default: the first listed"
+    )
+    api_key: str | None = Field(None, max_length=512, description="Bearer token, if it needs one")
+
+    def root(self) -> str:
+        url = self.base_url.strip().rstrip("/")
+        if not url.startswith(("http://", "https://")):
+            url = "http://" + url
+        return url[: -len("/v1")] if url.endswith("/v1") else url
+
+
+class CompareRequest(BaseModel):
+    a: ServerTarget
+    b: ServerTarget
+    prompts: list[list[int]] | None = Field(
+        None, max_length=MAX_PROMPTS, description="token-id prompts (default: `texts`)"
+    )
+    texts: list[str] | None = Field(
+        None,
+        max_length=MAX_PROMPTS,
+        description="text prompts, tokenised by server a; default: 8 built-in ones",
+    )
+    max_tokens: int = Field(32, ge=1, le=1024, description="greedy tokens per prompt")
+    top_logprobs: int = Field(5, ge=1, le=20, description="alternatives asked per step")
+    near_tie: float = Field(
+        NEAR_TIE_NATS, gt=0, le=10, description="log-probability gap (nats) that is a near-tie"
+    )
+    reference: str | None = Field(
+        None, max_length=4096, description="a local checkpoint for transformers in-process"
+    )
+    reference_dtype: Literal["float32", "float64", "bfloat16"] = "float32"
+    timeout_s: float = Field(300.0, gt=0, le=3600, description="per request")
+
+
+class ServerInfo(BaseModel):
+    name: str
+    base_url: str
+    model: str
+
+
+class SideAt(BaseModel):
+    """One side's view of the first difference: its token and what it gave both tokens."""
+
+    token: int
+    logprob: float | None = Field(None, description="its log-probability of its own token")
+    other_logprob: float | None = Field(
+        None, description="its log-probability of the other side's token (None: not in its top k)"
+    )
+    margin: float | None = Field(
+        None, description="logprob - other_logprob: how sure it was (None: other not listed)"
+    )
+    margin_at_least: float | None = Field(
+        None, description="when the other's token is not listed: logprob - the lowest listed"
+    )
+
+
+class Difference(BaseModel):
+    position: int = Field(description="index of the first differing new token")
+    a: SideAt
+    b: SideAt
+    near_tie: bool
+
+
+class ReferenceCheck(BaseModel):
+    """The prompt against transformers: tokens each side kept, who departs first, and the
+    reference's own margin (its log-probability of its token less that of the side's) there."""
+
+    tokens: list[int]
+    agreed_a: int
+    agreed_b: int
+    departs_first: Literal["a", "b", "both", "neither"]
+    margin_at_a: float | None = None
+    margin_at_b: float | None = None
+
+
+class PromptComparison(BaseModel):
+    index: int
+    prompt_tokens: int
+    agreed: int = Field(description="identical leading new tokens")
+    compared: int = Field(description="tokens both returned")
+    verdict: Literal["identical", "near-tie", "diverged"]
+    difference: Difference | None = None
+    a_tokens: list[int]
+    b_tokens: list[int]
+    reference: ReferenceCheck | None = None
+
+
+class CompareResult(BaseModel):
+    a: ServerInfo
+    b: ServerInfo
+    max_tokens: int
+    top_logprobs: int
+    near_tie: float
+    reference: str | None = None
+    reference_dtype: str | None = None
+    prompts: list[PromptComparison]
+    identical: int
+    near_ties: int
+    diverged: int
+    min_agreed: int
+    verdict: Literal["ok", "warn", "fail"] = Field(
+        description="ok: all identical; warn: only near-ties; fail: a real difference"
+    )
+    notes: list[str] = Field(default_factory=list)
+    seconds: float
+
+
+# ---- talking to a server -------------------------------------------------------------------
+
+
+class _Server:
+    def __init__(self, target: ServerTarget, label: str, timeout: float) -> None:
+        self.target = target
+        self.label = target.name or label
+        self.root = target.root()
+        headers = {"Authorization": f"Bearer {target.api_key}"} if target.api_key else {}
+        self.client = httpx.Client(timeout=timeout, headers=headers)
+        self.model = target.model or ""
+
+    def close(self) -> None:
+        self.client.close()
+
+    def _where(self) -> str:
+        return f"server {self.label} ({self.root})"
+
+    def _call(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
+        url = self.root + path
+        try:
+            r = self.client.request(method, url, json=body)
+        except httpx.TimeoutException:
+            raise CompareError(
+                f"{self._where()} did not answer {path} in time",
+                "check that it is not stuck or overloaded, or raise the timeout",
+            ) from None
+        except httpx.HTTPError as exc:
+            raise CompareError(
+                f"cannot reach {self._where()}: {exc}",
+                "check that it is running and the URL is right (`gpurig serve status` lists "
+                "the servers gpurig started)",
+            ) from None
+        try:
+            data = r.json()
+        except ValueError:
+            data = None
+        if r.status_code != 200:
+            message = _error_message(data) or r.text[:300]
+            if r.status_code == 401:
+                raise CompareError(f"{self._where()} refused the request (401): {message}",
+                                   "pass its API key")  # fmt: skip
+            if "logprob" in message.lower() or "token_ids" in message.lower():
+                raise CompareError(
+                    f"{self._where()} cannot return log-probabilities or token ids "
+                    f"({r.status_code}): {message}",
+                    "compare servers that support `logprobs` and `return_token_ids` on "
+                    "/v1/completions (vLLM, `gpurig engine serve`)",
+                )
+            raise CompareError(
+                f"{self._where()} answered {r.status_code} to {path}: {message}",
+                "check the prompts and the model name against that server",
+            )
+        if not isinstance(data, dict):
+            raise CompareError(
+                f"{self._where()} did not answer {path} with JSON: {r.text[:200]!r}",
+                "point it at an OpenAI-compatible server (the URL without a path, or ending in "
+                "/v1)",
+            )
+        return data
+
+    def resolve_model(self) -> None:
+        data = self._call("GET", "/v1/models")
+        ids = [m.get("id") for m in data.get("data") or [] if isinstance(m, dict)]
+        if not ids or not all(isinstance(i, str) for i in ids):
+            raise CompareError(
+                f"{self._where()} lists no models at /v1/models: {str(data)[:200]}",
+                "point it at an OpenAI-compatible server",
+            )
+        if not self.model:
+            self.model = ids[0]
+
+    def complete(self, prompt: list[int] | str, max_tokens: int, k: int | None) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "model": self.model,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+        }
+        if k is not None:
+            body |= {"logprobs": k, "return_tokens_as_token_ids": True}
+        data = self._call("POST", "/v1/completions", body)
+        choices = data.get("choices")
+        if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+            raise CompareError(
+                f"{self._where()}'s /v1/completions answer has no choices: {str(data)[:200]}",
+                "point it at an OpenAI-compatible server",
+            )
+        return choices[0]
+
+    def prompt_ids(self, text: str) -> list[int]:
+        choice = self.complete(text, 1, None)
+        ids = choice.get("prompt_token_ids")
+        if not _int_list(ids):
+            raise CompareError(
+                f"{self._where()} does not return prompt_token_ids (vLLM's `return_token_ids`), "
+                "so it cannot tokenise text prompts for the comparison",
+                "pass token-id prompts instead, or use a server with return_token_ids (vLLM "
+                ">= 0.10.2, `gpurig engine serve`)",
+            )
+        return list(ids)
+
+    def generate(self, prompt: list[int], max_tokens: int, k: int) -> _Output:
+        choice = self.complete(prompt, max_tokens, k)
+        lp = choice.get("logprobs")
+        if not isinstance(lp, dict) or not isinstance(lp.get("token_logprobs"), list):
+            raise CompareError(
+                f"{self._where()} returned no logprobs (it ignores the `logprobs` field)",
+                "compare servers that return completions logprobs (vLLM, `gpurig engine serve`)",
+            )
+        tokens = choice.get("token_ids")
+        if not _int_list(tokens):
+            tokens = [_token_id(t) for t in lp.get("tokens") or []]
+            if any(t is None for t in tokens):
+                raise CompareError(
+                    f"{self._where()} returns neither token_ids nor token_id:N tokens",
+                    "use a server with vLLM's `return_token_ids` or `return_tokens_as_token_ids`",
+                )
+        top = [_top_map(t) for t in lp.get("top_logprobs") or []]
+        values = [v if isinstance(v, int | float) else None for v in lp["token_logprobs"]]
+        n = len(tokens)
+        return _Output(list(tokens), values[:n] + [None] * (n - len(values)),
+                       top[:n] + [{}] * (n - len(top)))  # fmt: skip
+
+
+class _Output:
+    def __init__(
+        self, tokens: list[int], logprobs: list[float | None], top: list[dict[int, float]]
+    ) -> None:
+        self.tokens, self.logprobs, self.top = tokens, logprobs, top
+
+
+def _error_message(data: Any) -> str:
+    if isinstance(data, dict):
+        err = data.get("error", data.get("detail"))
+        if isinstance(err, dict):
+            return str(err.get("message") or err)
+        if err is not None:
+            return str(err)
+        if "message" in data:
+            return str(data["message"])
+    return ""
+
+
+def _int_list(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(i, int) for i in value)
+
+
+def _token_id(text: Any) -> int | None:
+    if isinstance(text, str) and text.startswith("token_id:"):
+        try:
+            return int(text[len("token_id:") :])
+        except ValueError:
+            return None
+    return None
+
+
+def _top_map(entry: Any) -> dict[int, float]:
+    """{token id: logprob} of one step's top_logprobs ("token_id:N" keys; others dropped)."""
+    out: dict[int, float] = {}
+    if isinstance(entry, dict):
+        for key, value in entry.items():
+            tid = _token_id(key)
+            if tid is not None and isinstance(value, int | float):
+                out.setdefault(tid, float(value))
+    return out
+
+
+# ---- comparing -----------------------------------------------------------------------------
+
+
+def _side(out: _Output, i: int, other: int) -> SideAt:
+    own = out.logprobs[i] if i < len(out.logprobs) else None
+    top = out.top[i] if i < len(out.top) else {}
+    if own is None:
+        own = top.get(out.tokens[i])
+    other_lp = top.get(other)
+    side = SideAt(token=out.tokens[i], logprob=own, other_logprob=other_lp)
+    if own is not None and other_lp is not None:
+        side.margin = round(own - other_lp, 6)
+    elif own is not None and top:
+        side.margin_at_least = round(own - min(top.values()), 6)
+    return side
+
+
+def compare_pair(a: _Output, b: _Output, near_tie: float) -> tuple[int, Difference | None]:
+    """(identical leading tokens, the first difference or None)."""
+    n = min(len(a.tokens), len(b.tokens))
+    agreed = next((i for i in range(n) if a.tokens[i] != b.tokens[i]), n)
+    if agreed == n:
+        return agreed, None
+    sa, sb = _side(a, agreed, b.tokens[agreed]), _side(b, agreed, a.tokens[agreed])
+    tie = all(s.margin is not None and abs(s.margin) <= near_tie for s in (sa, sb))
+    return agreed, Difference(position=agreed, a=sa, b=sb, near_tie=tie)
+
+
+def _reference_check(ref: Any, a: _Output, b: _Output) -> ReferenceCheck:
+    """ref: tools.compare_reference.ReferenceRun (its tokens and full log-probabilities)."""
+
+    def agreed(out: _Output) -> int:
+        n = min(len(out.tokens), len(ref.tokens))
+        return next((i for i in range(n) if out.tokens[i] != ref.tokens[i]), n)
+
+    ka, kb = agreed(a), agreed(b)
+    n = min(len(a.tokens), len(b.tokens), len(ref.tokens))
+    if ka >= n and kb >= n:
+        first = "neither"
+    elif ka == kb:
+        first = "both"
+    else:
+        first = "a" if ka < kb else "b"
+    check = ReferenceCheck(tokens=list(ref.tokens), agreed_a=ka, agreed_b=kb, departs_first=first)
+    if ka < n:
+        check.margin_at_a = round(ref.margin(ka, a.tokens[ka]), 6)
+    if kb < n:
+        check.margin_at_b = round(ref.margin(kb, b.tokens[kb]), 6)
+    return check
+
+
+def _check_vocab(sa: _Server, sb: _Server, text: str, ids_a: list[int] | None = None) -> None:
+    ids_a = ids_a if ids_a is not None else sa.prompt_ids(text)
+    ids_b = sb.prompt_ids(text)
+    if ids_a != ids_b:
+        raise InvalidInputError(
+            f"the servers tokenise the same text differently ({sa.label}: {ids_a[:16]}, "
+            f"{sb.label}: {ids_b[:16]} for {text[:40]!r}): they do not share a vocabulary, so "
+            "their token ids cannot be compared",
+            "compare two servers of the same model (same tokenizer), e.g. vLLM and `gpurig "
+            "engine serve` on one checkpoint",
+        )
+
+
+def compare_outputs(request: CompareRequest) -> CompareResult:
+    """Greedy token ids and log-probabilities of the same prompts on two servers (see the
+    module docstring); the verdict is fail when a prompt diverges beyond a near-tie."""
+    started = time.perf_counter()
+    if request.prompts is not None and request.texts is not None:
+        raise InvalidInputError("give prompts (token ids) or texts, not both",
+                                "pass one of them")  # fmt: skip
+    if request.prompts is not None:
+        for i, p in enumerate(request.prompts):
+            if not p or len(p) > MAX_PROMPT_TOKENS or any(t < 0 for t in p):
+                raise InvalidInputError(
+                    f"prompt {i} must be 1 to {MAX_PROMPT_TOKENS} token ids, none negative",
+                    "pass token ids of the servers' tokenizer",
+                )
+    reference = None
+    if request.reference is not None:
+        from tools.compare_reference import check_checkpoint
+
+        check_checkpoint(Path(request.reference))
+    notes: list[str] = []
+    sa = _Server(request.a, "a", request.timeout_s)
+    sb = _Server(request.b, "b", request.timeout_s)
+    try:
+        for s in (sa, sb):
+            s.resolve_model()
+        if sa.label == sb.label:
+            sb.label += "-2"
+        if request.prompts is not None:
+            prompts = [list(p) for p in request.prompts]
+            _check_vocab(sa, sb, PROBE_TEXT)
+        else:
+            texts = list(request.texts or DEFAULT_TEXTS)
+            prompts = [sa.prompt_ids(t) for t in texts]
+            _check_vocab(sa, sb, texts[0], prompts[0])
+            _check_vocab(sa, sb, PROBE_TEXT)
+        if request.reference is not None:
+            from tools.compare_reference import Reference
+
+            reference = Reference.load(Path(request.reference), request.reference_dtype)
+            reference.check_prompts(prompts, PROBE_TEXT, sa.prompt_ids(PROBE_TEXT))
+        k = request.top_logprobs
+        with ThreadPoolExecutor(2) as pool:  # the two servers work at the same time
+            fa = pool.submit(lambda: [sa.generate(p, request.max_tokens, k) for p in prompts])
+            fb = pool.submit(lambda: [sb.generate(p, request.max_tokens, k) for p in prompts])
+            outs_a, outs_b = fa.result(), fb.result()
+    finally:
+        sa.close()
+        sb.close()
+    rows = []
+    for i, (p, oa, ob) in enumerate(zip(prompts, outs_a, outs_b, strict=True)):
+        agreed, diff = compare_pair(oa, ob, request.near_tie)
+        verdict = "identical" if diff is None else ("near-tie" if diff.near_tie else "diverged")
+        row = PromptComparison(
+            index=i, prompt_tokens=len(p), agreed=agreed,
+            compared=min(len(oa.tokens), len(ob.tokens)), verdict=verdict, difference=diff,
+            a_tokens=oa.tokens, b_tokens=ob.tokens,
+        )  # fmt: skip
+        if reference is not None:
+            row.reference = _reference_check(reference.run(p, request.max_tokens), oa, ob)
+        rows.append(row)
+    if any(r.compared < request.max_tokens for r in rows):
+        notes.append("a server returned fewer tokens than asked (it may not honour ignore_eos)")
+    counts = {v: sum(r.verdict == v for r in rows) for v in ("identical", "near-tie", "diverged")}
+    verdict = "fail" if counts["diverged"] else ("warn" if counts["near-tie"] else "ok")
+    return CompareResult(
+        a=ServerInfo(name=sa.label, base_url=sa.root, model=sa.model),
+        b=ServerInfo(name=sb.label, base_url=sb.root, model=sb.model),
+        max_tokens=request.max_tokens,
+        top_logprobs=request.top_logprobs,
+        near_tie=request.near_tie,
+        reference=request.reference,
+        reference_dtype=request.reference_dtype if request.reference else None,
+        prompts=rows,
+        identical=counts["identical"],
+        near_ties=counts["near-tie"],
+        diverged=counts["diverged"],
+        min_agreed=min((r.agreed for r in rows), default=0),
+        verdict=verdict,
+        notes=notes,
+        seconds=round(time.perf_counter() - started, 3),
+    )
