@@ -129,9 +129,16 @@ class Reference:
                 rows.append(row)
                 if len(tokens) == max_tokens:
                     break
-                out = self.model(
-                    input_ids=torch.tensor([[token]]),
-                    past_key_values=out.past_key_values,
-                    use_cache=True,
-                )
+                out = self.model(input_ids=torch.tensor([[token]]), use_cache=True,
+                                 **_cache_of(self.model, out))  # fmt: skip
         return ReferenceRun(tokens, rows)
+
+
+def _cache_of(model, out) -> dict:
+    """The KV cache of the last call, under the name this transformers takes (`cache` from
+    5.x's later releases, `past_key_values` before)."""
+    import inspect
+
+    if "cache" in inspect.signature(model.forward).parameters and hasattr(out, "cache"):
+        return {"cache": out.cache}
+    return {"past_key_values": out.past_key_values}
