@@ -89,7 +89,6 @@ def test_engine_paths_are_checked_before_torch(argv, says, tmp_path: Path, tiny:
     rc, torch_loaded, seconds, err = _in_process(argv)
     assert rc == 2 and says in err and "what to do:" in err, err
     assert not torch_loaded, "torch was imported before the path was checked"
-    assert seconds < 1.0
     assert not (tmp_path / "q").exists()
 
 

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-import time
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,12 +15,19 @@ NO_GPU = not Path("/proc/driver/nvidia").exists()
 
 
 def test_help_lists_the_commands(run_gpurig) -> None:
-    started = time.monotonic()
     out = run_gpurig("--help")
     assert out.returncode == 0
     for command in ("host", "gpu", "doctor", "mcp"):
         assert command in out.stdout
-    assert time.monotonic() - started < 10
+    # what keeps it quick, asserted as such (not by a clock): --help imports neither torch nor
+    # the engine
+    code = (
+        "import sys\nfrom mcp_server.cli import main\n"
+        "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+        "print('torch' in sys.modules, 'engine.runtime' in sys.modules, file=sys.stderr)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.stderr.split()[-2:] == ["False", "False"], done.stderr
 
 
 def test_mcp_bad_port_is_a_usage_error(run_gpurig) -> None:
@@ -55,7 +63,7 @@ def test_host_json(run_gpurig, tmp_path: Path) -> None:
     assert out.returncode == 0, out.stderr
     report = HostCapacity.model_validate_json(out.stdout)
     assert report.paths[0].path == str(tmp_path)
-    assert report.seconds < 1.0
+    assert report.seconds < 10  # a hang guard (a stuck mount, a blocking probe), not a speed claim
 
 
 def test_host_failing_verdict_exits_1(run_gpurig, tmp_path: Path) -> None:
@@ -113,11 +121,8 @@ def test_doctor_with_a_wrong_gpurig_python_exits_2(run_gpurig, tmp_path: Path) -
 
 @pytest.mark.skipif(not NO_GPU, reason="asserts this machine's no-GPU report")
 def test_doctor_table(run_gpurig) -> None:
-    started = time.monotonic()
-    out = run_gpurig("doctor")
-    elapsed = time.monotonic() - started
+    out = run_gpurig("doctor")  # bounded by its probes' own timeouts (tests/test_interpreter.py)
     assert out.returncode == 1, out.stderr
-    assert elapsed < 15
     for line in ("filesystems", "host memory", "disk space", "driver", "torch", "readiness: fail"):
         assert line in out.stdout
     assert "no NVIDIA GPU visible" in out.stdout
