@@ -56,7 +56,7 @@ CAUSES = {
         "Unsupported CPU attention configuration: head_dim=16 isa=2 kv_cache_idx=0",
         "backend='engine'",
     ),
-    "fail_eager_wna16": ("cpu_op_missing", "'cpu_gemm_wna16'", "--enforce-eager"),
+    "fail_wna16_avx2": ("cpu_wna16_needs_avx512", "'cpu_gemm_wna16'", "--unquantized"),
     "fail_kv_cache_ram": (
         "cpu_kv_cache_too_big",
         "less than requested memory for kv (999.0 GiB)",
@@ -155,3 +155,21 @@ def test_cpu_kv_cache_size_is_checked_against_ram():
         preflight.check_cpu_kv_cache(None, {"VLLM_CPU_KVCACHE_SPACE": "0.5"}, None, memory(16))
     with pytest.raises(InvalidInputError):
         preflight.check_cpu_kv_cache(0, {}, None, memory(16))
+
+
+def test_w4a16_without_avx512_is_refused_before_the_start(tmp_path):
+    from engine.checkpoint_maker import make_checkpoint
+
+    make_checkpoint(tmp_path / "q", preset="tiny")
+    make_checkpoint(tmp_path / "bf", preset="tiny", quantized=False)
+    assert preflight.is_w4a16(str(tmp_path / "q")) and not preflight.is_w4a16(str(tmp_path / "bf"))
+    label = "vLLM 0.32.0, CPU build (vllm-cpu)"
+    with pytest.raises(RefusedError) as info:
+        preflight.check_cpu_kernels(str(tmp_path / "q"), label, avx512=False)
+    assert "cpu_gemm_wna16" in info.value.message and "--unquantized" in info.value.remedy
+    preflight.check_cpu_kernels(str(tmp_path / "q"), label, avx512=True)
+    preflight.check_cpu_kernels(str(tmp_path / "bf"), label, avx512=False)
+    amd = "flags\t\t: fpu sse2 avx avx2 fma\n"
+    intel = "flags\t\t: fpu avx avx2 avx512f avx512dq avx512bw avx512vl amx_bf16\n"
+    assert preflight.cpu_has_avx512(amd) is False and preflight.cpu_has_avx512(intel) is True
+    assert preflight.cpu_has_avx512("processor: 0\n") is None

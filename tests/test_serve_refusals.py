@@ -166,3 +166,10 @@ def test_bad_inputs():
     ]:
         err = refused(InvalidInputError, **kw)
         assert word in err.message
+
+
+def test_cpu_kv_cache_gib_is_for_the_cpu_build_only(fake_python):
+    """The stand-in is a distribution named vllm: PyPI's CUDA build, sized by GPU memory."""
+    err = refused(InvalidInputError, python_bin=fake_python, gpus=H200, cpu_kv_cache_gib=2)
+    assert "vLLM 0.33.0, CUDA build (vllm)" in err.message
+    assert "gpu_memory_utilization" in err.remedy

