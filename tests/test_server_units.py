@@ -111,8 +111,7 @@ def test_fields_the_server_cannot_honour_are_named_unless_neutral():
     }
     assert ChatCompletionRequest.model_validate({**base, **neutral}).unsupported_field() is None
     for field, value in (
-        ("logprobs", True),
-        ("top_logprobs", 2),
+        ("prompt_logprobs", 1),  # logprobs / top_logprobs are served (test_server_logprobs.py)
         ("presence_penalty", 0.5),
         ("response_format", {"type": "json_object"}),
     ):
