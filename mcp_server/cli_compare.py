@@ -94,59 +94,49 @@ def _lp(v: float | None) -> str:
     return "-" if v is None else f"{v:.4f}"
 
 
-def _margin(side) -> str:
-    if side.margin is not None:
-        return f"{side.margin:.4f}"
-    if side.margin_at_least is not None:
-        return f">{side.margin_at_least:.4f}"
-    return "?"
-
-
 def render(r) -> str:  # r: tools.compare.CompareResult
     a, b = r.a.name, r.b.name
     with_ref = r.reference is not None
-    headers = ["#", "prompt", "agreed", "verdict", "at", f"{a} token", f"{b} token",
-               f"{a} margin", f"{b} margin"]  # fmt: skip
+    headers = ["#", "prompt", "agreed", "verdict", "at", "tokens a/b", f"on {a}", f"on {b}"]
     if with_ref:
-        headers += [f"ref={a}", f"ref={b}", "departs first", "ref margin"]
+        headers += ["ref kept a/b", "departs first", "ref margin"]
     rows = []
     for p in r.prompts:
         d = p.difference
         row: list[object] = [p.index, p.prompt_tokens, f"{p.agreed}/{p.compared}", p.verdict]
         if d is None:
-            row += ["", "", "", "", ""]
+            row += ["", "", "", ""]
         else:
             row += [
                 d.position,
-                f"{d.a.token} ({_lp(d.a.logprob)} | {_lp(d.b.other_logprob)})",
-                f"{d.b.token} ({_lp(d.a.other_logprob)} | {_lp(d.b.logprob)})",
-                _margin(d.a),
-                _margin(d.b),
+                f"{d.a.token}/{d.b.token}",
+                f"{_lp(d.a.logprob)} / {_lp(d.a.other_logprob)}",
+                f"{_lp(d.b.other_logprob)} / {_lp(d.b.logprob)}",
             ]
         if with_ref and p.reference is not None:
             ref = p.reference
-            margin = {"a": ref.margin_at_a, "b": ref.margin_at_b}
-            shown = (
-                _lp(margin[ref.departs_first]) if ref.departs_first in margin
-                else _lp(ref.margin_at_a if ref.margin_at_a is not None else ref.margin_at_b)
-            )  # fmt: skip
-            row += [ref.agreed_a, ref.agreed_b, ref.departs_first, shown]
+            margin = {"a": ref.margin_at_a, "b": ref.margin_at_b}.get(ref.departs_first)
+            if ref.departs_first == "both":
+                margin = ref.margin_at_a
+            row += [f"{ref.agreed_a}/{ref.agreed_b}", ref.departs_first, _lp(margin)]
         rows.append(row)
     head = kv_table(
         [
-            (a, f"{r.a.base_url} ({r.a.model})"),
-            (b, f"{r.b.base_url} ({r.b.model})"),
+            ("a", f"{a}: {r.a.base_url} ({r.a.model})"),
+            ("b", f"{b}: {r.b.base_url} ({r.b.model})"),
             ("greedy tokens", f"{r.max_tokens} per prompt, top {r.top_logprobs} logprobs"),
-            ("reference", f"transformers {r.reference_dtype} on {r.reference}" if with_ref else ""),
+            (
+                "reference",
+                f"transformers {r.reference_dtype} on {r.reference}" if with_ref else "-",
+            ),
         ]
     )
     legend = (
-        f"token (logprob on {a} | on {b}); margin: own token's logprob less the other's "
-        f"(> : the other's is below the top {r.top_logprobs}); near-tie: both margins <= "
-        f"{r.near_tie}"
+        f"at: the first differing token; on X: X's log-probability of token a / of token b "
+        f"(-: not in its top {r.top_logprobs}); near-tie: both sides' gaps <= {r.near_tie}"
     )
     if with_ref:
-        legend += "; ref margin: transformers' own margin where the first side departs"
+        legend += "; ref margin: transformers' own gap where the first side departs from it"
     tail = (
         f"verdict: {r.verdict}  ({r.identical} identical, {r.near_ties} near-tie, {r.diverged} "
         f"diverged; fewest agreed {r.min_agreed}; {r.seconds:.1f} s)"
