@@ -346,7 +346,7 @@ def wait_ready(
                 record.startup_facts = parse_startup_facts(read_log_lines(record.log_path))
                 record.startup_facts.first_request_seconds = first
                 state.write_record(record)
-                _report(progress, elapsed, timeout_s, "ready")
+                _report(progress, round(time.monotonic() - t0, 1), timeout_s, "ready")
                 return record
         if elapsed >= timeout_s:
             process.stop_group(record.pid, record.pid_create_time, 10)
