@@ -50,9 +50,14 @@ class StepLogprobs:
     ) -> StepLogprobs:
         """logits [B, V] as the model made them, ids [B] the sampled tokens; rows: the rows
         that asked, ks: how many alternatives each wants (0: only its own token)."""
-        index = torch.tensor(rows, dtype=torch.int64, device=logits.device)
-        lp = torch.log_softmax(logits.index_select(0, index).float(), dim=-1)
-        chosen = lp.gather(1, ids.index_select(0, index).view(-1, 1)).view(-1)
+        lo, hi = rows[0], rows[-1] + 1
+        if hi - lo == len(rows):  # consecutive rows (one request, or all): views, no index copy
+            picked, picked_ids = logits[lo:hi], ids[lo:hi]
+        else:
+            index = torch.tensor(rows, dtype=torch.int64, device=logits.device)
+            picked, picked_ids = logits.index_select(0, index), ids.index_select(0, index)
+        lp = torch.log_softmax(picked.float(), dim=-1)
+        chosen = lp.gather(1, picked_ids.view(-1, 1)).view(-1)
         k = max(ks)
         values = top = None
         if k > 0:

@@ -213,3 +213,21 @@ def test_concurrent_requests_with_and_without_logprobs(server, checkpoint):
             assert len(e.top) == len(top) == k  # ids as names: several ids may decode to "\ufffd"
             assert [f"token_id:{t}" for t, _ in e.top] == list(top)
             assert [v for _, v in e.top] == pytest.approx(list(top.values()), abs=1e-4)
+
+
+def test_step_logprobs_rows_and_vllm_order():
+    """Any subset of a step's rows, each its own k; the sampled token first, then the top k
+    without it (vLLM's per-step order), so a sampled token outside the top k makes k + 1."""
+    import torch
+
+    from engine.logprobs import StepLogprobs
+
+    logits = torch.tensor([[3.0, 2.0, 1.0, 0.0]] * 3)
+    ids = torch.tensor([0, 3, 1])  # row 1 sampled the least likely, row 2 the second
+    out = StepLogprobs.compute(logits, ids, [1, 2], [2, 2]).to_host(ids.tolist())
+    ref = torch.log_softmax(logits[0], -1).tolist()
+    assert out[1].token == 3 and out[1].logprob == pytest.approx(ref[3])
+    assert [t for t, _ in out[1].top] == [3, 0, 1]  # sampled, then the top 2
+    assert [t for t, _ in out[2].top] == [1, 0]  # sampled is in the top 2: not repeated
+    only = StepLogprobs.compute(logits, ids, [0, 2], [0, 1]).to_host(ids.tolist())
+    assert only[0].top == ((0, pytest.approx(ref[0])),) and set(only) == {0, 2}
