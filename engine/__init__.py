@@ -11,6 +11,8 @@ Public surface (the contract engine-speed and engine-server build on):
     gen = eng.stream(ids, 64)                             # a Generation (engine/generation.py)
     for tok in gen: ...                                   # .close() stops it; then
     gen.finish_reason, gen.completion_tokens, gen.timings # "stop" | "length" | None
+    gen = eng.stream(ids, 64, logprobs=5)                 # gen.logprobs[i]: tokens[i]'s
+                                                          # engine.logprobs.TokenLogprobs
     eng.tokenizer, eng.chat_template, eng.bos_id, eng.eos_ids, eng.max_context,
     eng.model_dir, eng.model_name, eng.device, eng.memory_report()
 
