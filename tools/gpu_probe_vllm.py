@@ -132,6 +132,23 @@ def classify_build(name: str, version: str, files, torch_requirement):
     return "unknown", "nothing in " + name + " " + version + " names its device"
 
 
+def cpu_avx512():
+    """This x86 CPU has AVX-512 F/BW/VL (what vLLM's CPU build needs for its AVX-512 kernels;
+    without it it loads vllm/_C_AVX2, which has no W4A16 GEMM). None: unknown."""
+    try:
+        with open("/proc/cpuinfo") as fh:
+            text = fh.read()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            flags = line.split(":", 1)[1].split()
+            if "avx2" not in flags and "avx" not in flags:
+                return None
+            return all(f in flags for f in ("avx512f", "avx512bw", "avx512vl"))
+    return None
+
+
 def _record_hash(path: str):
     try:
         with open(path, "rb") as fh:
@@ -232,6 +249,7 @@ def discover(package: str = PACKAGE) -> dict:
         metadata_named_vllm=named,
         files_match=on_disk(chosen),
         imported_from_it=imported(chosen),
+        cpu_avx512=cpu_avx512() if build == "cpu" else None,
     )
     out["providers"] = [
         {"distribution": d.metadata["Name"], "version": d.version, "dist_info": _dist_info(d)}

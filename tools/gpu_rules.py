@@ -339,6 +339,20 @@ def vllm_cli_cannot_run(f: Facts) -> Finding | None:
     )
 
 
+def vllm_cpu_no_avx512(f: Facts) -> Finding | None:
+    """vLLM's CPU build on a CPU without AVX-512 loads its AVX2 kernels (vllm/_C_AVX2), which have
+    no cpu_gemm_wna16: 16-bit checkpoints serve, W4A16 ones die in their warm-up."""
+    if not f.vllm_cpu or f.v.cpu_avx512 is not False:
+        return None
+    return Finding(
+        "warn",
+        f"this CPU has no AVX-512, so {f.vllm_label} runs its AVX2 kernels, which have no "
+        "W4A16 GEMM (cpu_gemm_wna16): 16-bit checkpoints serve, W4A16 ones do not",
+        "serve a 16-bit checkpoint (gpurig engine make-checkpoint --unquantized), or W4A16 with "
+        "gpurig's engine (--backend engine), or use a host whose CPU has AVX-512",
+    )
+
+
 def vllm_import_timeout(f: Facts) -> Finding | None:
     """`import vllm` did not finish within the probe's time (a first import compiles)."""
     if f.vllm_state != "timed_out":
@@ -437,11 +451,12 @@ RULES: list[Rule] = [
     Rule("gpu_ok", "gpu", gpu_ok),
     Rule("vllm_missing", "vllm", vllm_missing),
     Rule("torchvision_mismatch", "vllm", torchvision_mismatch),
-    Rule("vllm_cli_cannot_run", "vllm", vllm_cli_cannot_run),
     Rule("vllm_import_timeout", "vllm", vllm_import_timeout),
     Rule("vllm_libcudart", "vllm", vllm_libcudart),
     Rule("vllm_import_failed", "vllm", vllm_import_failed),
     Rule("vllm_ok", "vllm", vllm_ok),
+    Rule("vllm_cli_cannot_run", "vllm", vllm_cli_cannot_run),
+    Rule("vllm_cpu_no_avx512", "vllm", vllm_cpu_no_avx512),
 ]
 
 
