@@ -150,7 +150,7 @@ def test_cpu_kv_cache_size_is_checked_against_ram():
     with pytest.raises(RefusedError) as info:
         preflight.check_cpu_kv_cache(999, {}, 0.5, memory(11.2))
     assert "999 GiB" in info.value.message and "11.2 GiB of RAM available" in info.value.message
-    assert "cpu_kv_cache_gib, e.g. 10" in info.value.remedy
+    assert "cpu_kv_cache_gib, e.g. 2" in info.value.remedy
     with pytest.raises(InvalidInputError, match="whole number of GiB"):
         preflight.check_cpu_kv_cache(None, {"VLLM_CPU_KVCACHE_SPACE": "0.5"}, None, memory(16))
     with pytest.raises(InvalidInputError):

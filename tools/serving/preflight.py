@@ -261,11 +261,11 @@ def _fits(gib: int, weights: float | None, memory: MemoryReport, source: str) ->
     available = memory.ram_available_bytes / GIB
     need = gib + (weights or 0.0)
     if need > available:
-        fit = int(available - (weights or 0.0) - 0.5)
+        fit = min(int(available - (weights or 0.0) - 0.5), default_cpu_kv_cache_gib(memory))
         raise RefusedError(
             f"the CPU build's KV cache of {gib} GiB ({source})"
-            + (f" and the {weights:g} GiB of weights" if weights else "")
-            + f" do not fit in the {available:.1f} GiB of RAM available now",
+            + (f" and the {weights:g} GiB of weights do" if weights else " does")
+            + f" not fit in the {available:.1f} GiB of RAM available now",
             remedy=(
                 f"pass a smaller cpu_kv_cache_gib, e.g. {fit} (--cpu-kv-cache-gib {fit}), "
                 if fit >= 1
