@@ -36,13 +36,15 @@ class TokenLogprobs:
 
 @dataclass
 class StepLogprobs:
-    """One step's log-probabilities for some of its rows, still on the device."""
+    """One step's log-probabilities for some of its rows, in one float32 tensor [R, 1 + 2k]:
+    the sampled token's log-probability, the top k values, the top k ids (exact in float32
+    below 2^24, which every vocabulary here is). On CUDA it is a pinned host copy queued behind
+    the step, so reading it after the step's event costs no further wait."""
 
     rows: list[int]  # the rows of the step these belong to
     ks: list[int]  # each row's k
-    chosen: torch.Tensor  # [R] float32
-    top_values: torch.Tensor | None  # [R, max k] float32
-    top_ids: torch.Tensor | None  # [R, max k] int64
+    k: int  # the k computed (the largest asked)
+    packed: torch.Tensor
 
     @classmethod
     def compute(
@@ -57,27 +59,37 @@ class StepLogprobs:
             index = torch.tensor(rows, dtype=torch.int64, device=logits.device)
             picked, picked_ids = logits.index_select(0, index), ids.index_select(0, index)
         lp = torch.log_softmax(picked.float(), dim=-1)
-        chosen = lp.gather(1, picked_ids.view(-1, 1)).view(-1)
-        k = max(ks)
-        values = top = None
+        packed = lp.gather(1, picked_ids.view(-1, 1))
+        k = min(max(ks), lp.shape[-1])
         if k > 0:
-            values, top = torch.topk(lp, min(k, lp.shape[-1]), dim=-1)
-        return cls(rows, ks, chosen, values, top)
+            values, top = torch.topk(lp, k, dim=-1)
+            packed = torch.cat([packed, values, top.float()], dim=1)
+        if logits.device.type == "cuda":
+            packed = _pinned(packed)
+        return cls(rows, ks, k, packed)
 
     def to_host(self, ids: list[int]) -> dict[int, TokenLogprobs]:
-        """{row: TokenLogprobs}; ids: every row's sampled token (the step's host copy)."""
-        chosen = self.chosen.tolist()
-        values = self.top_values.tolist() if self.top_values is not None else None
-        tops = self.top_ids.tolist() if self.top_ids is not None else None
-        out = {}
-        for i, (row, k) in enumerate(zip(self.rows, self.ks, strict=True)):
-            token = ids[row]
-            pairs = [(token, chosen[i])]
-            if k and values is not None and tops is not None:
-                pairs += [(t, v) for t, v in zip(tops[i][:k], values[i][:k], strict=True)
-                          if t != token]  # fmt: skip
-            out[row] = TokenLogprobs(token, chosen[i], tuple(pairs))
+        """{row: TokenLogprobs}; ids: every row's sampled token (the step's host copy). On
+        CUDA call it after the event recorded behind `compute` has completed."""
+        k, out = self.k, {}
+        for values, row, want in zip(self.packed.tolist(), self.rows, self.ks, strict=True):
+            token, own = ids[row], values[0]
+            pairs = [(token, own)]
+            if want:
+                tops = values[1 + k : 1 + k + want]
+                pairs += [(int(t), v) for t, v in zip(tops, values[1 : 1 + want], strict=True)
+                          if int(t) != token]  # fmt: skip
+            out[row] = TokenLogprobs(token, own, tuple(pairs))
         return out
+
+
+def _pinned(t: torch.Tensor) -> torch.Tensor:
+    """A pinned host copy, queued behind the work that makes `t`: reading it later waits for
+    nothing but that work (a plain `.tolist()` would wait for every step queued since, and the
+    scheduler's one step of look-ahead would be lost for the whole batch)."""
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    return host
 
 
 def one_row(logits: torch.Tensor, token: torch.Tensor, k: int) -> StepLogprobs:
