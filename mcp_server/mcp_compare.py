@@ -12,7 +12,14 @@ from mcp.server.mcpserver import MCPServer
 from pydantic import Field
 
 from mcp_server.annotations import READ_ONLY
-from tools.compare import CompareRequest, CompareResult, ServerTarget, compare_outputs
+from tools.compare import (
+    MAX_PROMPT_TOKENS,
+    MAX_PROMPTS,
+    CompareRequest,
+    CompareResult,
+    ServerTarget,
+    compare_outputs,
+)
 
 Url = Annotated[
     str,
@@ -32,8 +39,11 @@ def register(mcp: MCPServer) -> None:
         a_model: Annotated[str | None, Field(description="a's model name; default listed")] = None,
         b_model: Annotated[str | None, Field(description="b's model name; default listed")] = None,
         prompts: Annotated[
-            list[list[int]] | None,
-            Field(description="token-id prompts; default: 8 built-in texts tokenised by a"),
+            list[Annotated[list[int], Field(max_length=MAX_PROMPT_TOKENS)]] | None,
+            Field(
+                max_length=MAX_PROMPTS,
+                description="token-id prompts; default: 8 built-in texts tokenised by a",
+            ),
         ] = None,
         texts: Annotated[
             list[str] | None, Field(description="text prompts, tokenised by server a")

@@ -241,12 +241,13 @@ def test_mcp_compare_outputs_session(server, gpurig_bin):
             assert tools["compare_outputs"].annotations.read_only_hint is True
             result = await client.call_tool(
                 "compare_outputs",
-                {"a": server.base, "b": server.base + "/v1", "prompts": [[2, 10, 20]],
-                 "max_tokens": 4},
+                {"a": server.base, "b": server.base + "/v1",
+                 "prompts": [[2, 10, 20], [2, *range(10, 110)]], "max_tokens": 4},
             )  # fmt: skip
             assert not result.is_error, result.content
             out = CompareResult.model_validate(result.structured_content)
-            assert out.verdict == "ok" and out.prompts[0].agreed == 4
+            assert out.verdict == "ok" and [p.agreed for p in out.prompts] == [4, 4]
+            assert out.prompts[1].prompt_tokens == 101  # past MCP's default of 64 items
             refused = await client.call_tool(
                 "compare_outputs",
                 {"a": server.base, "b": f"http://127.0.0.1:{free_port()}", "prompts": [[2]]},
