@@ -257,3 +257,12 @@ def test_mcp_compare_outputs_session(server, gpurig_bin):
             assert "cannot reach server b" in text
 
     asyncio.run(session())
+
+
+def test_a_server_without_prompt_token_ids_still_compares_token_id_prompts(fake):
+    lp = {"tokens": ["token_id:4", "token_id:5"], "token_logprobs": [-1.0, -0.5],
+          "top_logprobs": [{"token_id:4": -1.0}, {"token_id:5": -0.5}]}  # fmt: skip
+    older = fake({"/v1/models": MODELS, "/v1/completions": _choice(logprobs=lp)})
+    result = compare_outputs(_request(older, older, prompts=[[1, 2]], max_tokens=2))
+    assert result.verdict == "ok" and result.prompts[0].a_tokens == [4, 5]  # from token_id:N
+    assert any("vocabularies not checked" in n for n in result.notes)

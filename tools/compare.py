@@ -51,6 +51,10 @@ class CompareError(GpurigError):
     """A server that cannot be compared (down, not OpenAI, no logprobs)."""
 
 
+class _NoPromptIds(CompareError):
+    """A server that does not return prompt_token_ids (no vLLM `return_token_ids`)."""
+
+
 class ServerTarget(BaseModel):
     base_url: str = Field(
         min_length=1,
@@ -262,7 +266,7 @@ class _Server:
         choice = self.complete(text, 1, None)
         ids = choice.get("prompt_token_ids")
         if not _int_list(ids):
-            raise CompareError(
+            raise _NoPromptIds(
                 f"{self._where()} does not return prompt_token_ids (vLLM's `return_token_ids`), "
                 "so it cannot tokenise text prompts for the comparison",
                 "pass token-id prompts instead, or use a server with return_token_ids (vLLM "
@@ -429,7 +433,10 @@ def compare_outputs(request: CompareRequest) -> CompareResult:
             sb.label += "-2"
         if request.prompts is not None:
             prompts = [list(p) for p in request.prompts]
-            _check_vocab(sa, sb, PROBE_TEXT)
+            try:
+                _check_vocab(sa, sb, PROBE_TEXT)
+            except _NoPromptIds as exc:  # token-id prompts still compare; say what was not checked
+                notes.append(f"vocabularies not checked: {exc.message}")
         else:
             texts = list(request.texts or DEFAULT_TEXTS)
             prompts = [sa.prompt_ids(t) for t in texts]
@@ -439,7 +446,11 @@ def compare_outputs(request: CompareRequest) -> CompareResult:
             from tools.compare_reference import Reference
 
             reference = Reference.load(Path(request.reference), request.reference_dtype)
-            reference.check_prompts(prompts, PROBE_TEXT, sa.prompt_ids(PROBE_TEXT))
+            try:
+                probe = sa.prompt_ids(PROBE_TEXT)
+            except _NoPromptIds:
+                probe = None
+            reference.check_prompts(prompts, PROBE_TEXT, probe)
         k = request.top_logprobs
         with ThreadPoolExecutor(2) as pool:  # the two servers work at the same time
             fa = pool.submit(lambda: [sa.generate(p, request.max_tokens, k) for p in prompts])
