@@ -250,6 +250,13 @@ def live(vllm_cpu_python: str, gpurig_bin: str, tmp_path_factory: pytest.TempPat
         if isinstance(holder, socket.socket):
             holder.close()
         print(f"\nreal vLLM module timings (s): {live.seconds}")
+        for name, record in live.failed.items():
+            if record.failure:
+                print(f"  {name}: {record.failure.cause}: {record.failure.title}: "
+                      f"{record.failure.evidence}")  # fmt: skip
+        if live.shared:
+            print(f"  shared: {live.shared.state} in {live.shared.ready_seconds} s, "
+                  f"{live.shared.startup_facts}")  # fmt: skip
         mp.undo()
 
 
@@ -306,6 +313,7 @@ def test_shared_server_ready_with_the_cpu_builds_facts(live: Live):
 async def _second_session(params: StdioServerParameters) -> tuple:
     async with Client(params, read_timeout_seconds=300) as client:
         status = StatusReport.model_validate(await _call(client, "server_status", {"name": "cpu"}))
+        every = StatusReport.model_validate(await _call(client, "server_status", {}))
         logs = LogsResult.model_validate(
             await _call(client, "get_server_logs", {"name": "cpu", "grep": "KV cache size"})
         )
@@ -316,7 +324,7 @@ async def _second_session(params: StdioServerParameters) -> tuple:
         check = SpotCheckResult.model_validate(await _call(client, "spot_check", {"name": "cpu"}))
         stop = StopResult.model_validate(await _call(client, "stop_vllm_server", {"name": "cpu"}))
         after = StatusReport.model_validate(await _call(client, "server_status", {"name": "cpu"}))
-    return status, logs, query, check, stop, after
+    return status, every, logs, query, check, stop, after
 
 
 def test_status_logs_query_spot_check_stop_from_a_second_mcp_process(live: Live, gpurig_bin):
@@ -327,9 +335,13 @@ def test_status_logs_query_spot_check_stop_from_a_second_mcp_process(live: Live,
     params = StdioServerParameters(
         command=gpurig_bin, args=["mcp"], env={**os.environ, "GPURIG_HOME": str(live.home)}
     )
-    status, logs, query, check, stop, after = asyncio.run(
+    status, every, logs, query, check, stop, after = asyncio.run(
         asyncio.wait_for(_second_session(params), timeout=600)
     )
+    # the provoked failures, as the second process reads them from the records
+    causes = {s.name: s.failure.cause for s in every.servers if s.state == "dead" and s.failure}
+    assert causes == {"hd16": "cpu_attention_unsupported", **{n: c for n, (c, _e, _r) in
+                                                               FAILURES.items()}}  # fmt: skip
     (server,) = status.servers
     assert (server.name, server.state, server.health) == ("cpu", "ready", "ok")
     assert server.uptime_s > 0 and server.server_pid and server.server_pid != server.pid
