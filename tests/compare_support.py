@@ -104,3 +104,28 @@ class OwnVllm(VllmCpuServer):
             time.sleep(1)
         self.stop()
         raise RuntimeError(f"vLLM was not ready within {READY_TIMEOUT_S} s:\n{self.log_tail()}")
+
+
+def compare_and_print(vllm_base: str, engine_base: str, name: str, reference: Path, tokens: int):
+    """compare_outputs(vLLM, the engine) with transformers on `reference`, each prompt printed
+    (the measurement bench/NOTES.md records; pytest -s shows it)."""
+    from tools.compare import CompareRequest, ServerTarget, compare_outputs
+
+    result = compare_outputs(
+        CompareRequest(
+            a=ServerTarget(base_url=vllm_base, name=name),
+            b=ServerTarget(base_url=engine_base, name="engine"),
+            max_tokens=tokens,
+            reference=str(reference),
+        )
+    )
+    for p in result.prompts:
+        d, ref = p.difference, p.reference
+        where = "" if d is None else (
+            f" at {d.position}: {d.a.token} ({d.a.logprob:.4f}, engine {d.b.other_logprob}) vs "
+            f"{d.b.token} ({d.b.logprob:.4f}, {name} {d.a.other_logprob}); margins "
+            f"{d.a.margin} / {d.b.margin}; reference margin {ref.margin_at_a}"
+        )  # fmt: skip
+        print(f"{name} prompt {p.index} ({p.prompt_tokens} tokens): {p.agreed}/{p.compared}"
+              f" {p.verdict}; reference kept {ref.agreed_a} / {ref.agreed_b}{where}")  # fmt: skip
+    return result
