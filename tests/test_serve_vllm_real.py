@@ -4,7 +4,8 @@ provoked for real and named with its remedy.
 
 One vLLM serves the tiny W4A16 checkpoint for the whole module: started by one `gpurig mcp`
 process (stdio, with progress), outliving it, then seen, queried, spot-checked and stopped by a
-SECOND `gpurig mcp` process. While it starts (about 95 s on 2 cores) the failures run beside it,
+SECOND `gpurig mcp` process (eager, without the minute of warm-up compile; GPURIG_TEST_VLLM_COMPILE=1
+runs the compiled default). While it starts the failures run beside it,
 each a real vLLM process that dies fast: an unknown flag, the port held by a listener, a model
 directory without weights, a KV cache larger than the RAM (with gpurig's own refusal bypassed),
 a torchvision that dies on `torchvision::nms`, the `vllm serve` console script; and the one other
@@ -57,6 +58,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
 START_TIMEOUT_S = 900
 W4A16_HERE = preflight.cpu_has_avx512() is not False
+# Eager: no minute-long warm-up compile (and an idle CPU build spins a core). The compiled default
+# (what `gpurig serve start` runs unless told otherwise) with GPURIG_TEST_VLLM_COMPILE=1.
+SHARED_FLAGS = [] if os.environ.get("GPURIG_TEST_VLLM_COMPILE") == "1" else ["--enforce-eager"]
 HUGE_RAM = MemoryReport(
     ram_total_bytes=4096 * GIB, ram_available_bytes=4096 * GIB,
     swap_total_bytes=0, swap_used_bytes=0, swap_free_bytes=0,
@@ -178,7 +182,8 @@ async def _first_session(params: StdioServerParameters, live: Live, port: int) -
 
     async with Client(params, read_timeout_seconds=START_TIMEOUT_S + 60) as client:
         args = {"model": str(live.tiny), "name": "cpu", "python_bin": live.python, "port": port,
-                "max_model_len": 1024, "cpu_kv_cache_gib": 1, "timeout_s": START_TIMEOUT_S}  # fmt: skip
+                "max_model_len": 1024, "cpu_kv_cache_gib": 1, "timeout_s": START_TIMEOUT_S,
+                "extra_args": SHARED_FLAGS}  # fmt: skip
         return ServerRecord.model_validate(
             await _call(client, "start_vllm_server", args, progress_callback=on_progress)
         )

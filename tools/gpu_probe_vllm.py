@@ -48,23 +48,23 @@ def _norm(name: str) -> str:
 
 
 def _provides_package(dist, package: str) -> bool:
-    """Its top_level.txt or RECORD lists `package/`; without either (a bare METADATA), its name
-    is the package's."""
+    """Its top_level.txt lists `package`, or (without one) its RECORD has `package/` files; a
+    bare METADATA: its name is the package's. Text searches, not parsed file lists: this runs
+    over every installed distribution."""
     try:
         top = dist.read_text("top_level.txt")
     except Exception:
         top = None
-    if top and package in [ln.strip() for ln in top.splitlines()]:
-        return True
+    if top:
+        return package in [ln.strip() for ln in top.splitlines()]
     try:
-        files = dist.files
+        record = dist.read_text("RECORD")
     except Exception:
-        files = None
-    if files:
-        prefix = package + "/"
-        return any(f.as_posix().startswith(prefix) for f in files)
+        record = None
+    if record:
+        return ("\n" + record).find("\n" + package + "/") >= 0
     try:
-        return not top and _norm(dist.metadata["Name"]) == _norm(package)
+        return _norm(dist.metadata["Name"]) == _norm(package)
     except Exception:
         return False
 

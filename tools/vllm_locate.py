@@ -35,9 +35,10 @@ def norm(n):
     return (n or "").lower().replace("_", "-").replace(".", "-")
 def owns(d):
     try:
-        return any(f.as_posix() == target for f in (d.files or []))
+        record = d.read_text("RECORD") or ""
     except Exception:
         return False
+    return ("\n" + record).find("\n" + target + ",") >= 0
 try:
     dist = metadata.distribution(name)
 except metadata.PackageNotFoundError:
@@ -85,7 +86,7 @@ except Exception as exc:
 print(json.dumps(out))
 """
 
-PROBE_TIMEOUT_S = 60
+PROBE_TIMEOUT_S = 120  # a hang, not a slow machine: 2 s idle, 60+ s seen on a loaded one
 
 
 class InstalledFile(BaseModel):
