@@ -22,6 +22,8 @@ from bench.sweep.models import CellTelemetry, GpuTelemetry
 from tools.gpu_nvml import _nvml_error_text, throttle_names
 
 SAMPLE_INTERVAL_S = 0.25
+FIRST_POLL_S = 0.25  # /metrics during a cell: the first look, then one every POLL_INTERVAL_S
+POLL_INTERVAL_S = 0.5
 _LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
 # metric name (without labels) -> kept under this key; summed over label sets
 KEPT = {
@@ -210,8 +212,12 @@ class CellWatch:
         self._peaks: dict[str, float] = {}
 
     def _poll(self) -> None:
-        """Peaks of the gauges during the cell (after it, the KV cache is empty again)."""
-        while not self._stop.wait(1.0):
+        """Peaks of the gauges during the cell (after it, the KV cache is empty again): a first
+        look soon after the start, then every POLL_INTERVAL_S, so a cell of two seconds (a
+        tiny model on a CPU) is still seen running."""
+        wait = FIRST_POLL_S
+        while not self._stop.wait(wait):
+            wait = POLL_INTERVAL_S
             now, _ = scrape(self.root_url, timeout_s=2.0)
             for key in ("kv_cache_usage", "requests_waiting", "requests_running"):
                 if key in now:
