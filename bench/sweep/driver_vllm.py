@@ -47,15 +47,16 @@ def bench_launcher(python_bin: str) -> tuple[str, ...]:
     from tools.vllm_locate import discover_vllm
 
     dist = discover_vllm(python_bin)
-    if not dist.found:
+    if dist.found and not dist.cli_usable:
+        return (python_bin, str(ENTRY))
+    if not dist.found and not (Path(python_bin).parent / "vllm").is_file():
         raise NotFoundError(
             f"the vllm-bench driver needs vLLM, and {python_bin} has none",
             remedy="pass the target's python_bin (the interpreter that runs vLLM), or use "
             "driver='builtin'",
         )
-    if dist.cli_usable:
-        return (*vllm_command(python_bin), "bench", "serve")
-    return (python_bin, str(ENTRY))
+    # the CLI (a `vllm` script with no package beside it is run as it is: its error is the cell's)
+    return (*vllm_command(python_bin), "bench", "serve")
 
 
 def bench_command(
