@@ -22,8 +22,11 @@ from bench.sweep.models import CellTelemetry, GpuTelemetry
 from tools.gpu_nvml import _nvml_error_text, throttle_names
 
 SAMPLE_INTERVAL_S = 0.25
-FIRST_POLL_S = 0.25  # /metrics during a cell: the first look, then one every POLL_INTERVAL_S
-POLL_INTERVAL_S = 0.5
+# /metrics during a cell: a first look, then one every POLL_INTERVAL_S. Not more often: the
+# poll runs in the driver's process, and reading vLLM's page (thousands of histogram lines)
+# holds the interpreter long enough to bunch the stream chunks the driver is timing.
+FIRST_POLL_S = 0.25
+POLL_INTERVAL_S = 1.0
 _LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
 # metric name (without labels) -> kept under this key; summed over label sets
 KEPT = {
@@ -47,11 +50,15 @@ KEPT = {
 }
 
 
+_KEPT_PREFIXES = tuple(sorted({name.split("{")[0][:12] for name in KEPT}))
+
+
 def parse_metrics(text: str) -> dict[str, float]:
     """The metrics we keep from a Prometheus text page, summed over label sets."""
     out: dict[str, float] = {}
     for line in text.splitlines():
-        if not line or line.startswith("#"):
+        # most of a vLLM page is histogram buckets: skip them before the regex
+        if not line.startswith(_KEPT_PREFIXES) or "_bucket" in line:
             continue
         m = _LINE.match(line)
         if not m or m.group(1) not in KEPT:
