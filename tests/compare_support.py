@@ -12,18 +12,13 @@ plain float32 tensors: q * scale is exact in float32, so vLLM, transformers and 
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import time
 from pathlib import Path
 
-import httpx
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
-from server_support import free_port
-from vllm_cpu_support import READY_TIMEOUT_S, VllmCpuServer
+from vllm_cpu_support import VllmCpuServer
 
 from engine.packed import PackedLinear, dequantize
 
@@ -62,48 +57,8 @@ def dequantized_copy(src: Path, dst: Path) -> Path:
     return dst
 
 
-class OwnVllm(VllmCpuServer):
-    """A VllmCpuServer that is ready only when *it* answers: vLLM binds its port only after the
-    engine has started (a minute or more on 2 cores), so on a machine shared with other agents
-    another server may take that port first, and `/health` would then be theirs. Ready means
-    our process is alive and the port's /v1/models lists our model; a port taken by someone
-    else gets our server restarted on a new one."""
-
-    def start(self) -> OwnVllm:
-        for _ in range(3):
-            if self._start_once():
-                return self
-            self.stop()
-            self.port = free_port()
-        raise RuntimeError(f"vLLM lost its port to other servers three times:\n{self.log_tail()}")
-
-    def _start_once(self) -> bool:
-        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONUNBUFFERED": "1"}
-        with self.log_path.open("ab") as log:
-            self.proc = subprocess.Popen(
-                self.command(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                env=env, cwd=str(self.log_path.parent), start_new_session=True,
-            )  # fmt: skip
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                if "Address already in use" in self.log_tail(80):
-                    return False
-                raise RuntimeError(f"vLLM exited {self.proc.returncode}:\n{self.log_tail()}")
-            try:
-                r = httpx.get(self.base + "/v1/models", timeout=2)
-                ids = (
-                    [m.get("id") for m in r.json().get("data", [])] if r.status_code == 200 else []
-                )
-                if str(self.model) in ids:
-                    return True
-                if ids:  # somebody else's server on our port
-                    return False
-            except (httpx.HTTPError, ValueError, AttributeError):
-                pass
-            time.sleep(1)
-        self.stop()
-        raise RuntimeError(f"vLLM was not ready within {READY_TIMEOUT_S} s:\n{self.log_tail()}")
+# vllm_cpu_support.VllmCpuServer is ready only when its own process answers on its port
+OwnVllm = VllmCpuServer
 
 
 def compare_and_print(vllm_base: str, engine_base: str, name: str, reference: Path, tokens: int):

@@ -79,8 +79,23 @@ class VllmCpuServer:
         ]  # fmt: skip
 
     def start(self) -> VllmCpuServer:
+        """Ready only when *this* process answers: vLLM binds its port only after its engine
+        has started (a minute or more on 2 cores), so on a shared machine another server may
+        take the port first, and its /health would pass for ours. Ready means our process is
+        alive and the port's /v1/models lists our model; a port lost to someone else gets our
+        server restarted on a new one."""
+        from server_support import free_port
+
+        for _ in range(3):
+            if self._start_once():
+                return self
+            self.stop()
+            self.port = free_port()
+        raise RuntimeError(f"vLLM lost its port to other servers three times:\n{self.log_tail()}")
+
+    def _start_once(self) -> bool:
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONUNBUFFERED": "1"}
-        with self.log_path.open("wb") as log:
+        with self.log_path.open("ab") as log:
             self.proc = subprocess.Popen(
                 self.command(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 env=env, cwd=str(self.log_path.parent), start_new_session=True,
@@ -88,11 +103,19 @@ class VllmCpuServer:
         deadline = time.monotonic() + READY_TIMEOUT_S
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
+                if "Address already in use" in self.log_tail(80):
+                    return False
                 raise RuntimeError(f"vLLM exited {self.proc.returncode}:\n{self.log_tail()}")
             try:
-                if httpx.get(self.base + "/health", timeout=2).status_code == 200:
-                    return self
-            except httpx.HTTPError:
+                r = httpx.get(self.base + "/v1/models", timeout=2)
+                ids = (
+                    [m.get("id") for m in r.json().get("data", [])] if r.status_code == 200 else []
+                )
+                if str(self.model) in ids:
+                    return True
+                if ids:  # somebody else's server on our port
+                    return False
+            except (httpx.HTTPError, ValueError, AttributeError):
                 pass
             time.sleep(1)
         self.stop()
