@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Literal
 
@@ -109,16 +110,22 @@ class InstalledFile(BaseModel):
 
 
 def _run_probe(resolved: str, distribution: str, relative_path: str) -> dict:
+    return _ask_interpreter(resolved, ["-c", _PROBE, distribution, relative_path], os.environ)
+
+
+def _ask_interpreter(resolved: str, args: list[str], env: Mapping[str, str]) -> dict:
+    """Run `resolved args...` (a stdlib-only script) and return the JSON object on its last
+    stdout line; a program that is not a working Python raises InvalidInputError."""
     try:
         proc = subprocess.run(
-            [resolved, "-c", _PROBE, distribution, relative_path],
+            [resolved, *args],
             # Never the caller's stdin: under `gpurig mcp` (stdio) that is the MCP wire.
             stdin=subprocess.DEVNULL,
             capture_output=True,
             text=True,
             timeout=PROBE_TIMEOUT_S,
             # never a module from a working directory; env and user site kept (gpu_probe.py)
-            env={**os.environ, "PYTHONSAFEPATH": "1"},
+            env={**env, "PYTHONSAFEPATH": "1"},
             cwd="/",
             check=False,
         )
@@ -294,40 +301,9 @@ def discover_vllm(
     which vLLM it has. Not installed is an answer (found=False), not an exception; a program that
     is not a Python raises InvalidInputError."""
     python = resolve_python(python_bin)
-    run_env = {**(env if env is not None else os.environ), "PYTHONSAFEPATH": "1"}
-    try:
-        proc = subprocess.run(
-            [python, str(DISCOVER_SCRIPT)],
-            stdin=subprocess.DEVNULL,
-            capture_output=True,
-            text=True,
-            timeout=PROBE_TIMEOUT_S,
-            env=run_env,
-            cwd="/",
-            check=False,
-        )
-    except subprocess.TimeoutExpired as exc:
-        raise InvalidInputError(
-            f"{python} did not answer within {PROBE_TIMEOUT_S} s",
-            remedy="check that it is a working Python interpreter",
-        ) from exc
-    except OSError as exc:
-        raise InvalidInputError(
-            f"cannot run {python}: {exc.strerror or exc}",
-            remedy=f"point {arg('python_bin')} / GPURIG_PYTHON at a python executable",
-        ) from exc
-    lines = proc.stdout.strip().splitlines()
-    try:
-        answer = json.loads(lines[-1]) if proc.returncode == 0 and lines else None
-        if not isinstance(answer, dict):
-            raise ValueError
-    except ValueError as exc:
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
-        raise InvalidInputError(
-            f"{python} did not answer like a Python >= 3.8 interpreter "
-            f"(exit {proc.returncode}: {tail[0][:200]})",
-            remedy=f"point {arg('python_bin')} / GPURIG_PYTHON at the python that runs vLLM",
-        ) from exc
+    answer = _ask_interpreter(
+        python, [str(DISCOVER_SCRIPT)], env if env is not None else os.environ
+    )
     return VllmDistribution(
         python=python,
         python_executable=answer.get("executable"),
