@@ -110,10 +110,10 @@ def test_the_telemetry_reads_vllms_real_metrics(sweeps):
     assert after["prefix_cache_queries"] - before["prefix_cache_queries"] >= n * 64
     assert tel.prefix_cache_hit_rate is not None and 0 <= tel.prefix_cache_hit_rate <= 1
     # the gauges were read; their peaks are samples (0.25 s, then every 1 s) of a cell that may
-    # finish between two of them on a loaded host, so only the KV cache's peak must show load
+    # finish between two of them on a loaded host: the counters above prove the load
     assert tel.requests_running is not None and tel.requests_running >= 0
     assert tel.requests_waiting is not None and tel.requests_waiting >= 0
-    assert tel.kv_cache_usage is not None and 0 < tel.kv_cache_usage <= 1
+    assert tel.kv_cache_usage is not None and 0 <= tel.kv_cache_usage <= 1
     assert tel.server_pid is not None and tel.server_cpu_cores and tel.server_cpu_cores > 0
 
 
