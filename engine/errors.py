@@ -1,9 +1,9 @@
-"""gpurig's one error hierarchy, the engine's errors included, and each front door's words.
+"""gpurig's one error hierarchy, the engine's errors included, and the neutral argument placeholder.
 
 Every error a user can act on is a `GpurigError(message, remedy)`: a message that says what went
 wrong and a remedy that says what to do. It lives here, in engine/, because the engine may import
 none of tools/, mcp_server/ or bench/, while the tools and both front doors can import the engine's
-(cheap) errors module; tools/errors.py re-exports all of it. Each front door understands every
+(cheap) errors module; tools/errors.py re-exports the hierarchy. Each front door understands every
 error alike, so no code translates between hierarchies:
 
 - the CLI prints the message and the remedy and exits 2 (mcp_server/output.py);
@@ -17,19 +17,16 @@ tried and did not work). InvalidInputError, NotFoundError and RefusedError are t
 classes; the engine's errors subclass EngineError and the category class that fits them, so a
 caller catching NotFoundError also catches a missing checkpoint.
 
-Each front door speaks its own words: the CLI's user types `--need-gib`, an MCP caller passes
-`need_gib`. A tool does not know which door called it, so text that names an argument (in an
-error's message or remedy, or in a report's remedy field) names it through `arg()`:
+Text that names an argument (in an error's message or remedy, or in a report's remedy field)
+names it through `arg()`, because the code raising it does not know which front door will show
+it (the CLI's user types `--need-gib`, an MCP caller passes `need_gib`):
 
     remedy=f"pass the size of the weights in GiB, e.g. {arg('need_gib')}=10"
 
-`arg("need_gib")` is the placeholder `{arg:need_gib}`; `render_for("cli", text)` turns it into
-`--need-gib` (the flag: the name with dashes, or the flag in `CLI_FLAGS` where they differ, e.g.
-python_bin -> --python) and `render_for("mcp", text)` into `need_gib`. Text that must differ by
-more than a name uses `either(cli=..., mcp=...)` (e.g. a command: `gpurig patch apply` versus the
-tool apply_turing_patch). The CLI renders in `output.report_error` and `output.print_result`; the
-MCP server renders every error and every tool result (mcp_server/mcp_errors.py). `str(err)`
-renders for the CLI (logs, tests).
+`arg("need_gib")` is the placeholder `{arg:need_gib}` (`ARG_PATTERN` matches it). The front doors'
+words live with the front doors (mcp_server/wording.py: `--need-gib` on the CLI, `need_gib` over
+MCP); here `plain(text)` renders the placeholder as the bare name, which is what `str(err)` shows
+(logs, tests).
 
 Importing this module is cheap (the standard library only): `gpurig --help` imports it.
 """
@@ -39,17 +36,9 @@ from __future__ import annotations
 import re
 from typing import ClassVar, Literal
 
-Front = Literal["cli", "mcp"]
 Category = Literal["invalid_input", "not_found", "refused", "failed"]
 
-# An argument whose CLI flag is not its name with dashes. Everything else: --name-with-dashes.
-CLI_FLAGS: dict[str, str] = {
-    "python_bin": "--python",
-    "timeout_s": "--timeout",
-}
-
-_ARG = re.compile(r"\{arg:([A-Za-z_][A-Za-z0-9_]*)\}")
-_EITHER = re.compile(r"\{cli:([^{}|]*)\|mcp:([^{}|]*)\}")
+ARG_PATTERN = re.compile(r"\{arg:([A-Za-z_][A-Za-z0-9_]*)\}")
 
 
 def arg(name: str) -> str:
@@ -59,28 +48,9 @@ def arg(name: str) -> str:
     return "{arg:" + name + "}"
 
 
-def either(cli: str, mcp: str) -> str:
-    """Text that reads `cli` on the command line and `mcp` over MCP (no braces or '|' in them)."""
-    for text in (cli, mcp):
-        if any(c in text for c in "{}|"):
-            raise ValueError(f"either() text may not hold braces or '|': {text!r}")
-    return "{cli:" + cli + "|mcp:" + mcp + "}"
-
-
-def cli_flag(name: str) -> str:
-    """The CLI flag for argument `name`: python_bin -> --python, need_gib -> --need-gib."""
-    return CLI_FLAGS.get(name, "--" + name.replace("_", "-"))
-
-
-def render_for(front: Front, text: str | None) -> str | None:
-    """`text` with its placeholders in the words of `front` ("cli" or "mcp")."""
-    if not text or "{" not in text:
-        return text
-    if front == "cli":
-        text = _ARG.sub(lambda m: cli_flag(m.group(1)), text)
-        return _EITHER.sub(lambda m: m.group(1), text)
-    text = _ARG.sub(lambda m: m.group(1), text)
-    return _EITHER.sub(lambda m: m.group(2), text)
+def plain(text: str) -> str:
+    """`text` with each argument placeholder as the argument's bare name (no front door's words)."""
+    return ARG_PATTERN.sub(lambda m: m.group(1), text) if "{" in text else text
 
 
 class GpurigError(Exception):
@@ -93,15 +63,10 @@ class GpurigError(Exception):
         self.message = message
         self.remedy = remedy
 
-    def rendered(self, front: Front) -> tuple[str, str | None]:
-        """(message, remedy) in the words of `front`."""
-        return render_for(front, self.message) or "", render_for(front, self.remedy)
-
     def __str__(self) -> str:
-        message, remedy = self.rendered("cli")
-        if remedy:
-            return f"{message} -> {remedy}"
-        return message
+        if self.remedy:
+            return f"{plain(self.message)} -> {plain(self.remedy)}"
+        return plain(self.message)
 
 
 class InvalidInputError(GpurigError):

@@ -34,7 +34,8 @@ from mcp_server.mcp_errors import (
     tool_error,
     validation_message,
 )
-from tools.errors import GpurigError, render_for
+from mcp_server.wording import render_for
+from tools.errors import GpurigError
 
 log = logging.getLogger("gpurig.mcp")
 

@@ -24,6 +24,7 @@ from typing import Any
 from mcp.server.mcpserver.exceptions import ToolError
 from pydantic import ValidationError
 
+from mcp_server.wording import rendered
 from tools.errors import GpurigError
 
 DEFAULT_MAX_CHARS = 4096  # PATH_MAX: a path, a name, a flag value
@@ -45,7 +46,7 @@ def clip(text: str, limit: int = MAX_ERROR_CHARS) -> str:
 
 def tool_error(err: GpurigError) -> ToolError:
     """The error result an MCP caller sees: the message, then what to do, in MCP's words."""
-    message, remedy = err.rendered("mcp")
+    message, remedy = rendered(err, "mcp")
     message = clip(message, MAX_ERROR_CHARS // 2)
     if remedy:
         message = message.rstrip() + ("" if message.rstrip().endswith((".", "!", "?")) else ".")

@@ -8,14 +8,15 @@ from collections.abc import Callable
 from pydantic import BaseModel
 from tabulate import tabulate
 
-from tools.errors import GpurigError, render_for
+from mcp_server.wording import render_for, rendered
+from tools.errors import GpurigError
 
 
 def print_result(result: BaseModel, as_json: bool, render: Callable[[BaseModel], str]) -> None:
     """Print `result` as JSON (for scripts) or through `render` (for people).
 
     Argument names in the text (a remedy's `{arg:need_gib}`) come out as flags (`--need-gib`):
-    tools/errors.py's front-door words."""
+    the front doors' words (mcp_server/wording.py)."""
     text = result.model_dump_json(indent=2) if as_json else render(result).rstrip("\n")
     sys.stdout.write((render_for("cli", text) or "") + "\n")
 
@@ -35,7 +36,7 @@ def report_error(err: GpurigError) -> int:
     """Print a tool's or the engine's error for a person, in the CLI's words (`--need-gib`, not
     `need_gib`), and return the CLI's exit code for it: 2 whatever its category (README, Exit
     codes: 2 is input the user can fix, with what to do, which is what every GpurigError is)."""
-    message, remedy = err.rendered("cli")
+    message, remedy = rendered(err, "cli")
     sys.stderr.write(f"gpurig: error: {message}\n")
     if remedy:
         sys.stderr.write(f"gpurig: what to do: {remedy}\n")

@@ -30,6 +30,7 @@ from engine.errors import (
 )
 from engine.memory import PromptMemoryError
 from mcp_server.mcp_base import GpurigMCP
+from mcp_server.wording import rendered
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -38,8 +39,11 @@ def test_one_hierarchy() -> None:
     """tools.errors is the engine's hierarchy, not a copy; each engine error is a GpurigError of
     the category that fits it."""
     for name in ("GpurigError", "InvalidInputError", "NotFoundError", "RefusedError",
-                 "EngineError", "CheckpointError", "render_for", "arg", "either"):  # fmt: skip
+                 "EngineError", "CheckpointError", "arg", "plain"):  # fmt: skip
         assert getattr(tools_errors, name) is getattr(engine_errors, name), name
+    # the front doors' words are the front doors': the engine holds only the neutral placeholder
+    for name in ("CLI_FLAGS", "cli_flag", "render_for", "either"):
+        assert not hasattr(engine_errors, name), name
     cases = [
         (CheckpointError("no config.json", "restore it"), NotFoundError, "not_found"),
         (ContextLengthError(requested=9000, limit=8192), RefusedError, "refused"),
@@ -59,7 +63,7 @@ def test_one_hierarchy() -> None:
 
 def test_engine_errors_render_like_the_tools() -> None:
     err = ContextLengthError(requested=9000, limit=8192)
-    assert err.rendered("mcp") == err.rendered("cli") == (err.message, err.remedy)
+    assert rendered(err, "mcp") == rendered(err, "cli") == (err.message, err.remedy)
     assert "9000" in err.message and "8192" in err.message
 
 

@@ -18,7 +18,8 @@ from pydantic import BaseModel, Field
 from mcp_server.mcp_base import GpurigMCP, default_title
 from mcp_server.mcp_errors import DEFAULT_MAX_CHARS, describe, excerpt
 from mcp_server.output import print_result, report_error
-from tools.errors import InvalidInputError, arg, cli_flag, either, render_for
+from mcp_server.wording import cli_flag, render_for
+from tools.errors import InvalidInputError, arg, either
 
 
 class Advice(BaseModel):
@@ -118,7 +119,7 @@ def test_front_door_words() -> None:
     with pytest.raises(ValueError):
         arg("need-gib")
     err = InvalidInputError(f"bad {arg('need_gib')}", remedy=f"pass {arg('need_gib')} 10")
-    assert str(err) == "bad --need-gib -> pass --need-gib 10"
+    assert str(err) == "bad need_gib -> pass need_gib 10"  # neutral: no front door's words
 
 
 def test_cli_prints_flags(capsys: pytest.CaptureFixture[str]) -> None:

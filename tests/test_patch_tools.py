@@ -21,8 +21,9 @@ import pytest
 from patch_support import SPEC, STOCK_0_22_0, STOCK_0_33_0, install_fake_wheel, user_site
 
 from mcp_server.cli import main
+from mcp_server.wording import render_for
 from patches.engine import record_hash
-from tools.errors import InvalidInputError, NotFoundError, RefusedError, render_for
+from tools.errors import InvalidInputError, NotFoundError, RefusedError
 from tools.turing import (
     apply_turing_patch,
     patch_diff,
