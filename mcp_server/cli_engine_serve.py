@@ -23,17 +23,11 @@ import re
 import socket
 import sys
 
+from engine import serve_options
+from engine.serve_options import API_KEY_ENV, DEFAULT_PORT, OPTIONS, ServeOption
 from mcp_server.cli_engine import MAX_DEFAULT_THREADS
 from mcp_server.cli_engine import default_threads as engine_default_threads
 from tools.errors import GpurigError, InvalidInputError, NotFoundError, RefusedError
-
-DEFAULT_PORT = 8100
-DEFAULT_MAX_CTX = 131072
-# the same defaults as engine/server/limits.py, not imported from there: importing engine.server
-# pulls in starlette, and this module stays light until the command runs
-DEFAULT_MAX_TOKENS_LIMIT = 4096
-DEFAULT_MAX_BODY_MIB = 8
-API_KEY_ENV = "GPURIG_ENGINE_API_KEY"
 
 
 def default_threads() -> int:
@@ -63,112 +57,41 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "pool); requests beyond --max-num-seqs wait in arrival order."
         ),
     )
-    p.add_argument("--model", required=True, help="checkpoint directory")
-    p.add_argument(
-        "--host",
-        default="127.0.0.1",
-        help="bind address (default 127.0.0.1: this machine only; 0.0.0.0 opens it to the "
-        "network, use --api-key then)",
-    )
-    p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})")
-    p.add_argument(
-        "--max-context",
-        "--max-ctx",
-        dest="max_context",
-        type=int,
-        default=DEFAULT_MAX_CTX,
-        help=f"context length in tokens (default {DEFAULT_MAX_CTX}, capped at the model's "
-        "max_position_embeddings; --max-ctx is an alias)",
-    )
-    p.add_argument("--device", default=None, help="cuda, cuda:1 or cpu (default: cuda if present)")
-    p.add_argument(
-        "--threads",
-        type=int,
-        default=None,
-        help="CPU threads for torch (default: OMP_NUM_THREADS if set, else the idle "
-        f"cores less one, 1..{MAX_DEFAULT_THREADS}: {{here}} here)",
-    )
-    p.add_argument(
-        "--api-key",
-        default=None,
-        help=f"require 'Authorization: Bearer KEY' on /v1/* (default: ${API_KEY_ENV}; "
-        "/health and /metrics stay open)",
-    )
-    p.add_argument(
-        "--max-tokens-limit",
-        type=int,
-        default=DEFAULT_MAX_TOKENS_LIMIT,
-        help=f"most tokens one request may generate (default {DEFAULT_MAX_TOKENS_LIMIT}; 0: up "
-        "to the context); a request asking more, or nothing, is cut to it and its reply says so "
-        "(header X-Gpurig-Max-Tokens-Capped, field max_tokens_capped)",
-    )
-    p.add_argument(
-        "--max-body-mib",
-        type=float,
-        default=DEFAULT_MAX_BODY_MIB,
-        help=f"largest request body in MiB (default {DEFAULT_MAX_BODY_MIB}; bodies that cannot "
-        "fit the context are refused below it)",
-    )
-    p.add_argument(
-        "--max-num-seqs",
-        type=_seqs,
-        default="auto",
-        help="most requests decoded together (1-64; default auto: 16, or fewer when the memory "
-        "left after the weights cannot give each 4,096 tokens of KV cache)",
-    )
-    p.add_argument(
-        "--memory-cap-mib",
-        type=_positive_int,
-        default=None,
-        help="cap this process's CUDA memory (MiB), e.g. 3732 to act as a 4 GB card; the KV "
-        "pool is sized within it",
-    )
-    p.add_argument(
-        "--kv-cache-mib",
-        type=_positive_int,
-        default=None,
-        help="KV block pool size in MiB (default: what is left after the weights, less room "
-        "for reading prompts)",
-    )
-    p.add_argument(
-        "--prefill-budget",
-        type=_positive_int,
-        default=None,
-        help="most prompt tokens read between two decode steps (default 2048 on CUDA): lower "
-        "keeps streams smoother while long prompts arrive, higher reads them faster",
-    )
-    p.add_argument(
-        "--model-name", default=None, help="name clients use in 'model' (default: directory name)"
-    )
-    p.add_argument(
-        "--no-warmup", action="store_true", help="skip the 2-token warm-up run before serving"
-    )
-    p.add_argument(
-        "--log-level",
-        default="info",
-        choices=["critical", "error", "warning", "info", "debug"],
-        help="uvicorn log level (info shows one line per request)",
-    )
+    for option in OPTIONS:
+        _add(p, option)
     p.set_defaults(func=_serve)
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
-    return value
+def _add(p: argparse.ArgumentParser, option: ServeOption) -> None:
+    """One option of engine/serve_options.py as an argparse flag."""
+    text = option.help.replace("{max_threads}", str(MAX_DEFAULT_THREADS))
+    if option.switch:
+        p.add_argument(*option.flags, dest=option.name, action="store_true", help=text)
+        return
+    p.add_argument(
+        *option.flags,
+        dest=option.name,
+        type=_usage_error(option.type) if option.type else None,
+        default=option.default,
+        required=option.required,
+        choices=option.choices,
+        help=text,
+    )
 
 
-def _seqs(text: str) -> int | str:
-    if text == "auto":
-        return text
-    value = _positive_int(text)
-    if value > 64:
-        raise argparse.ArgumentTypeError(f"{value} is more than 64; use 1-64 or auto")
-    return value
+def _usage_error(parse):
+    """`parse` whose ValueError argparse reports as a usage error with its words (exit 2)."""
+    if parse in (int, float):  # argparse's own words: "invalid int value: 'x'"
+        return parse
+
+    def typed(text: str):
+        try:
+            return parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    typed.__name__ = parse.__name__
+    return typed
 
 
 _BIND_REMEDY = (
@@ -239,26 +162,6 @@ def _exposure_warning(host: str, port: int, api_key: str | None) -> str:
     )
 
 
-def _check_args(args: argparse.Namespace) -> None:
-    if args.max_context < 1:
-        raise InvalidInputError(
-            f"--max-context {args.max_context} must be at least 1", "use e.g. 8192"
-        )
-    if args.threads is not None and args.threads < 1:
-        raise InvalidInputError(
-            f"--threads {args.threads} must be at least 1", f"use e.g. {default_threads()}"
-        )
-    if args.max_tokens_limit < 0:
-        raise InvalidInputError(
-            f"--max-tokens-limit {args.max_tokens_limit} is negative",
-            f"use e.g. {DEFAULT_MAX_TOKENS_LIMIT}, or 0 for no limit",
-        )
-    if not 0 < args.max_body_mib <= 1024:
-        raise InvalidInputError(
-            f"--max-body-mib {args.max_body_mib} is out of range", "use 1 to 1024 (default 8)"
-        )
-
-
 def _threads(args: argparse.Namespace) -> int | None:
     """The thread count to set, or None to leave torch's (OMP_NUM_THREADS, set by the user)."""
     if args.threads is not None:
@@ -274,7 +177,7 @@ def _serve(args: argparse.Namespace) -> int:
         raise NotFoundError(
             f"{model_dir} is not a directory", "pass a checkpoint directory to --model"
         )
-    _check_args(args)
+    serve_options.check(vars(args), threads_hint=default_threads())
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     if not check_bind(args.host, args.port):
         sys.stderr.write(_exposure_warning(args.host, args.port, api_key))

@@ -22,8 +22,9 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-DEFAULT_MAX_TOKENS_LIMIT = 4096
-DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
+from engine.serve_options import DEFAULT_MAX_BODY_MIB, DEFAULT_MAX_TOKENS_LIMIT
+
+DEFAULT_MAX_BODY_BYTES = DEFAULT_MAX_BODY_MIB * 1024 * 1024
 JSON_BYTES_PER_TEXT_BYTE = 6  # "\u0001" is six bytes of JSON for one byte of text
 BODY_SLACK_BYTES = 1024 * 1024  # field names, message wrappers, sampling fields
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, Field
 
+from engine.serve_options import flag
 from tools.errors import InvalidInputError, NotFoundError
 
 
@@ -145,10 +146,10 @@ def engine_command(
     device: str | None,
     extra_args: list[str],
 ) -> list[str]:
-    cmd = [python, "-m", "mcp_server.cli", "engine", "serve", "--model", model]
-    cmd += ["--host", host, "--port", str(port)]
+    cmd = [python, "-m", "mcp_server.cli", "engine", "serve", flag("model"), model]
+    cmd += [flag("host"), host, flag("port"), str(port)]
     if max_model_len is not None:
-        cmd += ["--max-ctx", str(max_model_len)]
+        cmd += [flag("max_context"), str(max_model_len)]
     if device:
-        cmd += ["--device", device]
+        cmd += [flag("device"), device]
     return [*cmd, *extra_args]

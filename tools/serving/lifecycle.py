@@ -17,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
 
+from engine import serve_options
 from tools.errors import InvalidInputError
 from tools.host import MemoryReport
 from tools.serving import command as cmd
@@ -84,24 +85,6 @@ def _check_inputs(
             f"bad environment variable names {bad}",
             remedy="pass names like HF_HOME or CUDA_VISIBLE_DEVICES",
         )
-
-
-def _engine_flags() -> set[str]:
-    """The options `gpurig engine serve` accepts, from its own parser."""
-    from mcp_server.cli import build_parser
-
-    parser = build_parser()
-    found: set[str] = set()
-    for action in parser._subparsers._group_actions:  # noqa: SLF001 - argparse has no API
-        engine = action.choices.get("engine")
-        if engine is None:
-            continue
-        for sub in engine._subparsers._group_actions:  # noqa: SLF001
-            serve = sub.choices.get("serve")
-            if serve is not None:
-                for act in serve._actions:  # noqa: SLF001
-                    found.update(act.option_strings)
-    return found
 
 
 def _refuse_unknown(unknown: list[str], known: list[str], what: str, version: str) -> None:
@@ -224,7 +207,7 @@ def start_vllm_server(
             )
         else:
             python = resolve_python(python_bin) if python_bin else cmd.engine_python()
-            known = _engine_flags()
+            known = serve_options.flags()
             unknown = [
                 a for a in extra_args if flagmod.normalize(a) and a.split("=")[0] not in known
             ]
