@@ -13,23 +13,38 @@ layers; post-attention / post-feedforward norms; a per-layer-input residual; the
 multiplied by layer_scalar; the last num_kv_shared_layers reuse the K/V of the last own-KV layer
 of their type (and may have a double-wide MLP); final logits soft-capped.
 
-Reading a prompt: `prefill_chunk` runs the own-KV layers on a chunk and writes their K/V; the
-KV-shared layers write nothing, so they run only for the last prompt token. `decode_step` runs
-one token through every layer from device tensors only (no Python int changes between steps).
+One layer body (`_layer`) serves every entry point; only its attention differs, handed in as a
+strategy (engine/paged_attention_ref.py). Over a KVPool (a single sequence is a pool of one):
+`read_chunks` reads prompt chunks of several sequences in one pass through the own-KV layers
+(the KV-shared layers write nothing, so only a prompt's last token needs them), and
+`decode_rows` runs one new token of each of B sequences through every layer, B being a tensor
+dimension. `prefill_chunk` / `decode_step` are the single-sequence entry points over a cache
+(`KVCache` or `KVPool.view(slot)`), kept while their callers are.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine import ops
-from engine.cache import KVCache
 from engine.checkpoint import CheckpointReader
 from engine.config import RopeSpec, TextConfig
 from engine.errors import CheckpointError
 from engine.packed import Linear
+from engine.paged_attention_ref import (
+    Attend,
+    CacheAttention,
+    ChunksAttention,
+    RowsAttention,
+    SequenceCacheLike,
+    segment,
+)
+
+if TYPE_CHECKING:
+    from engine.kv_pool import KVPool
 
 
 @dataclass
@@ -76,7 +91,7 @@ class LayerWeights:
 
 
 class Gemma4Model:
-    """Gemma 4 text decoder over packed weights; owns no cache (the caller passes a `KVCache`)."""
+    """Gemma 4 text decoder over packed weights; owns no cache (the caller passes a KVPool)."""
 
     def __init__(
         self,
@@ -225,22 +240,18 @@ class Gemma4Model:
         i: int,
         h: torch.Tensor,
         ple: torch.Tensor | None,
-        positions: torch.Tensor,
         rope: dict[str, tuple[torch.Tensor, torch.Tensor]],
-        cache: KVCache,
-        prefill_start: int | None,
-        score_budget: int | None = None,
+        attend: Attend,
     ) -> torch.Tensor:
-        """One decoder layer on h [T, H]. prefill_start is the chunk's first position when
-        reading a prompt chunk (attend, then write the chunk's K/V), None when the layer's cache
-        already holds what it needs (decode: write first, then attend over the whole buffer).
-        score_budget bounds a prompt chunk's attention scores (self.ops.attention_prefill)."""
+        """One decoder layer on h [T, H], whatever the T rows are (one prompt chunk, chunks of
+        several sequences, one new token of each of B sequences): every norm and product runs
+        once over all rows. Only the attention depends on where the rows' keys live, so it is
+        handed in (engine.paged_attention_ref): `attend(i, q, k, v)` writes the new K/V (None on
+        a KV-shared layer) where its rows' caches keep them and returns the attention [T, Hq, D]."""
         cfg, w = self.cfg, self.layers[i]
         eps, t = cfg.rms_norm_eps, h.shape[0]
         hd, kvh = cfg.layer_head_dims[i], cfg.layer_kv_heads[i]
-        kind = cfg.layer_types[i]
-        window = cfg.sliding_window if cfg.is_sliding(i) else None
-        cos, sin = rope[kind]
+        cos, sin = rope[cfg.layer_types[i]]
 
         x = self.ops.rms_norm(h, w.input_norm, eps)
         q_out = self.ops.linear(x, w.q)
@@ -249,27 +260,13 @@ class Gemma4Model:
         q = self.ops.apply_rope(
             self.ops.rms_norm(q_out.reshape(t, -1, hd), w.q_norm, eps), cos, sin
         )
+        k = v = None
         if k_out is not None:
             k_raw = k_out.reshape(t, kvh, hd)
             v_raw = v_out.reshape(t, kvh, hd) if v_out is not None else k_raw
             k = self.ops.apply_rope(self.ops.rms_norm(k_raw, w.k_norm, eps), cos, sin)
             v = self.ops.rms_norm(v_raw, None, eps)
-            lc = cache.layers[i]
-            if prefill_start is not None:
-                if lc.window is None:  # full layer: the filled prefix
-                    ck, cv, cp = lc.k[:prefill_start], lc.v[:prefill_start], lc.pos[:prefill_start]
-                else:  # sliding ring: all of it
-                    ck, cv, cp = lc.k, lc.v, lc.pos
-                attn = self.ops.attention_prefill(
-                    q, k, v, ck, cv, cp, positions, window, score_budget
-                )
-                lc.write(k, v, positions)
-            else:
-                lc.write(k, v, positions)
-                attn = self.ops.attention_decode(q, lc.k, lc.v, lc.pos, positions, window)
-        else:
-            lc = cache.layers[cfg.kv_producer(i)]
-            attn = self.ops.attention_decode(q, lc.k, lc.v, lc.pos, positions, window)
+        attn = attend(i, q, k, v)
 
         h = h + self.ops.rms_norm(self.ops.linear(attn.reshape(t, -1), w.o), w.post_attn_norm, eps)
         x = self.ops.rms_norm(h, w.pre_ffn_norm, eps)
@@ -290,13 +287,70 @@ class Gemma4Model:
             out = torch.tanh(out / cap) * cap
         return out
 
-    # ---- the two entry points --------------------------------------------------------------
+    # ---- entry points over a KVPool (a single sequence is a pool of one) ---------------------
+    @torch.inference_mode()
+    def decode_rows(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        pool: KVPool,
+        slots: torch.Tensor,
+    ) -> torch.Tensor:
+        """One new token for each of B sequences of `pool`: tokens [B] at positions [B], row b
+        the sequence in slot slots[b] -> logits [B, V].
+
+        Every row runs through the same layer bodies together (B is the products' row count);
+        each own-KV layer writes row b's K/V into its sequence's rows, records the position in
+        pool.pos, and each row attends over its own sequence (paged_attention_ref.RowsAttention).
+        The caller has grown every sequence to hold positions[b]. Rows in pool.pad_slot only pad
+        (a graph bucket): they write the padding slot's rows; their logits mean nothing."""
+        positions = positions.to(device=self.device, dtype=torch.int64)
+        attend = RowsAttention(self.ops, pool, slots, positions)
+        h, ple = self.embed_ids(tokens.to(self.device))
+        rope = self.rope(positions)
+        for i in range(self.cfg.num_hidden_layers):
+            h = self._layer(i, h, ple, rope, attend)
+        return self.logits(h)
+
+    @torch.inference_mode()
+    def read_chunks(
+        self,
+        parts: list[tuple[torch.Tensor, int, int]],
+        pool: KVPool,
+        score_budget: int | None = None,
+    ) -> None:
+        """Prompt chunks of several sequences in one pass: (ids [T_i], start_i, slot_i) each,
+        at positions start_i .. start_i + T_i - 1 of the sequence in slot_i (grown to hold them,
+        its positions before start_i already read).
+
+        Only the own-KV layers run (the KV-shared ones keep nothing, so a prompt's last token
+        goes through decode_rows, which gives its logits). The norms and products run once over
+        every chunk's rows; the attention and the K/V write go segment by segment over each
+        sequence's cache (paged_attention_ref.ChunksAttention), score_budget bounding each
+        segment's scores (ops.attention_prefill). Why together: reading is host-bound, so
+        several prompts read in one pass cost about what one does."""
+        segments, ids, row = [], [], 0
+        for seg_ids, start, slot in parts:
+            n = int(seg_ids.shape[0])
+            segments.append(segment(pool, row, n, int(start), int(slot)))
+            ids.append(seg_ids.to(self.device))
+            row += n
+        if not row:
+            return
+        attend = ChunksAttention(self.ops, pool, segments, score_budget)
+        positions = torch.cat([s.positions for s in segments])
+        h, ple = self.embed_ids(torch.cat(ids))
+        rope = self.rope(positions)
+        for i in range(self.cfg.first_shared_layer):
+            h = self._layer(i, h, ple, rope, attend)
+
+    # ---- single-sequence entry points over a cache (until KVCache goes) ----------------------
     @torch.inference_mode()
     def prefill_chunk(
         self,
         ids: torch.Tensor,
         start: int,
-        cache: KVCache,
+        cache: SequenceCacheLike,
         last: bool,
         score_budget: int | None = None,
     ) -> torch.Tensor | None:
@@ -310,26 +364,29 @@ class Gemma4Model:
         h, ple = self.embed_ids(ids)
         rope = self.rope(positions)
         first_shared = self.cfg.first_shared_layer
+        attend = CacheAttention(self.ops, self.cfg, cache, positions, start, score_budget)
         for i in range(first_shared):
-            h = self._layer(i, h, ple, positions, rope, cache, start, score_budget)
+            h = self._layer(i, h, ple, rope, attend)
         if not last:
             return None
         h, positions = h[-1:], positions[-1:]
         ple = ple[-1:] if ple is not None else None
         rope = {k: (c[-1:], s[-1:]) for k, (c, s) in rope.items()}
+        attend = CacheAttention(self.ops, self.cfg, cache, positions, None)
         for i in range(first_shared, self.cfg.num_hidden_layers):
-            h = self._layer(i, h, ple, positions, rope, cache, prefill_start=None)
+            h = self._layer(i, h, ple, rope, attend)
         return self.logits(h)[0]
 
     @torch.inference_mode()
     def decode_step(
-        self, token: torch.Tensor, position: torch.Tensor, cache: KVCache
+        self, token: torch.Tensor, position: torch.Tensor, cache: SequenceCacheLike
     ) -> torch.Tensor:
         """One token: token [1] and position [1] device tensors -> logits [1, V]."""
         h, ple = self.embed_ids(token)
         rope = self.rope(position)
+        attend = CacheAttention(self.ops, self.cfg, cache, position, None)
         for i in range(self.cfg.num_hidden_layers):
-            h = self._layer(i, h, ple, position, rope, cache, prefill_start=None)
+            h = self._layer(i, h, ple, rope, attend)
         return self.logits(h)
 
     # ---- sizes -----------------------------------------------------------------------------

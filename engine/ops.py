@@ -226,6 +226,38 @@ def attention_decode(
     return _attend(q, cache_k.to(q.dtype), cache_v.to(q.dtype), cache_pos, q_pos, window)
 
 
+def attention_rows(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    key_pos: torch.Tensor,
+    q_pos: torch.Tensor,
+    window: int | None,
+) -> torch.Tensor:
+    """Attention of B decode rows at once, each over its OWN keys (rows of different sequences):
+    q [B, Hq, D]; keys / values [B, S, Hkv, D] row b's keys padded to S; key_pos [B, S] their
+    positions (-1 = empty or padding); q_pos [B]. Returns [B, Hq, D].
+
+    The same function as `attention_decode` on each row alone (scores in the activation dtype,
+    softmax in fp32): why it exists is that one batched product replaces B calls, which on the
+    CPU reference cost B times the host time. Masked scores get the lowest finite float, not
+    -inf: a row with nothing visible (a padding row whose own key another padding row
+    overwrote) then averages finite values instead of making NaN, which its K/V would carry into
+    the padding block that live rows' masked (zero-probability) columns may still gather."""
+    b, hq, d = q.shape
+    hkv = keys.shape[2]
+    qg = q.reshape(b, hkv, hq // hkv, d)
+    scores = torch.matmul(qg, keys.to(q.dtype).permute(0, 2, 3, 1)).float()  # [B, Hkv, G, S]
+    kp, qp = key_pos[:, None, None, :], q_pos.reshape(b, 1, 1, 1)
+    visible = (kp >= 0) & (kp <= qp)
+    if window is not None:
+        visible = visible & (kp > qp - window)
+    scores = scores.masked_fill(~visible, torch.finfo(torch.float32).min)
+    probs = torch.softmax(scores, dim=-1).to(q.dtype)
+    out = torch.matmul(probs, values.to(q.dtype).transpose(1, 2))  # [B, Hkv, G, D]
+    return out.reshape(b, hq, d)
+
+
 # ---------------------------------------------------------------------------------------------
 # small elementwise pieces (kept here so a fused kernel can replace them too)
 
@@ -271,6 +303,7 @@ class Ops:
     embed4_rows = staticmethod(embed4_rows)
     lm_head4 = staticmethod(lm_head4)
     attention_decode = staticmethod(attention_decode)
+    attention_rows = staticmethod(attention_rows)
     rms_norm = staticmethod(rms_norm)
     rope_cos_sin = staticmethod(rope_cos_sin)
     apply_rope = staticmethod(apply_rope)
