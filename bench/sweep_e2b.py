@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from mcp_server.cli_sweep import int_list
+from bench.sweep.progress import ProgressBar, int_list
 from tools.fileio import write_atomic
 
 
@@ -36,7 +36,6 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     from bench.sweep import run_sweep
-    from mcp_server.cli_sweep import ProgressBar
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

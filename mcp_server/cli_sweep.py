@@ -11,14 +11,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
-import time
 from pathlib import Path
 
+from bench.sweep.progress import ProgressBar, float_list, int_list
 from mcp_server.output import kv_table, print_result
 from tools.errors import InvalidInputError
-
-BAR = 30
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -37,7 +34,29 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--model-dir", action="append", default=[], metavar="LABEL=DIR")
     p.add_argument("--input-lens", type=int_list, default=[512, 4096], metavar="N,N")
     p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--concurrency", type=int_list, default=[1, 4, 8, 16], metavar="C,C")
+    p.add_argument(
+        "--concurrency",
+        type=int_list,
+        default=None,
+        metavar="C,C",
+        help="closed-loop levels (default 1,4,8,16 unless --request-rate or --search)",
+    )
+    p.add_argument("--request-rate", type=float_list, default=None, metavar="R,R",
+                   help="open-loop levels in requests per second")  # fmt: skip
+    p.add_argument("--burstiness", type=float, default=None, help="gamma shape (1: Poisson)")
+    p.add_argument("--max-concurrency", type=int, default=None, help="cap of the rate cells")
+    p.add_argument("--slo", action="append", default=[], metavar="METRIC_pP_ms=MS",
+                   help="e.g. --slo ttft_p99_ms=500 --slo tpot_p99_ms=50")  # fmt: skip
+    p.add_argument("--search", choices=["concurrency", "rate"],
+                   help="find the highest load meeting the --slo")  # fmt: skip
+    p.add_argument("--search-start", type=float, default=None)
+    p.add_argument("--search-max", type=float, default=None)
+    p.add_argument("--range-ratio", type=float, default=None, help="lengths drawn +-ratio")
+    p.add_argument("--length-dist", choices=["uniform", "normal"], default=None)
+    p.add_argument("--prefix-len", type=int, default=None, help="shared prefix tokens")
+    p.add_argument("--prefix-groups", type=int, default=None, help="distinct prefixes per cell")
+    p.add_argument("--turns", type=int, default=None, help="turns per conversation")
+    p.add_argument("--dataset", help="ShareGPT JSON or JSONL of {prompt, output_len}")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--prompts-per-cell", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
@@ -58,18 +77,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_report)
 
-
-def int_list(text: str) -> list[int]:
-    """An argparse type: '512,4096' -> [512, 4096], with a usage error for anything else."""
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not a comma-separated list of integers"
-        ) from None
-    if not values:
-        raise argparse.ArgumentTypeError("give at least one number")
-    return values
+    p = sub.add_parser("compare", help="the same cells of two or more sweeps side by side")
+    p.add_argument("sweeps", nargs="+", metavar="DIR|ID")
+    p.add_argument("--out", dest="out_dir", help="where COMPARE.md and plots go")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_compare)
 
 
 def _pair(text: str, flag: str) -> tuple[str, str]:
@@ -114,37 +126,49 @@ def parse_targets(args: argparse.Namespace) -> list[dict]:
     return targets
 
 
-class ProgressBar:
-    """One line on stderr, redrawn in place on a terminal, else a line every few seconds."""
+def parse_slo(items: list[str]) -> dict[str, float] | None:
+    """--slo KEY=MS pairs as the slo dict (the sweep's model checks the keys)."""
+    out = {}
+    for text in items:
+        key, value = _pair(text, "--slo")
+        try:
+            out[key] = float(value)
+        except ValueError:
+            raise InvalidInputError(
+                f"--slo {text!r}: {value!r} is not a number of ms", "e.g. --slo ttft_p99_ms=500"
+            ) from None
+    return out or None
 
-    def __init__(self, stream=sys.stderr) -> None:
-        self.stream = stream
-        self.tty = stream.isatty()
-        self.first: tuple[float, int] | None = None  # (time, done) at the first request
-        self.last = 0.0
 
-    def __call__(self, done: int, total: int, message: str) -> None:
-        now = time.monotonic()
-        if not self.tty and now - self.last < 5 and done < total:
-            return
-        self.last = now
-        share = done / total if total else 1.0
-        fill = int(share * BAR)
-        eta = ""
-        if self.first is None and done > 0:
-            self.first = (now, done)  # server start-up and the first request are not a rate
-        elif self.first is not None and self.first[1] < done < total:
-            t1, d1 = self.first
-            left = (now - t1) / (done - d1) * (total - done)
-            eta = f" ETA {int(left) // 60}:{int(left) % 60:02d}"
-        line = f"[{'#' * fill}{'.' * (BAR - fill)}] {done}/{total} requests{eta}  {message}"
-        if self.tty:
-            self.stream.write("\r" + line[:150].ljust(150))
-            if done >= total:
-                self.stream.write("\n")
-        else:
-            self.stream.write(line + "\n")
-        self.stream.flush()
+def load_options(args: argparse.Namespace) -> dict:
+    """The load, SLO, search and workload arguments of run_sweep from the flags given."""
+    search = None
+    if args.search:
+        search = {"axis": args.search}
+        if args.search_start is not None:
+            search["start"] = args.search_start
+        if args.search_max is not None:
+            search["max"] = args.search_max
+    workload = {
+        k: v
+        for k, v in {
+            "range_ratio": args.range_ratio,
+            "length_dist": args.length_dist,
+            "prefix_len": args.prefix_len,
+            "prefix_groups": args.prefix_groups,
+            "turns": args.turns,
+            "dataset": args.dataset,
+        }.items()
+        if v is not None
+    }
+    return {
+        "request_rate": args.request_rate,
+        "burstiness": args.burstiness,
+        "max_concurrency": args.max_concurrency,
+        "slo": parse_slo(args.slo),
+        "search": search,
+        "workload": workload or None,
+    }
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -165,6 +189,7 @@ def _run(args: argparse.Namespace) -> int:
         resume=args.resume,
         wait=not args.detach,
         progress=bar,
+        **load_options(args),
     )
     print_result(result, args.json, render_result)
     return 0
@@ -180,7 +205,11 @@ def render_result(r) -> str:  # r: bench.sweep.models.SweepResult
                 ("follow", f"gpurig sweep status {r.out_dir}"),
             ]
         )
-    lines = [r.table, ""]
+    lines = []
+    for a in r.search:
+        best = "none" if a.answer is None else f"{a.answer:g}"
+        lines.append(f"search {a.target} in={a.input_len}: {a.axis} {best} ({a.cells} cells)")
+    lines += [r.table, ""]
     lines += [f"failed: {f}" for f in r.failures]
     lines += [f"report: {r.report}", f"results: {r.results_json} {r.results_csv}"]
     return "\n".join(lines)
@@ -213,4 +242,12 @@ def _report(args: argparse.Namespace) -> int:
     from bench.sweep.run import sweep_report
 
     print_result(sweep_report(args.sweep), args.json, render_result)
+    return 0
+
+
+def _compare(args: argparse.Namespace) -> int:
+    from bench.sweep.compare import compare_sweeps
+
+    result = compare_sweeps(args.sweeps, out_dir=args.out_dir)
+    print_result(result, args.json, lambda r: f"{r.table}\n\nreport: {r.report}")
     return 0

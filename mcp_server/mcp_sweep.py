@@ -1,4 +1,5 @@
-"""MCP tools for benchmark sweeps: thin wrappers around bench.sweep (run_sweep, sweep_status).
+"""MCP tools for benchmark sweeps: thin wrappers around bench.sweep (run_sweep, sweep_status,
+compare_sweeps).
 
 run_sweep runs in a worker thread so the server keeps answering while it measures; with
 wait=True every finished request becomes a progress notification (when the client asked for
@@ -17,7 +18,9 @@ from mcp.server.mcpserver import Context, MCPServer
 from mcp.types import ToolAnnotations
 from pydantic import Field
 
+from bench.sweep import compare as sweep_compare
 from bench.sweep import run as sweep_run
+from bench.sweep.compare import CompareResult
 from bench.sweep.models import SweepResult, SweepStatus
 from mcp_server.annotations import READ_ONLY
 
@@ -42,7 +45,41 @@ def register(mcp: MCPServer) -> None:
         ] = None,
         input_lens: Annotated[list[int] | None, Field(description="default [512, 4096]")] = None,
         output_len: Annotated[int, Field(ge=2, le=65536)] = 128,
-        concurrency: Annotated[list[int] | None, Field(description="default [1, 4, 8, 16]")] = None,
+        concurrency: Annotated[
+            list[int] | None,
+            Field(description="closed-loop levels; default [1, 4, 8, 16] without a rate/search"),
+        ] = None,
+        request_rate: Annotated[
+            list[float] | None,
+            Field(description="open-loop levels (requests/s), arrivals seeded per cell"),
+        ] = None,
+        burstiness: Annotated[
+            float | None, Field(gt=0, description="gamma shape of arrival gaps; 1 = Poisson")
+        ] = None,
+        max_concurrency: Annotated[
+            int | None, Field(ge=1, description="cap of in-flight requests in rate cells")
+        ] = None,
+        slo: Annotated[
+            dict[str, float] | None,
+            Field(
+                description="e.g. {'ttft_p99_ms': 500, 'tpot_p99_ms': 50}: METRIC_pP_ms with "
+                "METRIC ttft, tpot, itl or e2e; adds goodput and pass/fail per cell"
+            ),
+        ] = None,
+        search: Annotated[
+            dict[str, Any] | None,
+            Field(
+                description="{'axis': 'concurrency'|'rate', 'start': 1, 'max': 256}: instead "
+                "of the grid, find the highest load meeting slo per target and input length"
+            ),
+        ] = None,
+        workload: Annotated[
+            dict[str, Any] | None,
+            Field(
+                description="{'range_ratio', 'length_dist': 'uniform'|'normal', 'prefix_len', "
+                "'prefix_groups', 'turns', 'dataset': ShareGPT JSON or JSONL path}"
+            ),
+        ] = None,
         repeats: Annotated[int, Field(ge=1, le=50)] = 3,
         prompts_per_cell: Annotated[
             int | None,
@@ -61,7 +98,11 @@ def register(mcp: MCPServer) -> None:
         ] = True,
     ) -> SweepResult:
         """Benchmark servers side by side on identical prompts: a sweep over input lengths x
-        concurrency x repeats, with a report.
+        load (concurrency, or request rate) x repeats, or an SLO search, with a report.
+
+        Targets may be URLs alone: the prompt vocabulary then comes from the server's
+        /tokenize and /detokenize, else the model's tokenizer in the Hugging Face cache, else
+        text of an approximate length (the report says so).
 
         Every target gets the same prompt token ids (a seed per input length and repeat) of
         exactly the asked length, ignore_eos so each request makes output_len tokens, warm-up
@@ -96,9 +137,31 @@ def register(mcp: MCPServer) -> None:
                 resume=resume,
                 wait=wait,
                 progress=progress,
+                request_rate=request_rate,
+                burstiness=burstiness,
+                max_concurrency=max_concurrency,
+                slo=slo,
+                search=search,
+                workload=workload,
             )
 
         return await anyio.to_thread.run_sync(work)
+
+    @mcp.tool(annotations=READ_ONLY)
+    async def compare_sweeps(
+        sweeps: Annotated[
+            list[str],
+            Field(min_length=2, description="sweep ids or directories; the first is the baseline"),
+        ],
+        out_dir: Annotated[
+            str | None, Field(description="default: GPURIG_HOME/sweeps/compare-<time>")
+        ] = None,
+    ) -> CompareResult:
+        """The same cells (target, input length, load) of two or more sweeps side by side:
+        each sweep's mean and 95% interval over its repeats for output tok/s, TTFT and TPOT,
+        the ratio to the first sweep, and `*` only where the intervals do not overlap. Writes
+        COMPARE.md, compare.json and overlay plots."""
+        return await anyio.to_thread.run_sync(lambda: sweep_compare.compare_sweeps(sweeps, out_dir))
 
     @mcp.tool(annotations=READ_ONLY)
     def sweep_status(

@@ -47,6 +47,8 @@ NOT_RUN_HERE: dict[str, str] = {
     "tests/test_sweep_units.py::test_cli_refuses_bad_targets_and_unknown_sweeps",
     "gpurig sweep run --resume": "needs an interrupted sweep; "
     "tests/test_sweep_e2e.py::test_resume_after_killing_the_sweep_process",
+    "gpurig sweep compare": "BEFORE and AFTER stand for two finished sweeps; "
+    "tests/test_sweep_load_e2e.py::test_compare_two_sweeps_through_the_cli compares two",
     "gpurig sweep report": "DIR stands for a finished sweep's directory; "
     "tests/test_sweep_e2e.py::test_resume_after_killing_the_sweep_process rebuilds one",
 }

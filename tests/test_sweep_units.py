@@ -36,7 +36,7 @@ from bench.sweep.store import SweepStore
 from bench.sweep.telemetry import NvmlSampler, parse_metrics, summarize_samples
 from engine.checkpoint_maker import make_checkpoint
 from engine.server.metrics import Metrics
-from tools.errors import InvalidInputError, NotFoundError
+from tools.errors import InvalidInputError
 
 DATA = Path(__file__).parent / "data"
 DOC_KEYS = [
@@ -250,8 +250,16 @@ def test_plan_refuses_bad_sweeps(tmp_path: Path) -> None:
         plan([{"label": "a", "base_url": "http://h/v1", "server": {"model": "m"}}], **args)
     with pytest.raises(InvalidInputError, match="must start with http"):
         plan([{"label": "a", "base_url": "h:80/v1"}], **args)
-    with pytest.raises(NotFoundError, match="vocabulary"):
-        plan([{"label": "a", "base_url": "http://127.0.0.1:9/v1"}], **args)
+    # a URL alone, nothing answering and nothing cached: text prompts of about the length
+    config = plan([{"label": "a", "base_url": "http://127.0.0.1:9/v1"}], **args)
+    assert config.prompt_source == "approximate-text" and config.pool_size is None
+    with pytest.raises(InvalidInputError, match="slo"):
+        plan([{"label": "a", "base_url": "http://h/v1"}], **{**args, "search": {"axis": "rate"}})
+    with pytest.raises(InvalidInputError, match="METRIC_pP_ms"):
+        plan([{"label": "a", "base_url": "http://h/v1"}], **{**args, "slo": {"ttft_ms": 5}})
+    with pytest.raises(InvalidInputError, match="prefix_len"):
+        plan([{"label": "a", "base_url": "http://h/v1"}],
+             **{**args, "workload": {"prefix_len": 8}})  # fmt: skip
     config = SweepConfig(
         sweep_id="s",
         out_dir="d",

@@ -11,40 +11,36 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import httpx
 import numpy as np
 
-from bench.sweep import cellstats, driver_builtin, driver_vllm
+from bench.sweep import cellstats, driver_builtin, driver_vllm, slo
+from bench.sweep.arrivals import arrival_times, rate_of
 from bench.sweep.models import CellKey, CellRecord, RequestResult, SweepConfig
-from bench.sweep.prompts import (
-    WARMUP,
-    load_tokenizer,
-    prompt_seed,
-    slice_start,
-    text_prompt,
-    token_prompts,
-)
+from bench.sweep.prompts import MEASURED, WARMUP, load_tokenizer, prompt_seed, token_prompt
 from bench.sweep.targets import Live, check_alive
 from bench.sweep.telemetry import CellWatch
+from bench.sweep.vocab import Codec, LocalCodec, ServerCodec
+from bench.sweep.workload import Job, cell_jobs
 from tools.errors import GpurigError
 from tools.serving.state import now_iso
 from tools.settings import serving_python
 
 OnRequest = Callable[[RequestResult], None]
 WARMUP_TOKENS = 8
+ARRIVALS, ANSWER = 5, 6  # seed kinds of the arrival schedule and of stand-in answer ids
 
 
 def vllm_seed(seed: int, key: CellKey) -> int:
     """vllm bench serve's --seed for a cell: from (input length, repeat) and the concurrency,
     so its random dataset gives each concurrency level fresh prompts (no prefix-cache reuse)."""
-    return int(
-        np.random.SeedSequence([seed, key.input_len, key.repeat, key.concurrency]).generate_state(
-            1
-        )[0]
-    )
+    parts = [seed, key.input_len, key.repeat, key.concurrency]
+    parts += [int(key.rate * 1000)] if key.rate is not None else []
+    return int(np.random.SeedSequence(parts).generate_state(1)[0])
 
 
 def failed_cell(config: SweepConfig, key: CellKey, reason: str) -> CellRecord:
-    n = config.requests_in_cell(key.concurrency)
+    n = config.requests_in_cell(key.concurrency, key.rate)
     return CellRecord(
         **key.model_dump(),
         seed=prompt_seed(config.seed, key.input_len, key.repeat),
@@ -58,42 +54,33 @@ def failed_cell(config: SweepConfig, key: CellKey, reason: str) -> CellRecord:
     )
 
 
-def cell_prompts(
-    config: SweepConfig, key: CellKey, pool: np.ndarray, live: Live, kind: int = 0
-) -> list[tuple[int, list[int] | str]]:
-    """The cell's (index, prompt) pairs: token ids, or text of exactly input_len tokens."""
-    per_cell = [config.requests_in_cell(c) for c in config.concurrency]
-    if kind == WARMUP:
-        start, count = 0, min(key.concurrency, 4)
-    else:
-        start = slice_start(config.concurrency, key.concurrency, per_cell)
-        count = config.requests_in_cell(key.concurrency)
-    ids = token_prompts(pool, config.seed, key.input_len, key.repeat, start, count, kind)
+def prompt_codec(config: SweepConfig, live: Live) -> Codec | None:
+    """The tokenizer text prompts are made exact with: the checkpoint's, else the server's."""
+    if live.model_dir and (Path(live.model_dir) / "tokenizer.json").is_file():
+        return LocalCodec(load_tokenizer(live.model_dir))
+    if config.prompt_source == "server":
+        return ServerCodec(live.root_url, live.model)
+    return None
+
+
+def jobs_of(
+    config: SweepConfig, key: CellKey, pool: np.ndarray | None, live: Live, kind: int = MEASURED
+) -> list[Job]:
+    """The cell's jobs for this target: token ids, or text (exact where a tokenizer is known)."""
     target = next(t for t in config.targets if t.label == key.target)
-    if target.prompt_format == "token_ids":
-        return list(zip(range(start, start + count), ids, strict=True))
-    if not live.model_dir:
-        raise ValueError(
-            "text prompts need the model's tokenizer: give the target a model_dir with "
-            "tokenizer.json"
-        )
-    tok = load_tokenizer(live.model_dir)
-    texts = [text_prompt(tok, p, key.input_len) for p in ids]
-    return list(zip(range(start, start + count), texts, strict=True))
+    as_text = target.prompt_format == "text"
+    needs_codec = (as_text and pool is not None) or bool(config.workload.dataset)
+    codec = prompt_codec(config, live) if needs_codec else None
+    return cell_jobs(config, key, pool, codec, as_text, kind)
 
 
-def warm_up(config: SweepConfig, key: CellKey, pool: np.ndarray, live: Live) -> None:
-    """Uncounted requests before a (target, input length, concurrency) group's first cell:
+def warm_up(config: SweepConfig, key: CellKey, pool: np.ndarray | None, live: Live) -> None:
+    """Uncounted requests before a (target, input length, load) group's first cell:
     first-use costs (allocations, compiled shapes) stay out of the numbers."""
-    prompts = cell_prompts(config, key, pool, live, kind=WARMUP)
-    driver_builtin.run_requests(
-        live.base_url,
-        live.model,
-        prompts,
-        min(config.output_len, WARMUP_TOKENS),
-        len(prompts),
-        config.request_timeout_s,
-    )
+    jobs = jobs_of(config, key, pool, live, kind=WARMUP)
+    for job in jobs:
+        job.parts, job.output_len = job.parts[:1], min(job.output_len, WARMUP_TOKENS)
+    driver_builtin.run_jobs(live.base_url, live.model, jobs, len(jobs), config.request_timeout_s)
 
 
 def run_cell(
@@ -128,6 +115,7 @@ def run_cell(
         if config.driver == "builtin"
         else vllm_seed(config.seed, key)
     )
+    fields.update(slo.evaluate(fields["requests"], fields["duration_s"], config.slo))
     return CellRecord(
         **key.model_dump(),
         seed=seed,
@@ -148,29 +136,44 @@ def _builtin(
     on_request: OnRequest | None,
 ) -> tuple[dict | None, str | None]:
     try:
-        prompts = cell_prompts(config, key, pool, live)
-    except (ValueError, OSError) as exc:
+        jobs = jobs_of(config, key, pool, live)
+    except (ValueError, OSError, httpx.HTTPError) as exc:
         return None, f"cannot make the prompts: {exc}"
-    requests, duration = driver_builtin.run_requests(
+    arrivals = None
+    if key.rate is not None:
+        seed_parts = [config.seed, key.input_len, key.repeat, ARRIVALS, int(key.rate * 1000)]
+        arrivals = arrival_times(len(jobs), key.rate, config.burstiness, seed_parts)
+
+    def stand_in(index: int, n: int) -> list[int]:
+        if pool is None or n <= 0:
+            return []
+        return token_prompt(pool, config.seed, key.input_len, key.repeat, index, ANSWER, 0, n)
+
+    requests, duration = driver_builtin.run_jobs(
         live.base_url,
         live.model,
-        prompts,
-        config.output_len,
+        jobs,
         key.concurrency,
         config.request_timeout_s,
         on_request,
+        arrivals,
+        stand_in,
     )
     for r in requests:
-        if r.input_tokens <= 0:  # text prompts: the length the tokenizer gave them
-            r.input_tokens = key.input_len
-    return {**cellstats.stats(requests, duration, config.output_len), "requests": requests}, None
+        if r.input_tokens <= 0:  # text prompts: the length the server (or the ask) gave them
+            r.input_tokens = r.prompt_tokens or key.input_len
+    fields = cellstats.stats(requests, duration, config.output_len)
+    if arrivals is not None:
+        fields["scheduled_rate"] = rate_of(arrivals)
+    return {**fields, "requests": requests}, None
 
 
 def _vllm(
     config: SweepConfig, key: CellKey, live: Live, work_dir: Path
 ) -> tuple[dict | None, str | None]:
     python_bin = live.python_bin or serving_python()
-    name = f"{key.target}_in{key.input_len}_c{key.concurrency}_r{key.repeat + 1}.json"
+    rate = f"_rate{key.rate:g}" if key.rate is not None else ""
+    name = f"{key.target}_in{key.input_len}_c{key.concurrency}{rate}_r{key.repeat + 1}.json"
     work_dir.mkdir(parents=True, exist_ok=True)
     try:
         launcher = driver_vllm.bench_launcher(python_bin)
@@ -183,14 +186,17 @@ def _vllm(
         live.model_dir,
         key.input_len,
         config.output_len,
-        config.requests_in_cell(key.concurrency),
+        config.requests_in_cell(key.concurrency, key.rate),
         key.concurrency,
         vllm_seed(config.seed, key),
         work_dir,
         name,
         key.target,
-        num_warmups=min(key.concurrency, 4) if config.warmup else 0,
+        num_warmups=min(key.concurrency or 4, 4) if config.warmup else 0,
         launcher=launcher,
+        request_rate=key.rate,
+        burstiness=config.burstiness,
+        range_ratio=config.workload.range_ratio,
     )
     t0 = time.monotonic()
     saved, reason = driver_vllm.run_bench(cmd, work_dir / name, config.request_timeout_s * 4 + 60)

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from bench.sweep.arrivals import rate_of
 from bench.sweep.models import RequestResult
 
 MAX_REASON = 300
@@ -44,7 +45,7 @@ def stats(requests: list[RequestResult], duration_s: float, output_len: int) -> 
         "completed": len(ok),
         "failed": len(failed),
         "failure_reasons": dict(Counter(reason_of(r.error or "") for r in failed)),
-        "short_outputs": sum(1 for r in ok if r.output_tokens < output_len),
+        "short_outputs": sum(1 for r in ok if r.output_tokens < (r.output_len or output_len)),
         "input_tokens": sum(r.input_tokens for r in ok),
         "output_tokens": out_tokens,
         "output_tok_s": round(out_tokens / duration_s, 3) if ok and duration_s > 0 else None,
@@ -58,7 +59,32 @@ def stats(requests: list[RequestResult], duration_s: float, output_len: int) -> 
         "itl_p99_ms": pct(itl, 99),
         "e2e_p50_ms": pct(e2e, 50),
         "e2e_p99_ms": pct(e2e, 99),
+        **_open_loop(requests),
+        **_prefix(ok),
+        "mean_prompt_tokens": _mean([r.prompt_tokens for r in ok if r.prompt_tokens]),
     }
+
+
+def _mean(xs: list) -> float | None:
+    return round(sum(xs) / len(xs), 2) if xs else None
+
+
+def _open_loop(requests: list[RequestResult]) -> dict[str, Any]:
+    """A rate cell's achieved send rate: (n - 1) / (last send - first send) of first turns."""
+    if not any(r.scheduled_s is not None for r in requests):
+        return {}
+    return {"achieved_rate": rate_of([r.start_s for r in requests if r.turn == 0])}
+
+
+def _prefix(ok: list[RequestResult]) -> dict[str, Any]:
+    """What a shared prefix buys: the median TTFT of each group's first request (which pays to
+    read the prefix) and of the others (which a prefix cache serves)."""
+    cold = [r.ttft_ms for r in ok if r.group is not None and r.group_first and r.ttft_ms]
+    warm = [r.ttft_ms for r in ok if r.group is not None and not r.group_first and r.turn == 0]
+    warm = [x for x in warm if x]
+    if not cold or not warm:
+        return {}
+    return {"ttft_cold_ms": pct(cold, 50), "ttft_warm_ms": pct(warm, 50)}
 
 
 def status_of(completed: int, failed: int) -> tuple[str, str | None]:

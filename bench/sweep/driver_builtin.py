@@ -1,4 +1,12 @@
-"""The builtin load driver: httpx async streaming against /v1/completions.
+"""The builtin load driver: streaming /v1/completions, closed loop or open loop.
+
+Closed loop (a rate of None): at most `concurrency` requests in flight, the next sent as one
+ends. Open loop: each job is sent at its seeded arrival time (bench/sweep/arrivals.py), at most
+`concurrency` in flight when that is not 0 (vLLM's --max-concurrency: a due job waits for a
+slot, and its TTFT is timed from its actual send, as vLLM times it). A multi-turn job sends its
+turns one after the other, each with the whole history before it: the earlier user parts and
+the model's answers (its token ids from `return_token_ids`, as vLLM and the engine return them;
+else the answer's text for text prompts; else seeded stand-in ids of the answer's length).
 
 Each request streams (`stream: true`, `stream_options.include_usage`) with `ignore_eos` and
 `max_tokens = output_len`, so it makes exactly output_len tokens; at most `concurrency` are in
@@ -13,6 +21,7 @@ bench/sweep_cost.py.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from collections.abc import AsyncIterator, Callable
@@ -23,6 +32,7 @@ import httpx
 from bench.sweep.models import RequestResult
 from bench.sweep.prompts import sha
 from bench.sweep.sse_client import HttpError, StreamClosed, stream_events
+from bench.sweep.workload import Job
 
 Prompt = list[int] | str
 OnDone = Callable[[RequestResult], None]
@@ -74,8 +84,11 @@ async def one_request(
     output_len: int,
     cell_start: float,
     timeout_s: float = 600.0,
+    answer: list | None = None,
 ) -> RequestResult:
-    """Send one streaming completion and time it (`client` None: the lean http:// client)."""
+    """Send one streaming completion and time it (`client` None: the lean http:// client).
+    `answer`: a list to collect the answer into (token ids where the server returns them,
+    else text pieces); every chunk is then parsed, which costs CPU only multi-turn needs."""
     body: dict[str, Any] = {
         "prompt": prompt,
         "max_tokens": output_len,
@@ -86,6 +99,8 @@ async def one_request(
     }
     if model:
         body["model"] = model
+    if answer is not None and isinstance(prompt, list):
+        body["return_token_ids"] = True
     n_in = len(prompt) if isinstance(prompt, list) else 0
     result = RequestResult(index=index, prompt_sha=sha(prompt), input_tokens=n_in)
     start = time.perf_counter()
@@ -110,6 +125,8 @@ async def one_request(
                         continue
                 elif b'"choices": []' in data or b'"choices":[]' in data:
                     continue
+                if answer is not None and data.startswith(b"{"):
+                    _collect(json.loads(data), answer)
                 chunks += 1
                 if first is None:
                     first = now
@@ -136,40 +153,107 @@ async def one_request(
     return result
 
 
-async def _run(
+def _collect(payload: dict[str, Any], answer: list) -> None:
+    """Append a chunk's answer: its token ids where it has them, else its text."""
+    for choice in payload.get("choices") or []:
+        ids = choice.get("token_ids")
+        if ids:
+            answer.extend(int(i) for i in ids)
+        elif choice.get("text"):
+            answer.append(str(choice["text"]))
+
+
+def _history_part(prompt: Prompt, answer: list, stand_in: list[int]) -> Prompt:
+    """The answer as it goes into the next turn's history, in the prompt's own kind."""
+    if isinstance(prompt, str):
+        return "".join(a if isinstance(a, str) else "" for a in answer)
+    ids = [a for a in answer if isinstance(a, int)]
+    return ids if ids else stand_in
+
+
+async def _run_jobs(
     base_url: str,
     model: str | None,
-    prompts: list[tuple[int, Prompt]],
-    output_len: int,
+    jobs: list[Job],
     concurrency: int,
     timeout_s: float,
     on_done: OnDone | None,
+    arrivals: list[float] | None,
+    stand_in: Callable[[int, int], list[int]] | None,
 ) -> tuple[list[RequestResult], float]:
     url = base_url.rstrip("/") + "/completions"
-    sem = asyncio.Semaphore(concurrency)
+    sem = asyncio.Semaphore(concurrency) if concurrency else contextlib.nullcontext()
     client = None
     if url.startswith("https://"):  # the lean client speaks plain http only
-        limits = httpx.Limits(max_connections=concurrency + 2)
+        limits = httpx.Limits(max_connections=(concurrency or len(jobs)) + 2)
         client = httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(timeout_s, connect=10.0))
     try:
         cell_start = time.perf_counter()
 
-        async def task(index: int, prompt: Prompt) -> RequestResult:
+        async def conversation(pos: int, job: Job) -> list[RequestResult]:
+            if arrivals is not None:
+                await asyncio.sleep(max(0.0, cell_start + arrivals[pos] - time.perf_counter()))
+            out = []
+            history: Prompt = [] if not job.parts or isinstance(job.parts[0], list) else ""
+            multi = len(job.parts) > 1
             async with sem:
-                result = await one_request(
-                    client, url, model, prompt, index, output_len, cell_start, timeout_s
-                )
-            if on_done is not None:
-                on_done(result)
-            return result
+                for turn, part in enumerate(job.parts):
+                    prompt = history + part  # type: ignore[operator]
+                    answer: list | None = [] if multi and turn < len(job.parts) - 1 else None
+                    result = await one_request(
+                        client, url, model, prompt, job.index, job.output_len, cell_start,
+                        timeout_s, answer,
+                    )  # fmt: skip
+                    result.turn, result.group, result.output_len = turn, job.group, job.output_len
+                    if arrivals is not None and turn == 0:
+                        result.scheduled_s = round(arrivals[pos], 6)
+                    if on_done is not None:
+                        on_done(result)
+                    out.append(result)
+                    if result.error is not None:
+                        break
+                    if answer is not None:
+                        filler = stand_in(job.index, result.output_tokens) if stand_in else []
+                        history = prompt + _history_part(part, answer, filler)  # type: ignore[operator]
+            return out
 
-        results = await asyncio.gather(*(task(i, p) for i, p in prompts))
+        nested = await asyncio.gather(*(conversation(p, j) for p, j in enumerate(jobs)))
     finally:
         if client is not None:
             await client.aclose()
+    results = [r for rs in nested for r in rs]
+    _mark_group_firsts(results)
     ends = [r.start_s + (r.e2e_ms or 0) / 1000 for r in results]
     duration = max(ends) - min(r.start_s for r in results) if results else 0.0
-    return list(results), duration
+    return results, duration
+
+
+def _mark_group_firsts(results: list[RequestResult]) -> None:
+    """The first request sent in each shared-prefix group (the one that pays for the prefix)."""
+    seen: set[int] = set()
+    for r in sorted(results, key=lambda r: r.start_s):
+        if r.group is not None and r.turn == 0 and r.group not in seen:
+            seen.add(r.group)
+            r.group_first = True
+
+
+def run_jobs(
+    base_url: str,
+    model: str | None,
+    jobs: list[Job],
+    concurrency: int,
+    timeout_s: float = 600.0,
+    on_done: OnDone | None = None,
+    arrivals: list[float] | None = None,
+    stand_in: Callable[[int, int], list[int]] | None = None,
+) -> tuple[list[RequestResult], float]:
+    """Run a cell's jobs: closed loop at `concurrency`, or open loop at `arrivals` (send times,
+    s) capped at `concurrency` (0: no cap). Every request's result and the cell's wall time in
+    seconds (first send to last byte). `stand_in(index, n)`: ids for an answer the server
+    returned no ids of (multi-turn history)."""
+    return asyncio.run(
+        _run_jobs(base_url, model, jobs, concurrency, timeout_s, on_done, arrivals, stand_in)
+    )
 
 
 def run_requests(
@@ -183,4 +267,5 @@ def run_requests(
 ) -> tuple[list[RequestResult], float]:
     """Send `prompts` ((index, prompt) pairs), at most `concurrency` at a time; returns every
     request's result and the cell's wall time in seconds (first send to last byte)."""
-    return asyncio.run(_run(base_url, model, prompts, output_len, concurrency, timeout_s, on_done))
+    jobs = [Job(index=i, parts=[p], output_len=output_len) for i, p in prompts]
+    return run_jobs(base_url, model, jobs, concurrency, timeout_s, on_done)

@@ -74,9 +74,12 @@ def bench_command(
     label: str,
     num_warmups: int = 0,
     launcher: tuple[str, ...] | None = None,
+    request_rate: float | None = None,
+    burstiness: float = 1.0,
+    range_ratio: float = 0.0,
 ) -> list[str]:
     """The full `vllm bench serve` command line of one cell (`launcher`: bench_launcher's
-    answer; default the CLI module of `python_bin`)."""
+    answer; default the CLI module of `python_bin`); `concurrency` 0: no cap (a rate cell)."""
     parts = urlsplit(base_url)
     host = parts.hostname or "127.0.0.1"
     port = parts.port or (443 if parts.scheme == "https" else 80)
@@ -98,15 +101,16 @@ def bench_command(
         "--random-output-len",
         str(output_len),
         "--random-range-ratio",
-        "0.0",
+        str(range_ratio),
         "--num-prompts",
         str(num_prompts),
         "--seed",
         str(seed),
-        "--max-concurrency",
-        str(concurrency),
+        *(["--max-concurrency", str(concurrency)] if concurrency else []),
         "--request-rate",
-        "inf",
+        "inf" if request_rate is None else f"{request_rate:g}",
+        "--burstiness",
+        f"{burstiness:g}",
         "--ignore-eos",
         "--num-warmups",
         str(num_warmups),

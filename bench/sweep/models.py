@@ -7,11 +7,16 @@ rebuilt from the files alone and a resumed sweep reads exactly what the killed o
 
 from __future__ import annotations
 
+import math
+import re
+from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 Driver = Literal["builtin", "vllm-bench"]
+SLO_KEY = r"^(ttft|tpot|itl|e2e)_p(\d{1,2}(\.\d+)?|100)_ms$"
+PromptSource = Literal["checkpoint", "server", "hf-cache", "approximate-text", "dataset", "none"]
 CellStatus = Literal["ok", "partial", "failed"]
 LABEL_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
 VARIATION_FLAG = 0.05  # repeat-to-repeat (max - min) / median above this is flagged
@@ -65,6 +70,73 @@ class Target(BaseModel):
         return self
 
 
+class Workload(BaseModel):
+    """What the prompts look like (vLLM bench serve's datasets, by another name): fixed or drawn
+    lengths, shared-prefix groups, multi-turn conversations, or a user's dataset file."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    range_ratio: float = Field(
+        0.0,
+        ge=0.0,
+        lt=1.0,
+        description="input and output lengths drawn around the asked ones: uniform in "
+        "[n(1-r), n(1+r)] (vllm bench's --random-range-ratio), or normal with sd r*n",
+    )
+    length_dist: Literal["uniform", "normal"] = "uniform"
+    prefix_len: int = Field(0, ge=0, description="tokens shared by every prompt of a group")
+    prefix_groups: int = Field(1, ge=1, le=4096, description="distinct shared prefixes per cell")
+    turns: int = Field(1, ge=1, le=64, description="turns per conversation (history resent)")
+    dataset: str | None = Field(
+        None, description="ShareGPT JSON or JSONL of {prompt, output_len}: text prompts"
+    )
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> Workload:
+        if self.dataset and (self.prefix_len or self.turns > 1 or self.range_ratio):
+            raise ValueError("a dataset workload takes its prompts and lengths from the file")
+        if self.dataset and not Path(self.dataset).expanduser().is_file():
+            raise ValueError(f"dataset {self.dataset!r} is not a file")
+        return self
+
+    def describe(self) -> str:
+        if self.dataset:
+            return f"dataset {self.dataset}"
+        parts = []
+        if self.range_ratio:
+            parts.append(f"lengths {self.length_dist} +-{self.range_ratio:.0%}")
+        else:
+            parts.append("fixed lengths")
+        if self.prefix_len:
+            parts.append(f"{self.prefix_groups} shared prefix(es) of {self.prefix_len} tokens")
+        if self.turns > 1:
+            parts.append(f"{self.turns}-turn conversations (history resent)")
+        return ", ".join(parts)
+
+
+class SearchSpec(BaseModel):
+    """Find, per target and input length, the highest load that meets the SLO: doubling from
+    `start` until a level fails (or `max`), then bisection between the last pass and the first
+    fail; a level passes when every repeat meets the SLO."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    axis: Literal["concurrency", "rate"] = "concurrency"
+    start: float = Field(1.0, gt=0)
+    max: float = Field(256.0, gt=0)
+    precision: float = Field(
+        0.1, gt=0, lt=1, description="rate: stop when the bracket is this narrow (relative)"
+    )
+
+    @model_validator(mode="after")
+    def _range(self) -> SearchSpec:
+        if self.max < self.start:
+            raise ValueError("search max must be at least its start")
+        if self.axis == "concurrency" and (self.start != int(self.start)):
+            raise ValueError("a concurrency search starts at a whole number")
+        return self
+
+
 class SweepConfig(BaseModel):
     """The whole plan, saved as sweep.json before the first request: a resumed sweep runs it."""
 
@@ -74,7 +146,17 @@ class SweepConfig(BaseModel):
     targets: list[Target] = Field(min_length=1)
     input_lens: list[int] = Field(min_length=1)
     output_len: int = Field(ge=2, le=65536)
-    concurrency: list[int] = Field(min_length=1)
+    concurrency: list[int] = Field(default_factory=list, description="closed-loop levels")
+    request_rate: list[float] = Field(
+        default_factory=list, description="open-loop levels, requests per second"
+    )
+    burstiness: float = Field(
+        1.0, gt=0, le=1000, description="gamma shape of the arrival gaps (1: Poisson)"
+    )
+    max_concurrency: int | None = Field(None, ge=1, le=4096, description="cap of rate cells")
+    slo: dict[str, float] = Field(default_factory=dict, description="e.g. {'ttft_p99_ms': 500}")
+    search: SearchSpec | None = None
+    workload: Workload = Field(default_factory=Workload)
     repeats: int = Field(ge=1, le=50)
     prompts_per_cell: int | None = Field(None, ge=1, le=100000)
     seed: int = Field(ge=0, lt=2**32)
@@ -83,11 +165,16 @@ class SweepConfig(BaseModel):
     warmup: bool = True
     pool_size: int | None = Field(None, description="prompt ids are drawn from [0, pool_size)")
     pool_exclude: list[int] = Field(default_factory=list, description="special ids never drawn")
+    pool_list: list[int] | None = Field(
+        None, description="the prompt ids, where a server's /tokenize gave them (no range)"
+    )
+    prompt_source: PromptSource = "checkpoint"
+    prompt_source_note: str = Field("", description="where the prompt vocabulary came from")
 
     @field_validator("input_lens")
     @classmethod
     def _lens(cls, v: list[int]) -> list[int]:
-        if any(n < 1 or n > 1_048_576 for n in v):
+        if any(n < 0 or n > 1_048_576 for n in v):
             raise ValueError("every input length must be in [1, 1048576]")
         return list(dict.fromkeys(v))
 
@@ -98,27 +185,83 @@ class SweepConfig(BaseModel):
             raise ValueError("every concurrency must be in [1, 4096]")
         return list(dict.fromkeys(v))
 
+    @field_validator("request_rate")
+    @classmethod
+    def _rates(cls, v: list[float]) -> list[float]:
+        if any(not 0 < r <= 100000 for r in v):
+            raise ValueError("every request rate must be in (0, 100000] requests per second")
+        return list(dict.fromkeys(float(r) for r in v))
+
+    @field_validator("slo")
+    @classmethod
+    def _slo(cls, v: dict[str, float]) -> dict[str, float]:
+        for key, limit in v.items():
+            if not re.match(SLO_KEY, key):
+                raise ValueError(
+                    f"SLO key {key!r} is not METRIC_pP_ms with METRIC one of ttft, tpot, itl, e2e "
+                    "(e.g. ttft_p99_ms, tpot_p50_ms)"
+                )
+            if not limit > 0:
+                raise ValueError(f"SLO {key} must be a positive number of ms")
+        return v
+
     @model_validator(mode="after")
     def _labels(self) -> SweepConfig:
         labels = [t.label for t in self.targets]
         dup = sorted({x for x in labels if labels.count(x) > 1})
         if dup:
             raise ValueError(f"target labels must be unique; repeated: {', '.join(dup)}")
+        if self.search is None and not self.concurrency and not self.request_rate:
+            raise ValueError("give concurrency levels, request rates, or a search")
+        if self.search is not None and not self.slo:
+            raise ValueError("a search needs an slo, e.g. {'ttft_p99_ms': 500}")
+        w = self.workload
+        if 0 in self.input_lens and not w.dataset:
+            raise ValueError("every input length must be in [1, 1048576] (0: a dataset's own)")
+        if w.prefix_len and any(n <= w.prefix_len for n in self.input_lens):
+            raise ValueError("every input length must be longer than workload.prefix_len")
         return self
 
-    def requests_in_cell(self, concurrency: int) -> int:
-        """None: enough that every stream stays busy (at least 4 per stream, at least 8)."""
-        return self.prompts_per_cell or max(8, 4 * concurrency)
+    def loads(self) -> list[tuple[int, float | None]]:
+        """The grid's load levels in run order: (concurrency, None) closed loop, then
+        (cap or 0 for none, rate) open loop."""
+        return [(c, None) for c in self.concurrency] + [
+            (self.max_concurrency or 0, r) for r in self.request_rate
+        ]
+
+    def requests_in_cell(self, concurrency: int, rate: float | None = None) -> int:
+        """None: enough that every stream stays busy (at least 4 per stream, at least 8), or
+        about 8 seconds of arrivals (at least 16); times the turns of a conversation."""
+        if self.prompts_per_cell:
+            n = self.prompts_per_cell
+        elif rate is not None:
+            n = max(16, math.ceil(8 * rate))
+        else:
+            n = max(8, 4 * concurrency)
+        return n * self.workload.turns
+
+    def conversations_in_cell(self, concurrency: int, rate: float | None = None) -> int:
+        return self.requests_in_cell(concurrency, rate) // self.workload.turns
 
     def cell_keys(self) -> list[CellKey]:
-        """Every cell in run order: target by target (a started server holds the GPU alone)."""
+        """Every cell of the grid in run order: target by target (a started server holds the
+        GPU alone). A search's cells are decided as it goes (bench/sweep/search.py)."""
+        if self.search is not None:
+            return []
         return [
-            CellKey(target=t.label, input_len=n, concurrency=c, repeat=r)
+            CellKey(target=t.label, input_len=n, concurrency=c, rate=rate, repeat=r)
             for t in self.targets
             for n in self.input_lens
-            for c in self.concurrency
+            for c, rate in self.loads()
             for r in range(self.repeats)
         ]
+
+
+def load_name(concurrency: int, rate: float | None) -> str:
+    """'c=4', 'rate=2/s', 'rate=2/s c<=8'."""
+    if rate is None:
+        return f"c={concurrency}"
+    return f"rate={rate:g}/s" + (f" c<={concurrency}" if concurrency else "")
 
 
 class CellKey(BaseModel):
@@ -126,11 +269,13 @@ class CellKey(BaseModel):
 
     target: str
     input_len: int
-    concurrency: int
+    concurrency: int = Field(description="closed loop: streams; open loop: the cap (0: none)")
     repeat: int
+    rate: float | None = Field(None, description="open loop: requests per second offered")
 
     def name(self) -> str:
-        return f"{self.target} in={self.input_len} c={self.concurrency} r={self.repeat + 1}"
+        load = load_name(self.concurrency, self.rate)
+        return f"{self.target} in={self.input_len} {load} r={self.repeat + 1}"
 
 
 class RequestResult(BaseModel):
@@ -146,6 +291,11 @@ class RequestResult(BaseModel):
     itl_ms: list[float] = Field(default_factory=list, description="gaps between stream chunks")
     e2e_ms: float | None = None
     start_s: float = Field(0.0, description="send time, seconds after the cell began")
+    scheduled_s: float | None = Field(None, description="open loop: the arrival it was due at")
+    output_len: int | None = Field(None, description="max_tokens asked (drawn lengths)")
+    group: int | None = Field(None, description="shared-prefix group")
+    group_first: bool = Field(False, description="the first request of its group to be sent")
+    turn: int = Field(0, description="the turn in its conversation (0: the first)")
     error: str | None = None
 
 
@@ -219,6 +369,20 @@ class CellRecord(BaseModel):
     itl_p99_ms: float | None = None
     e2e_p50_ms: float | None = None
     e2e_p99_ms: float | None = None
+    rate: float | None = Field(None, description="open loop: requests per second offered")
+    scheduled_rate: float | None = Field(None, description="the seeded arrivals' own rate")
+    achieved_rate: float | None = Field(None, description="(n - 1) / (last send - first send)")
+    slo_values: dict[str, float | None] = Field(
+        default_factory=dict, description="each SLO's percentile in this cell (failures as inf)"
+    )
+    slo_met: bool | None = Field(None, description="every SLO percentile within its limit")
+    goodput_req_s: float | None = Field(
+        None, description="requests meeting every SLO per second (vLLM's request_goodput)"
+    )
+    slo_share: float | None = Field(None, description="share of requests meeting every SLO")
+    ttft_cold_ms: float | None = Field(None, description="median TTFT, first of each prefix")
+    ttft_warm_ms: float | None = Field(None, description="median TTFT, the rest of each group")
+    mean_prompt_tokens: float | None = Field(None, description="as the server counted them")
     requests: list[RequestResult] = Field(default_factory=list)
     telemetry: CellTelemetry = Field(default_factory=CellTelemetry)
 
@@ -228,6 +392,7 @@ class CellRecord(BaseModel):
             input_len=self.input_len,
             concurrency=self.concurrency,
             repeat=self.repeat,
+            rate=self.rate,
         )
 
 
@@ -248,11 +413,25 @@ class TargetCell(BaseModel):
     variable: bool = Field(False, description=f"variation above {VARIATION_FLAG:.0%}")
     vs_first: float | None = Field(None, description="output tok/s over the first target's")
     reason: str | None = None
+    mean: dict[str, float | None] = Field(
+        default_factory=dict, description="figure -> mean over repeats"
+    )
+    ci95: dict[str, float | None] = Field(
+        default_factory=dict, description="figure -> half-width of the 95% interval of the mean"
+    )
+    achieved_rate: float | None = None
+    goodput_req_s: float | None = None
+    slo_share: float | None = None
+    slo_met: bool | None = Field(None, description="met in every repeat")
+    prefix_cache_hit_rate: float | None = None
+    ttft_cold_ms: float | None = None
+    ttft_warm_ms: float | None = None
 
 
 class SummaryRow(BaseModel):
     input_len: int
     concurrency: int
+    rate: float | None = None
     targets: list[TargetCell]
     winner: str | None = None
     ratio: float | None = Field(None, description="winner's output tok/s over the runner-up's")
@@ -275,6 +454,28 @@ class Roofline(BaseModel):
         default_factory=dict,
         description="input length -> concurrency-1 per-stream tok/s as a share of the ceiling",
     )
+
+
+class SearchLevel(BaseModel):
+    load: float
+    passed: bool
+    repeats: int
+    values: dict[str, float | None] = Field(default_factory=dict, description="worst repeat")
+
+
+class SearchAnswer(BaseModel):
+    """One target at one input length: the highest load that met the SLO, and what it took."""
+
+    target: str
+    input_len: int
+    axis: Literal["concurrency", "rate"]
+    answer: float | None = Field(None, description="highest passing load; None: even start failed")
+    first_fail: float | None = Field(None, description="lowest failing load above the answer")
+    capped: bool = Field(False, description="passed up to the search's max")
+    levels: list[SearchLevel] = Field(default_factory=list, description="in the order measured")
+    cells: int = 0
+    done: bool = False
+    reason: str | None = None
 
 
 class SweepStatus(BaseModel):
@@ -305,6 +506,7 @@ class SweepResult(BaseModel):
     results_csv: str | None = None
     plots: list[str] = Field(default_factory=list)
     summary: list[SummaryRow] = Field(default_factory=list)
+    search: list[SearchAnswer] = Field(default_factory=list)
     roofline: list[Roofline] = Field(default_factory=list)
     failures: list[str] = Field(default_factory=list, description="target: reason, per cause")
     table: str = Field("", description="the main table, as in REPORT.md")

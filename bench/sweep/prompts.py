@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-MEASURED, WARMUP = 0, 1
+MEASURED, WARMUP, PREFIX, LENGTHS, DATASET = 0, 1, 2, 3, 4
 
 
 @dataclass
@@ -80,21 +80,34 @@ def prompt_seed(seed: int, input_len: int, repeat: int) -> int:
     return int(np.random.SeedSequence([seed, input_len, repeat]).generate_state(1)[0])
 
 
-def slice_start(concurrency_list: list[int], concurrency: int, per_cell: list[int]) -> int:
-    """Where concurrency level `concurrency` starts in the (input length, repeat) stream."""
+def slice_start(loads: list, load: object, per_cell: list[int]) -> int:
+    """Where load level `load` (a concurrency, or a (concurrency, rate) pair) starts in the
+    (input length, repeat) stream; a level not in the list (a search's) starts after them all,
+    at an offset of its own."""
     start = 0
-    for c, n in zip(concurrency_list, per_cell, strict=True):
-        if c == concurrency:
+    for level, n in zip(loads, per_cell, strict=True):
+        if level == load:
             return start
         start += n
-    raise ValueError(f"concurrency {concurrency} is not in the sweep")
+    c, rate = load if isinstance(load, tuple) else (load, None)
+    return start + 1_000_000 * (1 + int(c)) + (int(rate * 1000) if rate else 0)
 
 
 def token_prompt(
-    pool: np.ndarray, seed: int, input_len: int, repeat: int, index: int, kind: int = MEASURED
+    pool: np.ndarray,
+    seed: int,
+    input_len: int,
+    repeat: int,
+    index: int,
+    kind: int = MEASURED,
+    turn: int = 0,
+    length: int | None = None,
 ) -> list[int]:
-    rng = np.random.default_rng([seed, input_len, repeat, kind, index])
-    return pool[rng.integers(0, pool.size, size=input_len)].tolist()
+    """Prompt `index` of (input length, repeat): `length` ids (default input_len) from its own
+    generator; a later turn of a conversation, or a prefix (kind), draws from another."""
+    parts = [seed, input_len, repeat, kind, index] + ([turn] if turn else [])
+    rng = np.random.default_rng(parts)
+    return pool[rng.integers(0, pool.size, size=length or input_len)].tolist()
 
 
 def token_prompts(
@@ -117,20 +130,25 @@ def sha(prompt: list[int] | str) -> str:
     return hashlib.sha256(data).hexdigest()[:16]
 
 
-def text_prompt(tokenizer, ids: list[int], input_len: int) -> str:
+def text_prompt(codec, ids: list[int], input_len: int) -> str:
     """Text that the tokenizer encodes (without special tokens) to exactly `input_len` tokens,
-    started from `ids`: decode, re-encode, trim or extend, repeat. ValueError when it cannot."""
+    started from `ids`: decode, re-encode, trim or extend, repeat. ValueError when it cannot.
+    `codec`: a bench.sweep.vocab Codec (a local or a server's tokenizer), or a Tokenizer."""
+    from bench.sweep.vocab import LocalCodec
+
+    if not hasattr(codec, "ids"):
+        codec = LocalCodec(codec)
     extra = list(ids)
-    text = tokenizer.decode(ids, skip_special_tokens=True)
+    text = codec.text(ids)
     for _ in range(8):
-        enc = tokenizer.encode(text, add_special_tokens=False).ids
+        enc = codec.ids(text)
         if len(enc) == input_len:
             return text
         if len(enc) > input_len:
-            text = tokenizer.decode(enc[:input_len], skip_special_tokens=True)
+            text = codec.text(enc[:input_len])
         else:
             more = extra[: input_len - len(enc)] or extra[:1]
-            text = tokenizer.decode(enc + more, skip_special_tokens=True)
+            text = codec.text(enc + more)
     raise ValueError(f"no text of exactly {input_len} tokens could be made from these ids")
 
 

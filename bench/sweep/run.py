@@ -11,6 +11,7 @@ after them.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import secrets
 import signal
@@ -22,11 +23,13 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from pydantic import ValidationError
 
-from bench.sweep import cellrun, targets
+from bench.sweep import cellrun, search, targets
 from bench.sweep.models import (
     CellKey,
+    CellRecord,
     Roofline,
     SweepConfig,
     SweepResult,
@@ -37,6 +40,7 @@ from bench.sweep.prompts import common_pool, pool_ids
 from bench.sweep.report import build_report
 from bench.sweep.roofline import bytes_per_token, run_bandwidth_probe
 from bench.sweep.store import SweepStore
+from bench.sweep.vocab import server_pool
 from tools.errors import InvalidInputError, NotFoundError
 from tools.serving.process import reap_when_done
 from tools.settings import serving_python, state_dir
@@ -74,8 +78,10 @@ def plan(
     driver: str,
     out_dir: str | None,
     request_timeout_s: float = 600.0,
+    **load: Any,
 ) -> SweepConfig:
-    """Validate the arguments and fix the prompt pool: the plan a (resumed) sweep runs."""
+    """Validate the arguments and fix the prompt vocabulary: the plan a (resumed) sweep runs.
+    `load`: request_rate, burstiness, max_concurrency, slo, search, workload (SweepConfig's)."""
     sweep_id = _new_id()
     out = Path(out_dir).expanduser().resolve() if out_dir else sweeps_dir() / sweep_id
     if (out / "sweep.json").exists():
@@ -96,19 +102,66 @@ def plan(
             seed=seed,
             driver=driver,
             request_timeout_s=request_timeout_s,
+            **{k: v for k, v in load.items() if v is not None},
         )
     except ValidationError as exc:
         raise _bad_input(exc) from None
-    if config.driver == "builtin":
-        vocabs = [v for v in (targets.vocab_of(t) for t in config.targets) if v is not None]
-        if not vocabs:
-            raise NotFoundError(
-                "no target's vocabulary is known, so no valid prompt token ids can be drawn",
-                "give at least one target a model_dir (a checkpoint directory with "
-                "tokenizer.json or config.json), or start it through the sweep ('server')",
-            )
-        config.pool_size, config.pool_exclude = common_pool(vocabs)
+    w = config.workload
+    if config.driver == "vllm-bench" and (w.prefix_len or w.turns > 1 or w.dataset):
+        raise InvalidInputError(
+            "the vllm-bench driver runs vLLM's random dataset only (fixed or drawn lengths)",
+            "use driver='builtin' for shared prefixes, multi-turn or a dataset file",
+        )
+    if w.dataset:
+        config.input_lens = [0]  # one row: the file's own lengths
+        config.prompt_source = "dataset"
+        config.prompt_source_note = f"text prompts from {w.dataset}"
+    elif config.driver == "builtin":
+        _choose_vocabulary(config)
     return config
+
+
+def _choose_vocabulary(config: SweepConfig) -> None:
+    """Where the prompt ids come from (bench/sweep/vocab.py says why in this order)."""
+    vocabs = [v for v in (targets.vocab_of(t, ask_server=False) for t in config.targets) if v]
+    if vocabs:
+        config.pool_size, config.pool_exclude = common_pool(vocabs)
+        config.prompt_source = "checkpoint"
+        config.prompt_source_note = "ids from " + ", ".join(v.source for v in vocabs)
+        return
+    urls = [t for t in config.targets if t.base_url]
+    pools = {t.label: server_pool(t.base_url or "", t.model) for t in urls}
+    found = {label: set(p) for label, p in pools.items() if p}
+    if found:
+        common = sorted(set.intersection(*found.values()))
+        if common:
+            config.pool_list = common
+            config.prompt_source = "server"
+            config.prompt_source_note = (
+                f"{len(common)} ids the /tokenize of {', '.join(found)} gave a fixed corpus"
+            )
+            return
+    vocabs = [v for v in (targets.vocab_of(t) for t in config.targets) if v]
+    if vocabs:
+        config.pool_size, config.pool_exclude = common_pool(vocabs)
+        config.prompt_source = "hf-cache"
+        config.prompt_source_note = "ids from " + ", ".join(v.source for v in vocabs)
+        return
+    config.prompt_source = "approximate-text"
+    config.prompt_source_note = (
+        "no target's tokenizer is known (no model_dir, no /tokenize, nothing in the Hugging "
+        "Face cache): text prompts of about the asked length in tokens (seeded words); the "
+        "server-counted prompt tokens are in each cell"
+    )
+
+
+def prompt_pool(config: SweepConfig) -> np.ndarray | None:
+    """The ids prompts are drawn from; None for text-only sweeps."""
+    if config.pool_list:
+        return np.asarray(config.pool_list, dtype=np.int64)
+    if config.pool_size:
+        return pool_ids(config.pool_size, config.pool_exclude)
+    return None
 
 
 def _measure_roofline(config: SweepConfig) -> list[Roofline]:
@@ -157,13 +210,28 @@ def _no_gpu() -> dict | None:
     return {"available": False, "reason": f"no NVIDIA GPU visible ({error})"}
 
 
+def _cell_requests(config: SweepConfig, key: CellKey) -> int:
+    return config.requests_in_cell(key.concurrency, key.rate)
+
+
+def planned_requests(config: SweepConfig) -> int:
+    """Requests the sweep will send: the grid's, or a search's estimate (its doubling steps
+    plus three bisection steps per target and input length)."""
+    if config.search is None:
+        return sum(_cell_requests(config, k) for k in config.cell_keys())
+    spec = config.search
+    steps = 1 + max(0, math.ceil(math.log2(spec.max / spec.start))) + 3
+    per = config.requests_in_cell(int(spec.start)) * config.repeats * steps
+    return per * len(config.targets) * len(config.input_lens)
+
+
 class _Tracker:
     """Counts requests for progress callbacks and keeps status.json current (at most twice a
     second, and at every cell boundary)."""
 
     def __init__(self, store: SweepStore, config: SweepConfig, progress: Progress | None) -> None:
         self.store, self.config, self.progress = store, config, progress
-        self.total = sum(config.requests_in_cell(k.concurrency) for k in config.cell_keys())
+        self.total = planned_requests(config)
         self.done = 0
         self.current: str | None = None
         self.started = time.time()
@@ -171,6 +239,7 @@ class _Tracker:
 
     def add(self, n: int, message: str, force: bool = False) -> None:
         self.done += n
+        self.total = max(self.total, self.done)
         if self.progress is not None:
             self.progress(self.done, self.total, message)
         now = time.monotonic()
@@ -194,20 +263,84 @@ def execute(out_dir: str | Path, progress: Progress | None = None) -> SweepResul
     store = SweepStore(out_dir)
     config = store.load_config()
     with store.running():
-        done = {c.key() for c in store.load_cells(repair=True)}
+        cells = store.load_cells(repair=True)
+        done = {c.key(): c for c in cells}
         tracker = _Tracker(store, config, progress)
-        already = sum(config.requests_in_cell(k.concurrency) for k in done)
+        already = sum(_cell_requests(config, k) for k in done)
         tracker.add(already, f"resumed: {len(done)} cells done" if done else "starting", True)
         if store.load_roofline() is None:
             store.save_roofline(_measure_roofline(config))
-        pool = pool_ids(config.pool_size or 1, config.pool_exclude) if config.pool_size else None
+        pool = prompt_pool(config)
         for target in config.targets:
-            keys = [k for k in config.cell_keys() if k.target == target.label and k not in done]
-            if keys:
-                _run_target(store, config, target, keys, pool, tracker)
+            if config.search is None:
+                keys = [k for k in config.cell_keys() if k.target == target.label and k not in done]
+                if not keys:
+                    continue
+            else:
+                keys = []
+            _run_target(store, config, target, keys, pool, tracker, done)
         tracker.current = None
         store.write_status({"state": "done", "pid": os.getpid(), "updated": time.time()})
     return _result(store, "done")
+
+
+class _CellRunner:
+    """Runs one target's cells (warm-up once per (input length, load)), appending each to the
+    store; a target that is not available fails its cells with the reason."""
+
+    def __init__(self, store, config, target, pool, tracker, live, reason) -> None:
+        self.store, self.config, self.target = store, config, target
+        self.pool, self.tracker, self.live, self.reason = pool, tracker, live, reason
+        self.warmed: set[tuple[int, int, float | None]] = set()
+
+    def run(self, key: CellKey) -> CellRecord:
+        config, tracker = self.config, self.tracker
+        tracker.current = key.name()
+        tracker.add(0, f"cell {key.name()}", True)
+        before = tracker.done
+        if self.reason is not None or self.live is None:
+            cell = cellrun.failed_cell(config, key, self.reason or "target unavailable")
+        else:
+            group = (key.input_len, key.concurrency, key.rate)
+            if config.warmup and config.driver == "builtin" and group not in self.warmed:
+                cellrun.warm_up(config, key, self.pool, self.live)
+                self.warmed.add(group)
+
+            def on_request(r: Any, name: str = key.name()) -> None:
+                tracker.add(1, name)
+
+            cell = cellrun.run_cell(
+                config, key, self.pool, self.live, self.store.dir / "vllm-bench", on_request
+            )
+        self.store.append_cell(cell)
+        # every cell moves progress by its planned requests, however it ended
+        counted = tracker.done - before
+        tracker.add(_cell_requests(config, key) - counted, f"{key.name()}: {cell.status}", True)
+        return cell
+
+
+def _search_key(config: SweepConfig, label: str, n: int, level: float, r: int) -> CellKey:
+    spec = config.search
+    assert spec is not None
+    if spec.axis == "rate":
+        return CellKey(target=label, input_len=n, concurrency=config.max_concurrency or 0,
+                       rate=level, repeat=r)  # fmt: skip
+    return CellKey(target=label, input_len=n, concurrency=int(level), repeat=r)
+
+
+def _run_search(runner: _CellRunner, done: dict[CellKey, CellRecord]) -> None:
+    """The SLO search for one target, input length by input length (cells on disk reused)."""
+    config, label = runner.config, runner.target.label
+    spec = config.search
+    assert spec is not None
+    for n in config.input_lens:
+        levels: dict[float, bool] = {}
+        while (level := search.next_level(spec, levels)) is not None:
+            cells = []
+            for r in range(config.repeats):
+                key = _search_key(config, label, n, level, r)
+                cells.append(done[key] if key in done else runner.run(key))
+            levels[level] = search.passed(cells)
 
 
 def _run_target(
@@ -217,6 +350,7 @@ def _run_target(
     keys: list[CellKey],
     pool: Any,
     tracker: _Tracker,
+    done: dict[CellKey, CellRecord] | None = None,
 ) -> None:
     record, reason = None, None
     if target.server is not None:
@@ -231,33 +365,11 @@ def _run_target(
             reason = targets.check_alive(record.base_url if record else target.base_url or "")
             reason = reason or "target did not answer /v1/models"
     try:
-        warmed: set[tuple[int, int]] = set()
+        runner = _CellRunner(store, config, target, pool, tracker, live, reason)
+        if config.search is not None:
+            _run_search(runner, done or {})
         for key in keys:
-            tracker.current = key.name()
-            tracker.add(0, f"cell {key.name()}", True)
-            before = tracker.done
-            if reason is not None or live is None:
-                cell = cellrun.failed_cell(config, key, reason or "target unavailable")
-            else:
-                group = (key.input_len, key.concurrency)
-                if config.warmup and config.driver == "builtin" and group not in warmed:
-                    cellrun.warm_up(config, key, pool, live)
-                    warmed.add(group)
-
-                def on_request(r: Any, name: str = key.name()) -> None:
-                    tracker.add(1, name)
-
-                cell = cellrun.run_cell(
-                    config, key, pool, live, store.dir / "vllm-bench", on_request
-                )
-            store.append_cell(cell)
-            # every cell moves progress by its planned requests, however it ended
-            counted = tracker.done - before
-            tracker.add(
-                config.requests_in_cell(key.concurrency) - counted,
-                f"{key.name()}: {cell.status}",
-                True,
-            )
+            runner.run(key)
     finally:
         if record is not None:
             targets.stop_server(record)
@@ -286,11 +398,21 @@ def run_sweep(
     wait: bool = True,
     progress: Progress | None = None,
     request_timeout_s: float = 600.0,
+    request_rate: list[float] | None = None,
+    burstiness: float | None = None,
+    max_concurrency: int | None = None,
+    slo: dict[str, float] | None = None,
+    search: dict[str, Any] | None = None,
+    workload: dict[str, Any] | None = None,
 ) -> SweepResult:
-    """Measure every target on the same prompts over input lengths x concurrency x repeats.
+    """Measure every target on the same prompts over input lengths x load x repeats.
 
-    wait=False starts a detached worker and returns at once (state "running"); sweep_status
-    follows it. resume=DIR continues a sweep from its files (the other arguments are ignored).
+    Load: `concurrency` levels (closed loop) and `request_rate` levels (open loop, gamma
+    arrivals of shape `burstiness`, capped at `max_concurrency`); `slo` adds goodput and a pass
+    per cell; `search` ({axis, start, max}) replaces the grid by a search for the highest load
+    meeting the SLO; `workload`: bench.sweep.models.Workload's fields. wait=False starts a
+    detached worker and returns at once (state "running"); sweep_status follows it.
+    resume=DIR continues a sweep from its files (the other arguments are ignored).
     """
     if resume:
         store = SweepStore(_find_dir(resume))
@@ -298,17 +420,24 @@ def run_sweep(
     else:
         if not targets:
             raise InvalidInputError("no targets", "give at least one {'label', 'base_url'} target")
+        default_conc = [] if (request_rate or search) else [1, 4, 8, 16]
         config = plan(
             targets,
             input_lens or [512, 4096],
             output_len,
-            concurrency or [1, 4, 8, 16],
+            concurrency if concurrency is not None else default_conc,
             repeats,
             prompts_per_cell,
             seed,
             driver,
             out_dir,
             request_timeout_s,
+            request_rate=request_rate,
+            burstiness=burstiness,
+            max_concurrency=max_concurrency,
+            slo=slo,
+            search=search,
+            workload=workload,
         )
         store = SweepStore(config.out_dir)
         store.save_config(config)
@@ -368,9 +497,17 @@ def sweep_status(sweep: str) -> SweepStatus:
     per_req = [(c.duration_s, c.n_requests) for c in cells if c.completed > 0]
     sec_per_req = sum(d for d, _ in per_req) / max(1, sum(n for _, n in per_req))
     done_keys = {c.key() for c in cells}
-    left = sum(config.requests_in_cell(k.concurrency) for k in keys if k not in done_keys)
-    total = sum(config.requests_in_cell(k.concurrency) for k in keys)
-    if len(done_keys) >= len(keys):
+    if config.search is not None:  # a search's cells are known as it goes
+        finished = status.get("state") == "done" and runner is None
+        keys = [c.key() for c in cells]
+        total = sum(_cell_requests(config, k) for k in keys)
+        left = 0 if finished else max(0, planned_requests(config) - total)
+        total += left
+    else:
+        finished = len(done_keys) >= len(keys)
+        left = sum(_cell_requests(config, k) for k in keys if k not in done_keys)
+        total = sum(_cell_requests(config, k) for k in keys)
+    if finished:
         state, message = "done", "finished"
     elif runner is not None:
         state, message = "running", f"running in process {runner}"
@@ -385,7 +522,7 @@ def sweep_status(sweep: str) -> SweepStatus:
         out_dir=str(store.dir),
         state=state,
         worker_pid=runner if runner and runner > 0 else None,
-        cells_total=len(keys),
+        cells_total=max(len(keys), len(done_keys)),
         cells_done=len(done_keys),
         cells_failed=sum(1 for c in cells if c.status == "failed"),
         current=status.get("current") if state == "running" else None,

@@ -125,11 +125,12 @@ def resolve(target: Target, record: Any = None) -> Live:
     return Live(target.label, base_url, model, model_dir, pid, python_bin, record)
 
 
-def vocab_of(target: Target) -> Vocab | None:
+def vocab_of(target: Target, ask_server: bool = True) -> Vocab | None:
     """The target's vocabulary, read from its checkpoint where one is known before serving:
-    `model_dir`, the server spec's model, or (for a running server) /v1/models' root."""
+    `model_dir`, the server spec's model, or (`ask_server`, a running server) /v1/models' root
+    as a local directory or in the Hugging Face cache."""
     model_dir = static_model_dir(target)
-    if model_dir is None and target.base_url:
+    if model_dir is None and target.base_url and ask_server:
         try:
             cards = list_models(target.base_url)
         except (httpx.HTTPError, ValueError):

@@ -42,6 +42,7 @@ from engine.server.limits import ServerOptions
 from engine.server.openapi import openapi_spec
 from engine.server.schemas import ModelCard, ModelList
 from engine.server.state import ServerState
+from engine.server.tokenize import add_openapi_paths, detokenize, tokenize
 
 
 def _card(state: ServerState) -> ModelCard:
@@ -97,6 +98,8 @@ ROUTES = [
     Route("/health", health, methods=["GET"]),
     Route("/metrics", metrics, methods=["GET"]),
     Route("/openapi.json", openapi, methods=["GET"]),
+    Route("/tokenize", tokenize, methods=["POST"]),
+    Route("/detokenize", detokenize, methods=["POST"]),
 ]
 KNOWN_PATHS = {r.path for r in ROUTES}
 
@@ -150,7 +153,8 @@ def create_app(
         exception_handlers={ApiError: _api_error, HTTPException: _http_error},
     )
     app.state.server = state
-    app.state.openapi = openapi_spec(state.model_name, _version(), bool(state.options.api_key))
+    spec = openapi_spec(state.model_name, _version(), bool(state.options.api_key))
+    app.state.openapi = add_openapi_paths(spec)
     app.add_middleware(
         RequestGuard,
         metrics=state.metrics,
