@@ -60,7 +60,7 @@ def attend_chunk(
                              prefix_visible)  # fmt: skip
         qb = q[a0:a1]
         qg = qb.reshape(a1 - a0, hkv, group, d).permute(1, 2, 0, 3).reshape(hkv, -1, d)
-        state = _Online(hkv, qg.shape[1], d, q.device)
+        state = OnlineSoftmax(hkv, qg.shape[1], d, q.device)
         for keys, values, kpos, masked in segments:
             if (
                 not masked
@@ -108,7 +108,7 @@ def _sdpa_ok(qg: torch.Tensor, allowed: bool = True) -> bool:
     )
 
 
-class _Online:
+class OnlineSoftmax:
     """Running max m, sum l and accumulator acc (fp32) of one row block's online softmax."""
 
     def __init__(self, hkv: int, rows: int, d: int, device: torch.device) -> None:

@@ -24,7 +24,7 @@ from tools.gpu_facts import SEVERITY_ORDER
 from tools.gpu_nvml import (
     NvmlGpu,
     NvmlReport,
-    _nvml_error_text,
+    nvml_error_text,
     nvml_gpu_count,
     read_nvml,
     throttle_names,
@@ -51,7 +51,7 @@ __all__ = [
     "NvmlReport",
     "ProbeReport",
     "ProbeRun",
-    "_nvml_error_text",
+    "nvml_error_text",
     "build_report",
     "diagnose",
     "nvml_gpu_count",

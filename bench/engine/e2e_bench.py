@@ -226,10 +226,10 @@ def generate_rate(eng, prompt_len: int = 32, new: int = 128) -> dict[str, Any]:
 def run_capped(ckpt: Path) -> dict[str, Any]:
     """In this (fresh) process: cap at 3,732 MiB, load with a 131,072-token context, then a
     real 131,000-token prompt read through Engine.stream and the tokens decoded after it
-    (bench.engine.long_prompt.request). The capped figure comes from a prompt actually read: until
+    (bench.engine.prompt_request.request). The capped figure comes from a prompt actually read: until
     issue 13 it came from a cache filled with random keys, which never exercised reading."""
     import engine
-    from bench.engine.long_prompt import request
+    from bench.engine.prompt_request import request
 
     res: dict[str, Any] = {"cap_mib": CAP_MIB}
     try:

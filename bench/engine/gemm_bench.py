@@ -182,8 +182,7 @@ def _precompile_worker(job: tuple[int, int, list[tuple[int, int]], str]) -> int:
     """Compile (by running once, on zeros) every candidate whose index % procs == rank, at
     every shape: Triton's disk cache then serves the tuning process. Returns launches run."""
     rank, procs, shapes, dtype_name = job
-    from engine.kernels.w4gemm import workspace
-    from engine.kernels.w4gemm_kernel import launch
+    from engine.kernels.w4gemm_kernel import launch, workspace
     from engine.kernels.w4gemm_tune import candidate_configs
 
     dev, dtype, done = torch.device("cuda"), getattr(torch, dtype_name), 0

@@ -29,42 +29,11 @@ from typing import Any
 import torch
 
 from bench.engine.e2e_bench import CAP_MIB, E2B_DIR, make
+from bench.engine.prompt_request import mib, random_prompt, request
 from engine.options import EngineOptions
 
 LENGTHS = (8192, 32768, 131000)
-NEW = 128
 CHECK_NEW = 16
-
-
-def _prompt(n: int, vocab: int) -> list[int]:
-    gen = torch.Generator().manual_seed(n)
-    return [2] + torch.randint(3, vocab, (n - 1,), generator=gen).tolist()
-
-
-def _mib(b: float) -> float:
-    return round(b / 2**20, 1)
-
-
-def request(eng, n: int, cap: int | None) -> dict[str, Any]:
-    """One Engine.stream call on an n-token prompt: timings, peak memory and the plan."""
-    from engine.memory import plan_prompt
-
-    prompt = _prompt(n, eng.config.vocab_size)
-    plan = plan_prompt(eng.model, n, eng.prefill_chunk, cap)
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    with eng.stream(prompt, NEW, stop_ids=[]) as gen:
-        tokens = list(gen)
-    t = gen.timings  # the engine's own clock: stream() to first token, then to the synced end
-    return {"tokens": n, "chunk": plan.chunk, "score_budget": plan.score_budget,
-            "planned_mib": _mib(plan.need_bytes), "left_mib": _mib(plan.available_bytes or 0),
-            "first_token_s": round(t.time_to_first_token, 3),
-            "prompt_tok_per_s": round(n / t.time_to_first_token, 1),
-            "decoded": gen.completion_tokens,
-            "decode_tok_per_s": round(t.decode_tokens_per_s or 0.0, 1),
-            "peak_allocated_mib": _mib(torch.cuda.max_memory_allocated()),
-            "peak_reserved_mib": _mib(torch.cuda.max_memory_reserved()),
-            "first_tokens": tokens[:8]}  # fmt: skip
 
 
 def check(eng, n: int, cap: int) -> dict[str, Any]:
@@ -72,7 +41,7 @@ def check(eng, n: int, cap: int) -> dict[str, Any]:
     from engine.generate import prefill, read_prompt
 
     model, cache = eng.model, eng.cache
-    prompt = _prompt(n, eng.config.vocab_size)
+    prompt = random_prompt(n, eng.config.vocab_size)
     step = eng.backend.step()
 
     def continue_from(logits) -> list[int]:
@@ -106,12 +75,12 @@ def check(eng, n: int, cap: int) -> dict[str, Any]:
 def _sdpa_probe() -> bool:
     """Whether torch's memory-efficient kernel takes a 512-wide bf16 head here (else the
     engine's prefix attention falls back to its slices)."""
-    from engine.attention import _Online
+    from engine.attention import OnlineSoftmax
 
     dev = torch.device("cuda:0")
     qg = torch.randn(1, 16, 512, device=dev, dtype=torch.bfloat16)
     keys = torch.randn(100, 1, 512, device=dev, dtype=torch.bfloat16)
-    return bool(_Online(1, 16, 512, dev).add_whole(qg, keys, keys))
+    return bool(OnlineSoftmax(1, 16, 512, dev).add_whole(qg, keys, keys))
 
 
 def run(cap: int | None, lengths=LENGTHS, checks: bool = False, save=None) -> dict[str, Any]:
@@ -124,21 +93,21 @@ def run(cap: int | None, lengths=LENGTHS, checks: bool = False, save=None) -> di
     eng = engine.load(E2B_DIR, device="cuda:0", max_context=131072, memory_cap_mib=cap,
                       options=EngineOptions.from_env())  # fmt: skip
     res["load_s"] = round(time.perf_counter() - t0, 1)
-    res["loaded_mib"] = _mib(torch.cuda.memory_allocated())
+    res["loaded_mib"] = mib(torch.cuda.memory_allocated())
     res["max_chunk"] = eng.prefill_chunk
     res["expandable_segments"] = eng.options.expandable_segments
     res["prefix_sdpa_runs"] = _sdpa_probe()
     try:
-        eng.generate(_prompt(2048, eng.config.vocab_size), 4, stop_ids=[])  # compile, capture
+        eng.generate(random_prompt(2048, eng.config.vocab_size), 4, stop_ids=[])  # compile, capture
     except Exception as exc:  # noqa: BLE001
         res["warm_up_error"] = repr(exc)[:800]
-    res["warm_mib"] = _mib(torch.cuda.memory_allocated())
+    res["warm_mib"] = mib(torch.cuda.memory_allocated())
     for n in lengths:
         try:
             res[f"prompt_{n}"] = request(eng, n, cap)
         except Exception as exc:  # noqa: BLE001 - recorded: a length that fails is a result
             res[f"prompt_{n}"] = {"error": repr(exc)[:800],
-                                  "peak_allocated_mib": _mib(torch.cuda.max_memory_allocated())}  # fmt: skip
+                                  "peak_allocated_mib": mib(torch.cuda.max_memory_allocated())}  # fmt: skip
         if save:
             save(res)
     if checks:

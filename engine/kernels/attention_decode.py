@@ -69,7 +69,7 @@ def _my_slice(pos_ptr, S, window, BLOCK_S: tl.constexpr, RING: tl.constexpr):
 
 
 @triton.jit
-def _tile_scores(q, k, valid, scale, USE_DOT: tl.constexpr, IEEE: tl.constexpr,
+def tile_scores(q, k, valid, scale, USE_DOT: tl.constexpr, IEEE: tl.constexpr,
                  SC_DT: tl.constexpr):  # fmt: skip
     """Scores of q [HP, D] against one tile of keys [BLOCK_S, D]: -inf where not `valid`."""
     if USE_DOT and IEEE:  # fp32 caches: full-precision products, not tf32
@@ -84,7 +84,7 @@ def _tile_scores(q, k, valid, scale, USE_DOT: tl.constexpr, IEEE: tl.constexpr,
 
 
 @triton.jit
-def _softmax_update(sc, m, l_sum):
+def softmax_update(sc, m, l_sum):
     """One tile into the online softmax: (new max, rescale of the old terms, probabilities,
     new sum)."""
     m_new = tl.maximum(m, tl.max(sc, axis=1))
@@ -95,7 +95,7 @@ def _softmax_update(sc, m, l_sum):
 
 
 @triton.jit
-def _tile_values(p, v, USE_DOT: tl.constexpr, IEEE: tl.constexpr):
+def tile_values(p, v, USE_DOT: tl.constexpr, IEEE: tl.constexpr):
     """p [HP, BLOCK_S] @ v [BLOCK_S, D] in fp32."""
     if USE_DOT and IEEE:
         pv = tl.dot(p.to(v.dtype), v, input_precision="ieee").to(tl.float32)
@@ -137,11 +137,11 @@ def _split_slice(
         # dot's operand through registers (measured 6-16% slower at 32k-131k slots)
         k = tl.load(k_ptr + rs[:, None].to(tl.int64) * stride_ks + rd[None, :],
                     mask=inb[:, None], other=0.0)  # fmt: skip
-        sc = _tile_scores(q, k, valid, scale, USE_DOT, IEEE, SC_DT)
-        m_new, alpha, p, l_sum = _softmax_update(sc, m, l_sum)
+        sc = tile_scores(q, k, valid, scale, USE_DOT, IEEE, SC_DT)
+        m_new, alpha, p, l_sum = softmax_update(sc, m, l_sum)
         v = tl.load(v_ptr + rs[:, None].to(tl.int64) * stride_vs + rd[None, :],
                     mask=valid[:, None], other=0.0)  # fmt: skip
-        acc = acc * alpha[:, None] + _tile_values(p, v, USE_DOT, IEEE)
+        acc = acc * alpha[:, None] + tile_values(p, v, USE_DOT, IEEE)
         m = m_new
     # a slice past the live range (a short context in a graph sized for a long one) stores
     # nothing: the combine reads only the slices that got work
@@ -172,7 +172,7 @@ def _attn_split_kernel(
 
 
 @triton.jit
-def _combine_slices(po_ptr, pm_ptr, pl_ptr, row0, used, h, rd, H: tl.constexpr, D: tl.constexpr,
+def combine_slices(po_ptr, pm_ptr, pl_ptr, row0, used, h, rd, H: tl.constexpr, D: tl.constexpr,
                     BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr,
                     CHUNK_P: tl.constexpr):  # fmt: skip
     """Head h's output columns rd from the `used` slices whose partial results start at slice
@@ -226,7 +226,7 @@ def _attn_combine_kernel(
     chunk = tl.cdiv(tl.cdiv(hi - lo, P), BLOCK_S) * BLOCK_S
     used = tl.cdiv(hi - lo, chunk)
     rd = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
-    out = _combine_slices(po_ptr, pm_ptr, pl_ptr, 0, used, h, rd, H, D, BLOCK_D, BLOCK_P,
+    out = combine_slices(po_ptr, pm_ptr, pl_ptr, 0, used, h, rd, H, D, BLOCK_D, BLOCK_P,
                           CHUNK_P)  # fmt: skip
     tl.store(o_ptr + h * stride_oh + rd, out.to(o_ptr.dtype.element_ty))
 

@@ -42,11 +42,11 @@ import triton.language as tl
 from engine.kernels.attention_decode import (
     COMBINE_BLOCK_D,
     COMBINE_TILE,
-    _combine_slices,
-    _softmax_update,
-    _tile_scores,
-    _tile_values,
+    combine_slices,
+    softmax_update,
     split_tiling,
+    tile_scores,
+    tile_values,
     use_tensor_core_dot,
 )
 
@@ -119,11 +119,11 @@ def _paged_split_kernel(
         # key holds); values under the validity mask, as in the single-sequence kernel
         k = tl.load(k_ptr + rows[:, None] * stride_ks + rd[None, :], mask=inb[:, None],
                     other=0.0)  # fmt: skip
-        sc = _tile_scores(q, k, valid, scale, USE_DOT, IEEE, SC_DT)
-        m_new, alpha, p, l_sum = _softmax_update(sc, m, l_sum)
+        sc = tile_scores(q, k, valid, scale, USE_DOT, IEEE, SC_DT)
+        m_new, alpha, p, l_sum = softmax_update(sc, m, l_sum)
         v = tl.load(v_ptr + rows[:, None] * stride_vs + rd[None, :], mask=valid[:, None],
                     other=0.0)  # fmt: skip
-        acc = acc * alpha[:, None] + _tile_values(p, v, USE_DOT, IEEE)
+        acc = acc * alpha[:, None] + tile_values(p, v, USE_DOT, IEEE)
         m = m_new
     # a slice past the row's live range stores nothing: the combine reads only used slices
     base = (b * P + pid) * H + rh
@@ -148,7 +148,7 @@ def _paged_combine_kernel(
     lo, lo_tile, hi, chunk = _row_chunk(pos, R, window, max_keys, P, BLOCK_S, RING)
     used = tl.cdiv(hi - lo_tile, chunk)
     rd = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
-    out = _combine_slices(po_ptr, pm_ptr, pl_ptr, b * P, used, h, rd, H, D, BLOCK_D, BLOCK_P,
+    out = combine_slices(po_ptr, pm_ptr, pl_ptr, b * P, used, h, rd, H, D, BLOCK_D, BLOCK_P,
                           CHUNK_P)  # fmt: skip
     tl.store(o_ptr + b * stride_ob + h * stride_oh + rd, out.to(o_ptr.dtype.element_ty))
 

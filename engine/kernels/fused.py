@@ -7,7 +7,7 @@ each chain in one launch.
 
 They round where the reference rounds: every PyTorch op of the reference returns a 16-bit
 tensor, so each intermediate here is rounded to the compute dtype at the same point
-(`_round`), and the results equal the reference's up to the order of the fp32 sums inside a
+(`round_to`), and the results equal the reference's up to the order of the fp32 sums inside a
 norm. Every kernel works on one token (T = 1).
 """
 
@@ -19,34 +19,34 @@ import triton.language as tl
 
 
 @triton.jit
-def _round(x, DT: tl.constexpr):
+def round_to(x, DT: tl.constexpr):
     """Round fp32 to the compute dtype and back: what a 16-bit PyTorch op stores."""
     return x.to(DT).to(tl.float32)
 
 
 @triton.jit
-def _inv_rms(x, mask, n, eps):
+def inv_rms(x, mask, n, eps):
     """(mean(x^2) + eps)^-0.5 over the valid elements, in fp32."""
     ms = tl.sum(tl.where(mask, x * x, 0.0), axis=0) / n
     return 1.0 / tl.sqrt(ms + eps)
 
 
 @triton.jit
-def _scale_w(x, inv, w_ptr, offs, mask, HAS_W: tl.constexpr, DT: tl.constexpr):
+def scale_w(x, inv, w_ptr, offs, mask, HAS_W: tl.constexpr, DT: tl.constexpr):
     y = x * inv
     if HAS_W:
         y = y * tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    return _round(y, DT)
+    return round_to(y, DT)
 
 
 @triton.jit
 def _rms(x, w_ptr, offs, mask, n, eps, HAS_W: tl.constexpr, DT: tl.constexpr):
     """round(x * (mean(x^2) + eps)^-0.5 [* w]) in fp32 (Gemma 4: the weight as is)."""
-    return _scale_w(x, _inv_rms(x, mask, n, eps), w_ptr, offs, mask, HAS_W, DT)
+    return scale_w(x, inv_rms(x, mask, n, eps), w_ptr, offs, mask, HAS_W, DT)
 
 
 @triton.jit
-def _gelu_tanh(x):
+def gelu_tanh(x):
     # 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), tanh via exp (no libdevice needed)
     z = 0.7978845608028654 * (x + 0.044715 * x * x * x)
     z = tl.minimum(tl.maximum(z, -20.0), 20.0)  # tanh(+-20) is +-1 in fp32; exp stays finite
@@ -82,9 +82,9 @@ def _residual_norm_kernel(
     mask = offs < D
     h = tl.load(h_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     y = tl.load(y_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    h = _round(h + _rms(y, w_post_ptr, offs, mask, D, eps, True, DT), DT)
+    h = round_to(h + _rms(y, w_post_ptr, offs, mask, D, eps, True, DT), DT)
     if HAS_SCALAR:
-        h = _round(h * tl.load(scalar_ptr).to(tl.float32), DT)
+        h = round_to(h * tl.load(scalar_ptr).to(tl.float32), DT)
     tl.store(h_out_ptr + offs, h, mask=mask)
     if HAS_NEXT:
         tl.store(x_out_ptr + offs, _rms(h, w_next_ptr, offs, mask, D, eps, True, DT), mask=mask)
@@ -99,7 +99,7 @@ def _gelu_mul_kernel(g_ptr, u_ptr, out_ptr, n, BLOCK: tl.constexpr, STRIDE: tl.c
     mask = offs < n
     g = tl.load(g_ptr + offs * STRIDE, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(u_ptr + offs * STRIDE, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + offs, _round(_round(_gelu_tanh(g), DT) * u, DT), mask=mask)
+    tl.store(out_ptr + offs, round_to(round_to(gelu_tanh(g), DT) * u, DT), mask=mask)
 
 
 @triton.jit
@@ -116,10 +116,10 @@ def _norm_rope(x, xp, w_ptr, offs, partner, mask, cos, sin, sign, D: tl.constexp
                DT: tl.constexpr):  # fmt: skip
     """One head: RMSNorm with weights, then RoPE (NeoX half split); xp is x read at the partner
     index, which shares x's norm factor."""
-    inv = _inv_rms(x, mask, D, eps)
-    xn = _scale_w(x, inv, w_ptr, offs, mask, True, DT)
-    xpn = _scale_w(xp, inv, w_ptr, partner, mask, True, DT)
-    return _round(_round(xn * cos, DT) + _round(sign * xpn * sin, DT), DT)
+    inv = inv_rms(x, mask, D, eps)
+    xn = scale_w(x, inv, w_ptr, offs, mask, True, DT)
+    xpn = scale_w(xp, inv, w_ptr, partner, mask, True, DT)
+    return round_to(round_to(xn * cos, DT) + round_to(sign * xpn * sin, DT), DT)
 
 
 @triton.jit
@@ -280,11 +280,11 @@ def _ple_mix_kernel(proj_ptr, tok_ptr, w_ptr, out_ptr, P, eps, c_proj, c_mix,
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     mask = offs < P
-    p = _round(tl.load(proj_ptr + row * P + offs, mask=mask, other=0.0).to(tl.float32) * c_proj,
+    p = round_to(tl.load(proj_ptr + row * P + offs, mask=mask, other=0.0).to(tl.float32) * c_proj,
                DT)  # fmt: skip
     n = _rms(p, w_ptr, offs, mask, P, eps, True, DT)
     t = tl.load(tok_ptr + row * P + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * P + offs, _round(_round(n + t, DT) * c_mix, DT), mask=mask)
+    tl.store(out_ptr + row * P + offs, round_to(round_to(n + t, DT) * c_mix, DT), mask=mask)
 
 
 # ---- launchers -------------------------------------------------------------------------------

@@ -24,36 +24,11 @@ from typing import Any
 import torch
 import triton
 
-from engine.kernels.w4gemm_kernel import launch, split_plan
+from engine.kernels.w4gemm_kernel import launch, split_plan, workspace
 from engine.kernels.w4gemm_tune import bucket, config_for
 from engine.kernels.w4gemv import dequantize_reference
 from engine.kernels.w4gemv_kernel import launch as gemv_launch
 from engine.kernels.w4gemv_tune import config_for as gemv_config_for
-
-_WORKSPACES: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-_OLD: list[tuple[torch.Tensor, torch.Tensor]] = []  # outgrown buffers a graph may still use
-
-
-def workspace(device: torch.device, floats: int, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The device's split-K workspace (fp32, >= floats) and tickets (int32 zeros, >= tiles)."""
-    if device.type == "cuda" and device.index is None:  # "cuda" and "cuda:0": one buffer
-        device = torch.device("cuda", torch.cuda.current_device())
-    key = str(device)
-    ws, tk = _WORKSPACES.get(key, (None, None))
-    if ws is not None and ws.numel() >= floats and tk.numel() >= tiles:
-        return ws, tk
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        raise RuntimeError(
-            "w4_gemm: the split-K workspace is too small inside a CUDA-graph capture; call "
-            "w4_gemm (or warm) with this shape and row count once before capturing"
-        )
-    if ws is not None:
-        _OLD.append((ws, tk))
-        floats, tiles = max(floats, ws.numel()), max(tiles, tk.numel())
-    ws = torch.empty(max(floats, 1 << 16), device=device, dtype=torch.float32)
-    tk = torch.zeros(max(tiles, 1024), device=device, dtype=torch.int32)
-    _WORKSPACES[key] = (ws, tk)
-    return ws, tk
 
 
 def _check(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, epi: int, aux):

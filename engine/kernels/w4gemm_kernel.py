@@ -26,7 +26,7 @@ its K slice into an fp32 workspace [SPLIT, M, N]; the reduction is deterministic
 the last program of an N tile to finish (a ticket counter; no value is ever added atomically)
 sums the SPLIT partials in split order and runs the epilogue (FUSED), or a second small kernel
 does the same. Nothing is allocated per call: the workspace and the tickets are held per device
-(w4gemm.py), and every ticket is back at 0 when a launch ends, so a CUDA graph replays it.
+(`workspace` below), and every ticket is back at 0 when a launch ends, so a CUDA graph replays it.
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.fused import _gelu_tanh, _round
-from engine.kernels.w4gemv_kernel import _ws_loads  # one K step's words and scales (fp32)
+from engine.kernels.fused import gelu_tanh, round_to
+from engine.kernels.w4gemv_kernel import ws_loads  # one K step's words and scales (fp32)
 from engine.options import triton_interpreted
 
 KERNEL_NAME = "w4gemm"
@@ -57,7 +57,7 @@ def _dequant(w, s, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr):
 @triton.jit
 def _loads(w_ptrs, s_ptrs, x_ptrs, rk, rkk, m_mask, kw0, KW, EVEN_K: tl.constexpr):
     """One K step's words, scales and activations [BM, 8*BKW]."""
-    w, s = _ws_loads(w_ptrs, s_ptrs, rk, kw0, KW, EVEN_K)
+    w, s = ws_loads(w_ptrs, s_ptrs, rk, kw0, KW, EVEN_K)
     if EVEN_K:
         x = tl.load(x_ptrs + kw0 * 8, mask=m_mask[:, None], other=0.0)
     else:
@@ -108,15 +108,15 @@ def _epilogue(y, rm, m_mask, pid_n, N, y_ptr, stride_ym, aux_ptr, stride_am,
     DT: tl.constexpr = y_ptr.dtype.element_ty
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     if EPI == 1:
-        g, u = tl.split(tl.reshape(_round(y, DT), [BLOCK_M, BLOCK_N // 2, 2]))
-        act = _round(_round(_gelu_tanh(g), DT) * u, DT)
+        g, u = tl.split(tl.reshape(round_to(y, DT), [BLOCK_M, BLOCK_N // 2, 2]))
+        act = round_to(round_to(gelu_tanh(g), DT) * u, DT)
         rp = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
         mask = m_mask[:, None] & (rp < N // 2)[None, :]
         tl.store(y_ptr + rm[:, None] * stride_ym + rp[None, :], act.to(DT), mask=mask)
     elif EPI == 2:
         mask = m_mask[:, None] & (rn < N)[None, :]
         a = tl.load(aux_ptr + rm[:, None] * stride_am + rn[None, :], mask=mask, other=0.0)
-        out = _round(_round(_gelu_tanh(_round(y, DT)), DT) * a.to(tl.float32), DT)
+        out = round_to(round_to(gelu_tanh(round_to(y, DT)), DT) * a.to(tl.float32), DT)
         tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], out.to(DT), mask=mask)
     else:
         mask = m_mask[:, None] & (rn < N)[None, :]
@@ -216,7 +216,7 @@ def _finish(y, rm, m_mask, rn, pid_n, pid_k, M, N, y_ptr, stride_ym, ws_ptr, tk_
 def _slab_loads(w_ptrs, s_ptrs, x_ptrs, rk, m_mask, kw0, KW, EVEN_K: tl.constexpr):
     """One K step for the slab form: words, scales, and the 8 activation slabs [BM, BKW]
     (slab j: x[m, (kw0 + i) * 8 + j], the activations of nibble j of every word)."""
-    w, s = _ws_loads(w_ptrs, s_ptrs, rk, kw0, KW, EVEN_K)
+    w, s = ws_loads(w_ptrs, s_ptrs, rk, kw0, KW, EVEN_K)
     xm = m_mask[:, None] if EVEN_K else m_mask[:, None] & (kw0 + rk < KW)[None, :]
     p = x_ptrs + kw0 * 8
     x0 = tl.load(p, mask=xm, other=0.0)
@@ -403,3 +403,29 @@ def default_config(n: int, k: int, m: int, tc: bool, sms: int = 132) -> dict[str
         split *= 2
     return {"TC": tc, "BLOCK_N": bn, "BLOCK_KW": bkw, "num_warps": warps, "num_stages": 2,
             "SPLIT": split, "FUSED": True, "SWAP": False, "PIPE": True}  # fmt: skip
+
+
+_WORKSPACES: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+_OLD: list[tuple[torch.Tensor, torch.Tensor]] = []  # outgrown buffers a graph may still use
+
+
+def workspace(device: torch.device, floats: int, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The device's split-K workspace (fp32, >= floats) and tickets (int32 zeros, >= tiles)."""
+    if device.type == "cuda" and device.index is None:  # "cuda" and "cuda:0": one buffer
+        device = torch.device("cuda", torch.cuda.current_device())
+    key = str(device)
+    ws, tk = _WORKSPACES.get(key, (None, None))
+    if ws is not None and ws.numel() >= floats and tk.numel() >= tiles:
+        return ws, tk
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            "w4_gemm: the split-K workspace is too small inside a CUDA-graph capture; call "
+            "w4_gemm (or warm) with this shape and row count once before capturing"
+        )
+    if ws is not None:
+        _OLD.append((ws, tk))
+        floats, tiles = max(floats, ws.numel()), max(tiles, tk.numel())
+    ws = torch.empty(max(floats, 1 << 16), device=device, dtype=torch.float32)
+    tk = torch.zeros(max(tiles, 1024), device=device, dtype=torch.int32)
+    _WORKSPACES[key] = (ws, tk)
+    return ws, tk

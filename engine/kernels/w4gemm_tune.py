@@ -20,7 +20,13 @@ import triton
 
 from engine.kernels import tuning
 from engine.kernels.attention_decode import dot_for_capability
-from engine.kernels.w4gemm_kernel import KERNEL_NAME, KERNEL_VERSION, default_config, launch
+from engine.kernels.w4gemm_kernel import (
+    KERNEL_NAME,
+    KERNEL_VERSION,
+    default_config,
+    launch,
+    workspace,
+)
 
 _log = logging.getLogger(__name__)
 
@@ -134,8 +140,6 @@ def tune(n: int, k: int, dtype: torch.dtype, m: int, device: torch.device, epi: 
          candidates: list[dict[str, Any]] | None = None, sets=None):  # fmt: skip
     """Time every candidate on random data of this shape (`random_sets`, or `sets` whose x has
     at least m rows); returns (best, us, all)."""
-    from engine.kernels.w4gemm import workspace
-
     tc = path_for(device)
     sets = sets or random_sets(n, k, dtype, m, device, epi)
     sets = [(x[:m], p, s, y[:m]) for x, p, s, y in sets]

@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.fused import _gelu_tanh, _inv_rms, _round, _scale_w
+from engine.kernels.fused import gelu_tanh, inv_rms, round_to, scale_w
 from engine.options import triton_interpreted
 
 KERNEL_NAME = "w4gemv"
@@ -95,11 +95,11 @@ def _x_at(x_ptr, off, m, EVEN_K: tl.constexpr, PRO: tl.constexpr, py_ptr, ph_ptr
     if PRO:
         y = tl.load(py_ptr + off, mask=m, other=0.0).to(tl.float32)
         h = tl.load(ph_ptr + off, mask=m, other=0.0).to(tl.float32)
-        h = _round(h + _scale_w(y, inv1, pwp_ptr, off, m, True, DT), DT)
+        h = round_to(h + scale_w(y, inv1, pwp_ptr, off, m, True, DT), DT)
         if PRO_SCALAR:
-            h = _round(h * sc, DT)
+            h = round_to(h * sc, DT)
         if PRO_NEXT:
-            h = _scale_w(h, inv2, pwn_ptr, off, m, True, DT)
+            h = scale_w(h, inv2, pwn_ptr, off, m, True, DT)
         return h
     elif EVEN_K:
         return tl.load(x_ptr + off).to(tl.float32)
@@ -117,7 +117,7 @@ def _tile_loads(w_ptrs, s_ptrs, x_ptr, rk, kw0, KW, BLOCK_KW: tl.constexpr, EVEN
 
     EVEN_K (BLOCK_KW divides KW): no masks. Otherwise columns at or past KW are masked to
     zero."""
-    w, s = _ws_loads(w_ptrs, s_ptrs, rk, kw0, KW, EVEN_K)
+    w, s = ws_loads(w_ptrs, s_ptrs, rk, kw0, KW, EVEN_K)
     x0, x1, x2, x3, x4, x5, x6, x7 = _x_loads(x_ptr, rk, kw0, KW, EVEN_K, PRO, py_ptr, ph_ptr,
                                               pwp_ptr, pwn_ptr, inv1, inv2, sc, PRO_SCALAR,
                                               PRO_NEXT, DT)  # fmt: skip
@@ -125,7 +125,7 @@ def _tile_loads(w_ptrs, s_ptrs, x_ptr, rk, kw0, KW, BLOCK_KW: tl.constexpr, EVEN
 
 
 @triton.jit
-def _ws_loads(w_ptrs, s_ptrs, rk, kw0, KW, EVEN_K: tl.constexpr):
+def ws_loads(w_ptrs, s_ptrs, rk, kw0, KW, EVEN_K: tl.constexpr):
     """One K step's words and scales."""
     if EVEN_K:
         w = tl.load(w_ptrs + kw0)
@@ -173,17 +173,17 @@ def _prologue(py_ptr, ph_ptr, pwp_ptr, psc_ptr, ph_out_ptr, K, eps, write,
     offs = tl.arange(0, BLOCK_P)
     m = offs < K
     y = tl.load(py_ptr + offs, mask=m, other=0.0).to(tl.float32)
-    inv1 = _inv_rms(y, m, K, eps)
+    inv1 = inv_rms(y, m, K, eps)
     h = tl.load(ph_ptr + offs, mask=m, other=0.0).to(tl.float32)
-    h = _round(h + _scale_w(y, inv1, pwp_ptr, offs, m, True, DT), DT)
+    h = round_to(h + scale_w(y, inv1, pwp_ptr, offs, m, True, DT), DT)
     if PRO_SCALAR:
         sc = tl.load(psc_ptr).to(tl.float32)
-        h = _round(h * sc, DT)
+        h = round_to(h * sc, DT)
     else:
         sc = 1.0
     tl.store(ph_out_ptr + offs, h.to(ph_out_ptr.dtype.element_ty), mask=m & write)
     if PRO_NEXT:  # noqa: SIM108 - a constexpr branch
-        inv2 = _inv_rms(h, m, K, eps)
+        inv2 = inv_rms(h, m, K, eps)
     else:
         inv2 = 1.0
     return inv1, inv2, sc
@@ -269,7 +269,7 @@ def _w4_gemv_kernel(
     DTA: tl.constexpr = x_ptr.dtype.element_ty
     # the first step's weights are requested before the prologue's reductions: its latency
     # hides behind the weight loads
-    w, s = _ws_loads(w_ptrs, s_ptrs, rk, 0, KW, EVEN_K)
+    w, s = ws_loads(w_ptrs, s_ptrs, rk, 0, KW, EVEN_K)
     if PRO:
         inv1, inv2, sc = _prologue(py_ptr, ph_ptr, pwp_ptr, psc_ptr, ph_out_ptr, K, eps,
                                    pid_n == 0, BLOCK_P, PRO_SCALAR, PRO_NEXT, DTA)  # fmt: skip
@@ -300,13 +300,13 @@ def _w4_gemv_kernel(
     y = tl.sum(acc, axis=1)
     DT: tl.constexpr = y_ptr.dtype.element_ty
     if EPI == 1:
-        g, u = tl.split(tl.reshape(_round(y, DT), [BLOCK_N // 2, 2]))
-        act = _round(_round(_gelu_tanh(g), DT) * u, DT)
+        g, u = tl.split(tl.reshape(round_to(y, DT), [BLOCK_N // 2, 2]))
+        act = round_to(round_to(gelu_tanh(g), DT) * u, DT)
         rp = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
         tl.store(y_ptr + pid_m * stride_ym + rp, act, mask=rp < N // 2)
     elif EPI == 2:
         a = tl.load(aux_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)
-        out = _round(_round(_gelu_tanh(_round(y, DT)), DT) * a, DT)
+        out = round_to(round_to(gelu_tanh(round_to(y, DT)), DT) * a, DT)
         tl.store(y_ptr + pid_m * stride_ym + rn, out, mask=n_mask)
     else:
         tl.store(y_ptr + pid_m * stride_ym + rn, y.to(DT), mask=n_mask)
