@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from architecture_support import find_cycle, is_type_checking
 
 from engine.options import EngineOptions, default_dtype
 
@@ -20,13 +21,6 @@ MODULES = {
 }
 
 
-def _is_type_checking(node: ast.If) -> bool:
-    test = node.test
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
-    )
-
-
 def _top_level_imports(tree: ast.Module):
     """Import statements that run when the module is imported: module level, and inside
     module-level try/if blocks (not `if TYPE_CHECKING:`, not inside functions)."""
@@ -35,7 +29,7 @@ def _top_level_imports(tree: ast.Module):
         node = stack.pop()
         if isinstance(node, (ast.Import, ast.ImportFrom)):
             yield node
-        elif isinstance(node, ast.If) and not _is_type_checking(node):
+        elif isinstance(node, ast.If) and not is_type_checking(node):
             stack += node.body + node.orelse
         elif isinstance(node, ast.Try):
             stack += node.body + node.orelse + node.finalbody
@@ -64,40 +58,17 @@ def _engine_imports(name: str, path: Path) -> set[str]:
 GRAPH = {name: _engine_imports(name, path) for name, path in MODULES.items()}
 
 
-def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
-    """One import cycle as a path of module names, or None."""
-    state: dict[str, int] = {}  # 1 on the stack, 2 done
-    stack: list[str] = []
-
-    def visit(node: str) -> list[str] | None:
-        state[node] = 1
-        stack.append(node)
-        for nxt in sorted(graph[node]):
-            if state.get(nxt) == 1:
-                return stack[stack.index(nxt) :] + [nxt]
-            if nxt not in state and (found := visit(nxt)):
-                return found
-        stack.pop()
-        state[node] = 2
-        return None
-
-    for node in sorted(graph):
-        if node not in state and (found := visit(node)):
-            return found
-    return None
-
-
 def test_the_walk_sees_real_imports() -> None:
     """The graph is not vacuous: known edges are found."""
     assert "engine.packed" in GRAPH["engine.checkpoint"]
     assert "engine.ops" in GRAPH["engine.model"]
     assert "engine.kernels.w4gemv_kernel" in GRAPH["engine.kernels.w4gemv"]
-    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
-    assert _cycle({"a": {"b"}, "b": set()}) is None
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
 
 
-def test_engine_has_no_import_cycle() -> None:
-    assert _cycle(GRAPH) is None, " -> ".join(_cycle(GRAPH) or [])
+def test_engine_has_no_importfind_cycle() -> None:
+    assert find_cycle(GRAPH) is None, " -> ".join(find_cycle(GRAPH) or [])
 
 
 def test_ops_imports_nothing_above_it() -> None:
