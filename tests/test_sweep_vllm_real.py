@@ -161,19 +161,21 @@ def test_the_builtin_driver_agrees_with_vllm_bench_serve(sweeps, concurrency, re
 
 def test_shared_prefixes_by_url_alone_hit_vllms_prefix_cache(vllm_cpu_server, tmp_path):
     """The vLLM target by URL alone: its /tokenize gives the vocabulary; two groups of four
-    prompts share a 136-token prefix (more than one of the CPU build's 128-token blocks), and
-    vLLM's own counters show the cache hits the sweep reports."""
+    prompts share a 272-token prefix (more than 256 tokens: the CPU build's blocks are 128
+    tokens, and this hybrid model's two attention groups, head sizes 32 and 64, share a hit
+    only at a common block boundary), and vLLM's own counters show the cache hits the sweep
+    reports."""
     result = run_sweep(
         targets=[{"label": "vllm", "base_url": vllm_cpu_server.base + "/v1"}],
-        input_lens=[160], output_len=4, concurrency=[2], repeats=1, prompts_per_cell=8,
-        workload={"prefix_len": 136, "prefix_groups": 2}, out_dir=str(tmp_path / "prefix"),
+        input_lens=[320], output_len=4, concurrency=[2], repeats=1, prompts_per_cell=8,
+        workload={"prefix_len": 272, "prefix_groups": 2}, out_dir=str(tmp_path / "prefix"),
     )  # fmt: skip
     (cell,) = SweepStore(result.out_dir).load_cells()
     config = SweepStore(result.out_dir).load_config()
     assert config.prompt_source == "server" and cell.status == "ok", cell.reason
-    assert {r.prompt_tokens for r in cell.requests} == {160}
+    assert {r.prompt_tokens for r in cell.requests} == {320}
     hit = cell.telemetry.prefix_cache_hit_rate
-    assert hit is not None and hit > 0.2, cell.telemetry  # 6 of 8 prompts reuse 128 tokens
+    assert hit is not None and hit > 0.2, cell.telemetry  # 6 of 8 prompts reuse 256 tokens
     assert cell.ttft_cold_ms is not None and cell.ttft_warm_ms is not None
     tc = result.summary[0].targets[0]
     assert tc.prefix_cache_hit_rate == hit
