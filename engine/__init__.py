@@ -3,25 +3,30 @@
 Public surface (the contract engine-speed and engine-server build on):
 
     import engine
-    eng = engine.load("ckpt/", device=None, max_context=None, memory_cap_mib=None, prefill_chunk=None,
-                      dtype=None, options=EngineOptions())  # front doors: EngineOptions.from_env()
-    eng = engine.load("ckpt/", max_num_seqs="auto")       # continuous batching (the server's)
-    new_ids = eng.generate(ids, max_new_tokens=64, temperature=0.0, top_k=None, top_p=None,
-                           seed=None, stop_ids=None, logit_bias=None)  # {id: bias}
-    gen = eng.stream(ids, 64)                             # a Generation (engine/generation.py)
+    from engine import EngineConfig, SamplingParams
+    eng = engine.load("ckpt/", EngineConfig(max_context=4096))  # or engine.load("ckpt/",
+                                                                # max_context=4096): its fields
+    new_ids = eng.generate(ids, SamplingParams(max_tokens=64, temperature=0.0, top_k=None,
+                           top_p=None, seed=None, stop_ids=None, logit_bias=((id, bias),)))
+    gen = eng.stream(ids, SamplingParams(max_tokens=64))  # a Generation (engine/generation.py)
     for tok in gen: ...                                   # .close() stops it; then
     gen.finish_reason, gen.completion_tokens, gen.timings # "stop" | "length" | None
-    gen = eng.stream(ids, 64, logprobs=5)                 # gen.logprobs[i]: tokens[i]'s
+    gen = eng.stream(ids, SamplingParams(logprobs=5))     # gen.logprobs[i]: tokens[i]'s
                                                           # engine.logprobs.TokenLogprobs
+    seq = eng.add_request(ids, params, sink)              # sink(seq, Output) on the stepping
+    while eng.step(): ...                                 # thread (the server's loop)
     eng.tokenizer, eng.chat_template, eng.bos_id, eng.eos_ids, eng.max_context,
-    eng.model_dir, eng.model_name, eng.device, eng.memory_report()
+    eng.model_dir, eng.model_name, eng.device, eng.stats(), eng.memory_report()
 
-Options: engine.options.EngineOptions, one frozen object for every switch (fast path, CUDA
-graph, fused prefill, half2 GEMV, ...); `EngineOptions.from_env()` reads the GPURIG_* variables.
-Errors: engine.errors.EngineError, CheckpointError, ContextLengthError (.limit, .requested).
-Checkpoints: engine.checkpoint_maker.make_checkpoint / quantize_checkpoint. Kernel dispatch
-points: engine/ops.py (reference) and engine/fast/ops_fast.py (Triton); which one, and the
-decode step, are chosen once at load by engine/backend.py. Layout of 4-bit embeddings: engine/FORMAT.md.
+One design for every caller: requests wait in one line, the scheduler (engine/scheduler.py)
+plans each step, the runner (engine/runner.py) runs it over the KV block pool; a single
+sequence is a batch of one (EngineConfig.max_num_seqs 1, the default; the server loads "auto").
+Config: engine.options.EngineConfig (sizes) holding EngineOptions (every switch: fast path,
+CUDA graph, fused prefill, half2 GEMV, ...; `EngineOptions.from_env()` reads the GPURIG_*
+variables). Errors: engine.errors.EngineError, CheckpointError, ContextLengthError (.limit,
+.requested). Checkpoints: engine.checkpoint_maker.make_checkpoint / quantize_checkpoint. Kernel
+dispatch points: engine/ops.py (reference) and engine/fast/ops_fast.py (Triton). Layout of
+4-bit embeddings: engine/FORMAT.md.
 
 Importing this package is cheap: torch loads on first use of `load`.
 """
@@ -31,63 +36,37 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from engine.errors import CheckpointError, ContextLengthError, EngineError, GenerationError
-from engine.options import EngineOptions
+from engine.options import EngineConfig, EngineOptions
 
 if TYPE_CHECKING:
     import os
 
-    import torch
-
     from engine.memory import MemoryReport
     from engine.runtime import Engine
+    from engine.sampling import SamplingParams
 
 __all__ = [
     "CheckpointError",
     "ContextLengthError",
     "Engine",
+    "EngineConfig",
     "EngineError",
     "EngineOptions",
     "GenerationError",
     "MemoryReport",
+    "SamplingParams",
     "load",
 ]
 
 
 def load(
-    path: str | os.PathLike[str],
-    device: str | torch.device | None = None,
-    max_context: int | None = None,
-    memory_cap_mib: int | None = None,
-    prefill_chunk: int | None = None,
-    dtype: torch.dtype | None = None,
-    options: EngineOptions | None = None,
-    max_num_seqs: int | str | None = None,
-    prefill_budget: int | None = None,
-    kv_cache_mib: float | None = None,
-    warm_up: bool = True,
+    path: str | os.PathLike[str], config: EngineConfig | None = None, **fields: object
 ) -> Engine:
-    """Load a Gemma 4 W4A16 checkpoint directory (see engine.runtime.load for every argument).
-
-    device None: cuda when available, else cpu. max_context None: the model's
-    max_position_embeddings. dtype None: bfloat16 on CUDA (float16 below capability 8.0),
-    float32 on the CPU. options None: EngineOptions() (the defaults, not the environment).
-    max_num_seqs (an int or "auto"): many sequences at once, continuously batched over a shared
-    KV block pool (engine/scheduler.py); `stream` is then safe from any thread."""
+    """Load a Gemma 4 W4A16 checkpoint directory (engine.runtime.load): `config`, or its fields
+    as keywords."""
     from engine.runtime import load as _load
 
-    return _load(
-        path,
-        device=device,
-        max_context=max_context,
-        memory_cap_mib=memory_cap_mib,
-        prefill_chunk=prefill_chunk,
-        dtype=dtype,
-        options=options,
-        max_num_seqs=max_num_seqs,
-        prefill_budget=prefill_budget,
-        kv_cache_mib=kv_cache_mib,
-        warm_up=warm_up,
-    )
+    return _load(path, config, **fields)
 
 
 def __getattr__(name: str) -> object:
@@ -99,4 +78,8 @@ def __getattr__(name: str) -> object:
         from engine.memory import MemoryReport
 
         return MemoryReport
+    if name == "SamplingParams":
+        from engine.sampling import SamplingParams
+
+        return SamplingParams
     raise AttributeError(name)

@@ -1,12 +1,15 @@
-"""Sizing and starting a multi-sequence engine: the KV pool from the memory left, then the
-scheduler.
+"""Sizing the KV block pool and the number of sequences an engine decodes together.
 
-Why a module of its own: the sizes are a decision with a rule a user must be able to read. The
-pool gets what the device has left after the weights (under `memory_cap_mib` when one is set),
-less room for reading a prompt chunk (engine.memory's reader estimate) and a margin for the
-decode step's activations and CUDA graphs. `max_num_seqs` "auto" is the largest graph bucket
-(16, 8, 4, 2, 1) whose sequences each get at least DEFAULT_SEQ_TOKENS (or the whole context when
-shorter) from that pool.
+Why a module of its own: the sizes are a decision with a rule a user must be able to read.
+* max_num_seqs 1 (the default, one request at a time) without `kv_cache_mib`: a pool of exactly
+  one full-context sequence, what a single-sequence cache held, so a long prompt under a memory
+  cap fits as it did (the prompt's chunks are then planned from what is left, engine.memory);
+* otherwise the pool gets what the device has left after the weights (under `memory_cap_mib`
+  when one is set), less room for reading a prompt chunk (engine.memory's reader estimate) and
+  a margin for the decode step's activations and CUDA graphs, or `kv_cache_mib`; the CPU, with
+  nothing to measure, gets CPU_POOL_BYTES. `max_num_seqs` "auto" is the largest graph bucket
+  (16, 8, 4, 2, 1) whose sequences each get at least DEFAULT_SEQ_TOKENS (or the whole context
+  when shorter) from that pool.
 """
 
 from __future__ import annotations
@@ -15,24 +18,19 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.batch_runner import BatchRunner
-from engine.errors import EngineError, arg
 from engine.kv_pool import (
     DEFAULT_BLOCK_SIZE,
-    KVPool,
     PoolGeometry,
     bytes_per_token,
     plan_geometry,
     ring_bytes_per_seq,
 )
 from engine.memory import MIB, available_bytes, reader_bytes_per_token, reader_fixed_bytes
-from engine.scheduler import Scheduler
 
 AUTO_SEQS = (16, 8, 4, 2, 1)
 DEFAULT_SEQ_TOKENS = 4096
 CPU_POOL_BYTES = 256 * MIB  # the CPU has no measurement to size from: a fixed pool
 MARGIN_BYTES = 256 * MIB  # decode activations, graph pools, the allocator's rounding
-MAX_NUM_SEQS = 64
 
 
 @dataclass(frozen=True)
@@ -54,6 +52,10 @@ def plan(
 ) -> BatchingPlan:
     """The pool and the number of sequences for what is left on the device (see the module)."""
     cfg, dtype = model.cfg, model.dtype
+    if max_num_seqs == 1 and kv_cache_mib is None:
+        # no budget: plan_geometry caps the blocks at what one sequence can ever hold
+        geometry = plan_geometry(cfg, dtype, max_context, 1 << 62, 1, block_size)
+        return BatchingPlan(1, prefill_budget, geometry, 0)
     if kv_cache_mib is not None:
         budget = int(kv_cache_mib * MIB)
     else:
@@ -74,27 +76,9 @@ def plan(
         fitting = [n for n in AUTO_SEQS if n * per_seq <= budget - per_seq]
         seqs = fitting[0] if fitting else 1
     else:
-        seqs = int(max_num_seqs)
-        if not 1 <= seqs <= MAX_NUM_SEQS:
-            raise EngineError(
-                f"max_num_seqs {seqs} is outside [1, {MAX_NUM_SEQS}]",
-                f"use {arg('max_num_seqs')} 1 to {MAX_NUM_SEQS}, or auto",
-            )
+        seqs = int(max_num_seqs)  # in range: EngineConfig checked it
     geometry = plan_geometry(cfg, dtype, max_context, budget, seqs, block_size)
     return BatchingPlan(seqs, prefill_budget, geometry, budget)
-
-
-def start(model, backend, options, batching: BatchingPlan, max_context: int,
-          warm_up: bool = True) -> tuple[KVPool, Scheduler]:  # fmt: skip
-    """Allocate the pool, build the runner (capturing its graphs when `warm_up`) and start
-    the scheduler's thread."""
-    pool = KVPool(model.cfg, batching.geometry, model.device, model.dtype)
-    runner = BatchRunner(model, pool, options, backend, batching.max_num_seqs)
-    if warm_up:
-        runner.warm_up()
-    scheduler = Scheduler(runner, pool, batching.max_num_seqs, batching.prefill_budget,
-                          max_context)  # fmt: skip
-    return pool, scheduler
 
 
 def kv_cache_line(batching: BatchingPlan, pool_bytes: int, device_type: str = "cuda") -> str:

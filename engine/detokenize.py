@@ -113,6 +113,55 @@ class StopMatcher:
         return out
 
 
+class TextAssembler:
+    """Token ids in, text out: the detokeniser and the stop strings together, pushed one
+    token at a time (the OpenAI server feeds it as tokens arrive; TextStream pulls through it).
+    Once a stop string is found, `stopped` is True and nothing more is released."""
+
+    def __init__(self, tokenizer: Any, stop_strings: list[str] | tuple[str, ...] = (),
+                 skip_special_tokens: bool = False) -> None:  # fmt: skip
+        self._detok = Detokenizer(tokenizer, skip_special_tokens)
+        self._stops = StopMatcher(stop_strings)
+        self._pieces: list[str] = []
+
+    @property
+    def stop_hit(self) -> str | None:
+        return self._stops.hit
+
+    @property
+    def stopped(self) -> bool:
+        return self._stops.hit is not None
+
+    @property
+    def text(self) -> str:
+        """Everything released so far."""
+        return "".join(self._pieces)
+
+    def _keep(self, piece: str) -> str:
+        if piece:
+            self._pieces.append(piece)
+        return piece
+
+    def push(self, token: int) -> str:
+        """The text this token settles ("" while a character or a possible stop string is
+        incomplete, and after a stop string)."""
+        if self.stopped:
+            return ""
+        return self._keep(self._stops.push(self._detok.push(token)))
+
+    def push_all(self, tokens: list[int]) -> str:
+        return "".join(self.push(t) for t in tokens)
+
+    def flush(self) -> str:
+        """The held tail, at the end."""
+        if self.stopped:
+            return ""
+        tail = self._stops.push(self._detok.flush())
+        if not self.stopped:
+            tail += self._stops.flush()
+        return self._keep(tail)
+
+
 class TextStream:
     """A `Generation` (or any iterator of ids) as text: one piece per token (often "", while a
     character or a possible stop string is incomplete), then the held tail at the end.
@@ -128,41 +177,32 @@ class TextStream:
         skip_special_tokens: bool = False,
     ) -> None:
         self.generation = generation
-        self._detok = Detokenizer(tokenizer, skip_special_tokens)
-        self._stops = StopMatcher(stop_strings)
-        self._pieces: list[str] = []
+        self._text = TextAssembler(tokenizer, stop_strings, skip_special_tokens)
 
     @property
     def stop_hit(self) -> str | None:
-        return self._stops.hit
+        return self._text.stop_hit
 
     @property
     def text(self) -> str:
-        return "".join(self._pieces)
+        return self._text.text
 
     @property
     def finish_reason(self) -> str | None:
         """A stop string makes it "stop"; else the generation's own (None when closed early)."""
-        if self._stops.hit is not None:
+        if self._text.stopped:
             return "stop"
         return self.generation.finish_reason
-
-    def _keep(self, piece: str) -> str:
-        if piece:
-            self._pieces.append(piece)
-        return piece
 
     def __iter__(self) -> Iterator[str]:
         try:
             for token in self.generation:
-                yield self._keep(self._stops.push(self._detok.push(token)))
-                if self._stops.hit is not None:
+                yield self._text.push(token)
+                if self._text.stopped:
                     return
-            tail = self._stops.push(self._detok.flush())
-            if self._stops.hit is None:
-                tail += self._stops.flush()
+            tail = self._text.flush()
             if tail:
-                yield self._keep(tail)
+                yield tail
         finally:
             self.close()
 

@@ -18,9 +18,12 @@ batched decode kernels need none of it (a sequence reads only positions <= its o
 by itself), so the batched step does not write them: a sequence's prompt is read before its
 first step, and a slot's ring and a block's rows are reset when a new sequence gets them.
 
-Allocation is host bookkeeping (free list, per-slot block lists) mirrored to the device table
-with one small copy per change; freeing returns blocks at once: later work on the same CUDA
-stream runs after everything already queued that still reads them.
+Allocation is host bookkeeping (engine/block_manager.py, decided by the scheduler's policy)
+mirrored to the device table with one small copy per grant (`apply`); freeing returns blocks at
+once: later work on the same CUDA stream runs after everything already queued that still reads
+them. A sequence holding consecutive blocks (one alone in its pool, the single-sequence case)
+is read as a slice of each layer's rows, not a gathered copy, so a long prompt costs no extra
+copy of its cache per chunk.
 """
 
 from __future__ import annotations
@@ -30,11 +33,39 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.cache import LayerCache
+from engine.block_manager import BlockGrant, BlockManager
 from engine.config import TextConfig
 from engine.errors import EngineError, arg
 
 DEFAULT_BLOCK_SIZE = 64
+
+
+@dataclass
+class LayerCache:
+    """K/V of one producing layer of one sequence: k, v [slots, kv_heads, head_dim]; pos int64
+    [slots] (the position each slot holds, -1 = empty). window None: a full layer (slot =
+    position); else a ring of `window` slots (slot = position % window)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    pos: torch.Tensor
+    window: int | None
+
+    @property
+    def slots(self) -> int:
+        return int(self.pos.shape[0])
+
+    def slot_of(self, positions: torch.Tensor) -> torch.Tensor:
+        return positions if self.window is None else positions % self.slots
+
+    def write(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
+        """Store K/V [T, Hkv, D] of `positions` [T] (a ring keeps only the last `slots` of them)."""
+        if positions.shape[0] > self.slots:  # a chunk longer than the ring: its tail survives
+            k, v, positions = k[-self.slots :], v[-self.slots :], positions[-self.slots :]
+        idx = self.slot_of(positions)
+        self.k.index_copy_(0, idx, k.to(self.k.dtype))
+        self.v.index_copy_(0, idx, v.to(self.v.dtype))
+        self.pos.index_copy_(0, idx, positions)
 
 
 @dataclass(frozen=True)
@@ -146,75 +177,44 @@ class KVPool:
         self.block_tables = torch.zeros(
             (g.max_seqs + 1, g.max_blocks_per_seq), dtype=torch.int32, device=device
         )
-        self._free_blocks = list(range(g.num_blocks - 1, 0, -1))  # block 0: the padding slot's
-        self._free_slots = list(range(g.max_seqs - 1, -1, -1))
-        self._blocks: dict[int, list[int]] = {}
+        self.blocks = BlockManager(g.num_blocks, g.max_seqs, g.block_size, g.max_context)
 
-    # ---- bookkeeping -------------------------------------------------------------------------
-    @property
-    def free_blocks(self) -> int:
-        return len(self._free_blocks)
-
-    @property
-    def free_slots(self) -> int:
-        return len(self._free_slots)
-
+    # ---- bookkeeping (the block manager's), mirrored on the device -----------------------------
     @property
     def usage(self) -> float:
-        """Fraction of the shared blocks held by sequences (vLLM's kv_cache_usage_perc)."""
-        total = self.geometry.num_blocks - 1
-        return (total - len(self._free_blocks)) / total if total else 0.0
+        return self.blocks.usage
 
     def held(self, slot: int) -> int:
         """Blocks the sequence in `slot` holds."""
-        return len(self._blocks.get(slot, ()))
+        return self.blocks.held(slot)
 
-    def blocks_for(self, tokens: int) -> int:
-        return -(-tokens // self.block_size)
-
-    def open_slot(self) -> int:
-        """A sequence slot for a new sequence (its ring forgotten); EngineError if none is free."""
-        if not self._free_slots:
-            raise EngineError("no free sequence slot", "wait for a sequence to finish")
-        slot = self._free_slots.pop()
-        self._blocks[slot] = []
+    def apply(self, opened: tuple[int, ...], grants: tuple[BlockGrant, ...]) -> None:
+        """Mirror a step plan's bookkeeping on the device: opened slots' rings forgotten,
+        granted blocks entered in the block tables and their rows marked empty."""
         r = self.ring_slots
-        for i in self._rings:
-            self.pos[i][slot * r : (slot + 1) * r].fill_(-1)
-        return slot
-
-    def grow(self, slot: int, tokens: int) -> bool:
-        """Make `slot` hold positions 0..tokens-1; False (nothing changed) when the free blocks
-        do not reach."""
-        held = self._blocks[slot]
-        need = self.blocks_for(min(tokens, self.max_context)) - len(held)
-        if need <= 0:
-            return True
-        if need > len(self._free_blocks):
-            return False
-        new = [self._free_blocks.pop() for _ in range(need)]
-        start = len(held)
-        held.extend(new)
-        ids = torch.tensor(new, dtype=torch.int32)
-        self.block_tables[slot, start : start + need].copy_(self._staged(ids), non_blocking=True)
-        rows = ids.to(torch.int64)[:, None] * self.block_size + torch.arange(self.block_size)
-        rows = self._staged(rows.reshape(-1)).to(self.device, non_blocking=True)
-        for i in self._full:
-            self.pos[i].index_fill_(0, rows, -1)
-        return True
+        for slot in opened:
+            for i in self._rings:
+                self.pos[i][slot * r : (slot + 1) * r].fill_(-1)
+        for g in grants:
+            ids = torch.tensor(g.blocks, dtype=torch.int32)
+            end = g.first + len(g.blocks)
+            self.block_tables[g.slot, g.first : end].copy_(self._staged(ids), non_blocking=True)
+            rows = ids.to(torch.int64)[:, None] * self.block_size + torch.arange(self.block_size)
+            rows = self._staged(rows.reshape(-1)).to(self.device, non_blocking=True)
+            for i in self._full:
+                self.pos[i].index_fill_(0, rows, -1)
 
     def _staged(self, host: torch.Tensor) -> torch.Tensor:
         """`host` in pinned memory on CUDA, so copying it queues behind the running step
         instead of waiting for it (the caching host allocator keeps the block until then)."""
         return host.pin_memory() if self.device.type == "cuda" else host
 
-    def close_slot(self, slot: int) -> None:
-        """The sequence in `slot` is done: its blocks and the slot go back to the free lists."""
-        held = self._blocks.pop(slot, None)
-        if held is None:
-            return
-        self._free_blocks.extend(reversed(held))
-        self._free_slots.append(slot)
+    def contiguous_rows(self, slot: int) -> slice | None:
+        """The full layers' rows of `slot` as one slice when its blocks are consecutive."""
+        held = self.blocks.blocks_of(slot)
+        if not held or held != list(range(held[0], held[0] + len(held))):
+            return None
+        return slice(held[0] * self.block_size, (held[-1] + 1) * self.block_size)
 
     # ---- views -------------------------------------------------------------------------------
     def view(self, slot: int) -> SequenceCache:
@@ -246,9 +246,13 @@ class PagedLayer:
         return self.pool.held(self.slot) * self.pool.block_size
 
     @functools.cached_property
-    def _rows(self) -> torch.Tensor:
-        """The sequence's rows in position order (a view lives for one chunk or one step, while
-        the sequence's blocks do not change)."""
+    def _rows(self) -> torch.Tensor | slice:
+        """The sequence's rows in position order: a slice when its blocks are consecutive,
+        else their indices (a view lives for one chunk or one step, while the sequence's
+        blocks do not change)."""
+        rows = self.pool.contiguous_rows(self.slot)
+        if rows is not None:
+            return rows
         return self.pool.rows_of(self.slot, torch.arange(self.slots, device=self.pool.device))
 
     @property
@@ -274,6 +278,7 @@ class SequenceCache:
     """What engine.model and engine.fast.prefill read as a cache, for one sequence of a pool."""
 
     def __init__(self, pool: KVPool, slot: int) -> None:
+        self.pool, self.slot = pool, slot
         self.max_context = pool.max_context
         self.layers: dict[int, LayerCache | PagedLayer] = {}
         r = pool.ring_slots

@@ -20,16 +20,17 @@ the environment.
 | GPURIG_KERNEL_AUTOTUNE    | autotune            | "0": GEMV tile configs from defaults, no timing  | on      |
 | GPURIG_KERNEL_CACHE       | tuning_cache_dir    | directory of the per-GPU tile-config files       | ~/.cache/gpurig/kernels |
 
-The compute dtype and the prompt chunk stay arguments of `engine.load` (`dtype=`,
-`prefill_chunk=`): they were never environment switches. `default_dtype` decides the dtype when
-none is given, from the device's compute capability.
+`EngineConfig` is the one object `engine.load` takes: the sizes (device, dtype, context, memory
+cap, prompt chunk, sequences, KV pool) and these options, checked once when it is made. The
+sizes were never environment switches. `default_dtype` decides the dtype when none is given,
+from the device's compute capability.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
@@ -88,6 +89,57 @@ class EngineOptions:
     def graphs_on(self, device: torch.device) -> bool:
         """The decode step is captured as a CUDA graph on this device."""
         return device.type == "cuda" and self.fast_on(device) and self.cuda_graph
+
+
+MAX_NUM_SEQS = 64
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything `engine.load` is told, checked once here (what needs the checkpoint, the
+    context against max_position_embeddings, is checked by load).
+
+    device None: cuda when available, else cpu. dtype None: `default_dtype`. max_context None:
+    the model's max_position_embeddings. memory_cap_mib: cap this process's CUDA memory.
+    prefill_chunk None: the most prompt tokens per pass (4,096 on CUDA, 256 on the CPU; each
+    prompt's chunk is lowered to what the memory left holds). max_num_seqs: sequences decoded
+    together (1: one at a time, each in the same steps as a batch of one; "auto": what the
+    memory left holds, engine/batching.py). prefill_budget None: the most prompt tokens read
+    between two decode steps (the chunk, at most 2,048). kv_cache_mib: the KV pool's size
+    instead of what is left. warm_up: capture the decode graphs at load."""
+
+    device: str | None = None
+    dtype: torch.dtype | None = None
+    max_context: int | None = None
+    memory_cap_mib: int | None = None
+    prefill_chunk: int | None = None
+    max_num_seqs: int | Literal["auto"] = 1
+    prefill_budget: int | None = None
+    kv_cache_mib: float | None = None
+    warm_up: bool = True
+    options: EngineOptions = field(default_factory=EngineOptions)
+
+    def __post_init__(self) -> None:
+        from engine.errors import EngineError, arg
+
+        seqs = self.max_num_seqs
+        if seqs != "auto" and (isinstance(seqs, bool) or not isinstance(seqs, int)
+                               or not 1 <= seqs <= MAX_NUM_SEQS):  # fmt: skip
+            raise EngineError(
+                f"max_num_seqs {seqs} is outside [1, {MAX_NUM_SEQS}]",
+                f"use {arg('max_num_seqs')} 1 to {MAX_NUM_SEQS}, or auto",
+            )
+        for name in ("max_context", "prefill_chunk", "prefill_budget", "memory_cap_mib"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise EngineError(
+                    f"{name} {value} must be at least 1", f"use a positive {arg(name)}"
+                )
+        if self.kv_cache_mib is not None and not self.kv_cache_mib > 0:
+            raise EngineError(
+                f"kv_cache_mib {self.kv_cache_mib} must be positive",
+                f"use e.g. {arg('kv_cache_mib')} 512",
+            )
 
 
 def default_dtype(device_type: str, capability: tuple[int, int] | None = None) -> torch.dtype:

@@ -1,14 +1,16 @@
 """Text in, text out, with timings: `GenerationResult`, the one result type of a generation,
 and `generate_text`, the function behind `gpurig engine generate`.
 
-The OpenAI server (engine/server/queue.py) and the CLI both run `Engine.stream` through
-engine/detokenize.py's `TextStream` and describe the outcome with `GenerationResult.of`; the CLI
-adds where it ran and the bandwidth achieved (`GenerationReport`).
+The OpenAI server (engine/server/queue.py) and the CLI both turn tokens into text with
+engine/detokenize.py (the CLI through `TextStream` over `Engine.stream`) and describe the outcome
+with a `GenerationResult`; the CLI adds where it ran and the bandwidth achieved
+(`GenerationReport`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from pydantic import BaseModel
@@ -16,6 +18,8 @@ from pydantic import BaseModel
 from engine.chat.render import ChatFormat, encode_prompt
 from engine.detokenize import TextStream
 from engine.errors import GenerationError
+from engine.generation import Timings
+from engine.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from engine.runtime import Engine
@@ -43,16 +47,22 @@ class GenerationResult(BaseModel):
     def of(cls, stream: TextStream, finish_reason: str | None = None) -> GenerationResult:
         """The result of a finished (or closed) text stream; finish_reason overrides its own."""
         gen = stream.generation
-        t = gen.timings
+        return cls.of_run(stream.text, finish_reason or stream.finish_reason, gen.prompt_tokens,
+                          gen.completion_tokens, gen.timings)  # fmt: skip
+
+    @classmethod
+    def of_run(cls, text: str, finish_reason: str | None, prompt_tokens: int, new_tokens: int,
+               t: Timings) -> GenerationResult:  # fmt: skip
+        """The result of a run whose text, counts and timings are known."""
         rate = t.decode_tokens_per_s
         return cls(
-            text=stream.text,
-            finish_reason=finish_reason or stream.finish_reason,
-            prompt_tokens=gen.prompt_tokens,
-            new_tokens=gen.completion_tokens,
+            text=text,
+            finish_reason=finish_reason,
+            prompt_tokens=prompt_tokens,
+            new_tokens=new_tokens,
             time_to_first_token_seconds=round(t.time_to_first_token, 6),
             prefill_seconds=round(t.prompt_seconds, 6),
-            prefill_tokens_per_s=round(gen.prompt_tokens / max(t.prompt_seconds, 1e-9), 2),
+            prefill_tokens_per_s=round(prompt_tokens / max(t.prompt_seconds, 1e-9), 2),
             decode_seconds=round(t.decode_seconds, 6),
             decode_tokens=t.decode_tokens,
             decode_tokens_per_s=round(rate, 2) if rate else None,
@@ -92,23 +102,20 @@ def generate_text(
     engine: Engine,
     prompt: str | None = None,
     chat: str | None = None,
-    max_new_tokens: int = 128,
-    temperature: float = 0.0,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    seed: int | None = None,
+    params: SamplingParams | None = None,
     on_text: Callable[[str], None] | None = None,
-    ignore_eos: bool = False,
 ) -> GenerationReport:
     """Generate a reply and time it.
 
-    on_text, if given, receives the reply's text piece by piece as tokens arrive (a piece that
-    ends inside a multi-byte character waits for the next token). ignore_eos generates exactly
-    max_new_tokens, as vLLM's ignore_eos (for timing a fixed length)."""
+    params: what to make (SamplingParams; its stop_ids None means the prompt's: the eos ids for
+    raw text, the chat format's for a chat reply; () generates exactly max_tokens, as vLLM's
+    ignore_eos). on_text, if given, receives the reply's text piece by piece as tokens arrive
+    (a piece that ends inside a multi-byte character waits for the next token)."""
     ids, stops = prompt_ids(engine, prompt, chat)
-    if ignore_eos:
-        stops = []
-    generation = engine.stream(ids, max_new_tokens, temperature, top_k, top_p, seed, stops)
+    params = params or SamplingParams(max_tokens=128)
+    if params.stop_ids is None and stops is not None:
+        params = replace(params, stop_ids=tuple(stops))
+    generation = engine.stream(ids, params)
     stream = TextStream(generation, engine.tokenizer)
     for piece in stream:
         if piece and on_text is not None:

@@ -295,18 +295,17 @@ def _run_generate(args: argparse.Namespace) -> int:
         sys.stdout.write(piece)
         sys.stdout.flush()
 
-    result = generate_text(
-        eng,
-        on_text=None if args.json else show,
-        prompt=args.prompt,
-        chat=args.chat,
-        max_new_tokens=args.max_tokens,
+    from engine.sampling import SamplingParams
+
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
         temperature=args.temperature,
         top_k=args.top_k,
         top_p=args.top_p,
         seed=args.seed,
-        ignore_eos=args.ignore_eos,
+        stop_ids=() if args.ignore_eos else None,
     )
+    result = generate_text(eng, args.prompt, args.chat, params, None if args.json else show)
 
     print_result(result, args.json, render_generation)
     return 0

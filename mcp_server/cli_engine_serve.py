@@ -224,7 +224,9 @@ def _serve(args: argparse.Namespace) -> int:
                 "gpurig engine: warming up (on a GPU without shipped tiles the first run also "
                 "tunes every GEMV shape, a few minutes once; cached per GPU name)\n"
             )
-        eng.generate([eng.bos_id if eng.bos_id is not None else 2], 2, stop_ids=[])
+        from engine.sampling import SamplingParams
+
+        eng.generate([eng.bos_id if eng.bos_id is not None else 2], SamplingParams(2, stop_ids=()))
         sys.stderr.write(f"gpurig engine: warmed up in {time.perf_counter() - t0:.2f} s\n")
     name = args.model_name or eng.model_name
     aliases = (str(args.model), str(model_dir), str(model_dir.resolve()))

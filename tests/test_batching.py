@@ -19,6 +19,7 @@ from engine.checkpoint_maker import make_checkpoint
 from engine.errors import ContextLengthError, EngineError
 from engine.kv_pool import KVPool, bytes_per_token, plan_geometry, ring_bytes_per_seq
 from engine.options import EngineOptions
+from engine.sampling import SamplingParams
 
 CTX = 256
 REF = EngineOptions(fast="off")
@@ -47,14 +48,12 @@ def _prompt(n: int, salt: int) -> list[int]:
     return [2] + [(7 * i + salt) % 400 + 10 for i in range(n - 1)]
 
 
-def _wait_idle(eng, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        st = eng.scheduler.stats()
-        if st.running == 0 and st.waiting == 0:
+def _wait_idle(eng, steps: int = 100) -> None:
+    """Step the engine until nothing is open (a closed stream leaves at the next step)."""
+    for _ in range(steps):
+        if not eng.step():
             return
-        time.sleep(0.01)
-    raise AssertionError(f"scheduler still busy: {eng.scheduler.stats()}")
+    raise AssertionError(f"scheduler still busy: {eng.stats()}")
 
 
 def test_greedy_tokens_equal_alone_with_others_joining_and_leaving(single, multi):
@@ -62,12 +61,15 @@ def test_greedy_tokens_equal_alone_with_others_joining_and_leaving(single, multi
     # token) and lengths, more than the 4 slots: some wait, and each joins as another leaves
     specs = [(1, 12), (5, 30), (40, 8), (17, 25), (90, 16), (3, 40), (33, 5)]
     prompts = [_prompt(n, salt=i) for i, (n, _) in enumerate(specs)]
-    alone = [single.generate(p, m, stop_ids=[]) for p, (_, m) in zip(prompts, specs, strict=True)]
+    alone = [
+        single.generate(p, SamplingParams(max_tokens=m, stop_ids=()))
+        for p, (_, m) in zip(prompts, specs, strict=True)
+    ]
     got: dict[int, list[int]] = {}
 
     def run(i: int) -> None:
         time.sleep(0.02 * i)  # staggered arrivals
-        got[i] = multi.generate(prompts[i], specs[i][1], stop_ids=[])
+        got[i] = multi.generate(prompts[i], SamplingParams(max_tokens=specs[i][1], stop_ids=()))
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(len(specs))]
     before = multi.scheduler.stats()
@@ -82,49 +84,60 @@ def test_greedy_tokens_equal_alone_with_others_joining_and_leaving(single, multi
     assert rows == sum(m for _, m in specs)  # one row per token made
     assert steps < rows  # steps were shared
     _wait_idle(multi)
-    assert multi.pool.usage == 0.0 and multi.pool.free_slots == 4
+    assert multi.pool.usage == 0.0 and multi.pool.blocks.free_slots == 4
 
 
 def test_seeded_sampling_is_the_same_alone_and_in_a_batch(single, multi):
     p = _prompt(20, salt=9)
-    alone = single.generate(p, 24, temperature=0.8, top_p=0.9, seed=1234, stop_ids=[])
+    alone = single.generate(
+        p, SamplingParams(max_tokens=24, temperature=0.8, top_p=0.9, seed=1234, stop_ids=())
+    )
     others = [
-        threading.Thread(target=multi.generate, args=(_prompt(n, n), 30), kwargs={"stop_ids": []})
+        threading.Thread(
+            target=multi.generate, args=(_prompt(n, n), SamplingParams(max_tokens=30, stop_ids=()))
+        )
         for n in (3, 50, 11)
     ]
     for t in others:
         t.start()
-    batched = multi.generate(p, 24, temperature=0.8, top_p=0.9, seed=1234, stop_ids=[])
+    batched = multi.generate(
+        p, SamplingParams(max_tokens=24, temperature=0.8, top_p=0.9, seed=1234, stop_ids=())
+    )
     for t in others:
         t.join(60)
     assert batched == alone
     # and another seed gives other tokens (the seed is really used)
-    assert multi.generate(p, 24, temperature=0.8, top_p=0.9, seed=99, stop_ids=[]) != alone
+    assert (
+        multi.generate(
+            p, SamplingParams(max_tokens=24, temperature=0.8, top_p=0.9, seed=99, stop_ids=())
+        )
+        != alone
+    )
 
 
 def test_stop_ids_logit_bias_and_max_tokens_per_request(single, multi):
     p = _prompt(6, salt=2)
-    free = single.generate(p, 10, stop_ids=[])
+    free = single.generate(p, SamplingParams(max_tokens=10, stop_ids=()))
     stop = free[3]
-    gen = multi.stream(p, 10, stop_ids=[stop])
+    gen = multi.stream(p, SamplingParams(max_tokens=10, stop_ids=(stop,)))
     toks = list(gen)
     assert toks == free[: free.index(stop)] and gen.finish_reason == "stop"
-    biased = multi.stream(p, 5, stop_ids=[], logit_bias={77: 100.0})
+    biased = multi.stream(p, SamplingParams(max_tokens=5, stop_ids=(), logit_bias=((77, 100.0),)))
     assert list(biased) == [77] * 5 and biased.finish_reason == "length"
-    zero = multi.stream(p, 0)
+    zero = multi.stream(p, SamplingParams(max_tokens=0))
     assert list(zero) == [] and zero.finish_reason == "length"
 
 
 def test_closing_a_stream_frees_its_slot_and_blocks(multi):
     _wait_idle(multi)
-    gen = multi.stream(_prompt(100, 4), 200, stop_ids=[])
+    gen = multi.stream(_prompt(100, 4), SamplingParams(max_tokens=200, stop_ids=()))
     first = [next(gen) for _ in range(3)]
     assert len(first) == 3
     assert multi.pool.usage > 0
     gen.close()
     assert gen.finish_reason is None
     _wait_idle(multi)
-    assert multi.pool.usage == 0.0 and multi.pool.free_slots == 4
+    assert multi.pool.usage == 0.0 and multi.pool.blocks.free_slots == 4
 
 
 def test_a_request_beyond_the_pool_is_refused_at_once(checkpoint):
@@ -135,10 +148,10 @@ def test_a_request_beyond_the_pool_is_refused_at_once(checkpoint):
         tokens = eng.pool.geometry.token_capacity
         assert tokens < CTX  # a 1 MiB pool holds less than one whole context here
         with pytest.raises(ContextLengthError) as exc:
-            eng.stream(_prompt(10, 1), CTX - 10)
+            eng.stream(_prompt(10, 1), SamplingParams(max_tokens=CTX - 10))
         assert exc.value.limit == tokens
         # what fits runs
-        assert len(eng.generate(_prompt(10, 1), 4, stop_ids=[])) == 4
+        assert len(eng.generate(_prompt(10, 1), SamplingParams(max_tokens=4, stop_ids=()))) == 4
     finally:
         eng.close()
 
@@ -153,10 +166,10 @@ def test_requests_wait_in_order_for_blocks(checkpoint, single):
         cap = eng.pool.geometry.token_capacity
         n = cap // 2 + 8
         p1, p2 = _prompt(n, 1), _prompt(n, 2)
-        g1 = eng.stream(p1, 4, stop_ids=[])
-        g2 = eng.stream(p2, 4, stop_ids=[])
-        assert list(g1) == single.generate(p1, 4, stop_ids=[])
-        assert list(g2) == single.generate(p2, 4, stop_ids=[])
+        g1 = eng.stream(p1, SamplingParams(max_tokens=4, stop_ids=()))
+        g2 = eng.stream(p2, SamplingParams(max_tokens=4, stop_ids=()))
+        assert list(g1) == single.generate(p1, SamplingParams(max_tokens=4, stop_ids=()))
+        assert list(g2) == single.generate(p2, SamplingParams(max_tokens=4, stop_ids=()))
         assert g2.timings.time_to_first_token >= g1.timings.time_to_first_token
     finally:
         eng.close()
@@ -183,17 +196,22 @@ def test_pool_blocks_are_handed_out_and_back(checkpoint):
                       + 6 * per_block, 2, 16)  # fmt: skip
     assert g.num_blocks == 6
     pool = KVPool(cfg, g, torch.device("cpu"), torch.float32)
-    a, b = pool.open_slot(), pool.open_slot()
-    with pytest.raises(EngineError, match="no free sequence slot"):
-        pool.open_slot()
-    assert pool.grow(a, 33) and pool.held(a) == 3
-    assert pool.grow(b, 1) and pool.held(b) == 1
+    blocks = pool.blocks
+    a, b = blocks.open_slot(), blocks.open_slot()
+    with pytest.raises(ValueError, match="no free sequence slot"):
+        blocks.open_slot()
+    grant_a, grant_b = blocks.grow(a, 33), blocks.grow(b, 1)
+    pool.apply((a, b), (grant_a, grant_b))
+    assert pool.held(a) == 3 and pool.held(b) == 1
     table_a = pool.block_tables[a, :3].tolist()
-    assert 0 not in table_a and len(set(table_a)) == 3  # block 0 is the padding slot's
-    assert not pool.grow(b, 10**6) and pool.held(b) == 1  # too many: nothing changes
-    free = pool.free_blocks
-    pool.close_slot(a)
-    assert pool.free_blocks == free + 3 and pool.free_slots == 1
+    assert table_a == list(grant_a.blocks) and 0 not in table_a  # block 0: the padding slot's
+    assert pool.contiguous_rows(a) == slice(16, 64)  # blocks 1, 2, 3: one slice of rows
+    with pytest.raises(ValueError):
+        blocks.grow(b, 10**6)  # too many: nothing changes
+    assert pool.held(b) == 1
+    free = blocks.free_blocks
+    blocks.close_slot(a)
+    assert blocks.free_blocks == free + 3 and blocks.free_slots == 1
 
 
 def test_sixteen_sequences_share_steps_and_each_gets_its_own_tokens(checkpoint, single):
@@ -204,9 +222,13 @@ def test_sixteen_sequences_share_steps_and_each_gets_its_own_tokens(checkpoint, 
         specs = [(1 + (i * 11) % 37, 3 + (i * 5) % 9) for i in range(17)]
         prompts = [_prompt(n, 40 + i) for i, (n, _) in enumerate(specs)]
         alone = [
-            single.generate(p, m, stop_ids=[]) for p, (_, m) in zip(prompts, specs, strict=True)
+            single.generate(p, SamplingParams(max_tokens=m, stop_ids=()))
+            for p, (_, m) in zip(prompts, specs, strict=True)
         ]
-        gens = [eng.stream(p, m, stop_ids=[]) for p, (_, m) in zip(prompts, specs, strict=True)]
+        gens = [
+            eng.stream(p, SamplingParams(max_tokens=m, stop_ids=()))
+            for p, (_, m) in zip(prompts, specs, strict=True)
+        ]
         got = [list(g) for g in gens]
         assert got == alone
         st = eng.scheduler.stats()

@@ -152,8 +152,10 @@ def test_the_backend_is_chosen_once_at_load(tmp_path, monkeypatch) -> None:
     ref = engine.load(tmp_path, device="cpu", max_context=64, options=EngineOptions(fast="off"))
     fast = engine.load(tmp_path, device="cpu", max_context=64, options=EngineOptions(fast="force"))
     assert type(ref.model.ops) is Ops and isinstance(fast.model.ops, FastOps)
-    assert not ref.backend.fast and fast.backend.fast and fast.backend.last_token_by_step
+    # the runner's arrangement, chosen once: the fused batched step (one row included) or the
+    # model's own rows
+    assert not ref.runner.batched and fast.runner.batched
     monkeypatch.setenv("GPURIG_FAST", "0")
-    assert fast.backend.fast and fast.backend.step() is fast.backend.step()
+    assert fast.runner.batched and isinstance(fast.model.ops, FastOps)
     default = engine.load(tmp_path, device="cpu", max_context=64)
     assert default.options == EngineOptions() and default.dtype == torch.float32

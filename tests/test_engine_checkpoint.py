@@ -17,6 +17,7 @@ from engine.checkpoint_maker import make_checkpoint, quantize_checkpoint
 from engine.errors import CheckpointError
 from engine.ops import PackedLinear, unpack_codes
 from engine.quantize import dequantize_codes, pack_codes, quantize_groups
+from engine.sampling import SamplingParams
 
 ct_helpers = pytest.importorskip("compressed_tensors.compressors.pack_quantized.helpers")
 
@@ -172,8 +173,12 @@ def test_sharded_multimodal_prefix_loads_the_same(tiny, tmp_path):
         k.startswith(("model.language_model.", "model.vision_tower.")) for k in index["weight_map"]
     )
     prompt = [2] + list(range(50, 90))
-    a = engine.load(tiny, device="cpu", max_context=128).generate(prompt, 20, stop_ids=[])
-    b = engine.load(mm, device="cpu", max_context=128).generate(prompt, 20, stop_ids=[])
+    a = engine.load(tiny, device="cpu", max_context=128).generate(
+        prompt, SamplingParams(max_tokens=20, stop_ids=())
+    )
+    b = engine.load(mm, device="cpu", max_context=128).generate(
+        prompt, SamplingParams(max_tokens=20, stop_ids=())
+    )
     assert a == b
 
     index_path = mm / INDEX_NAME
@@ -257,7 +262,9 @@ def test_untied_lm_head_is_loaded_separately(tiny, tmp_path):
     assert b.model.lm_head is not b.model.embed and a.model.lm_head is a.model.embed
     assert b.memory_report().lm_head_bytes == a.memory_report().embed_lm_head_bytes
     prompt = [2] + list(range(10, 30))
-    assert a.generate(prompt, 8, stop_ids=[]) == b.generate(prompt, 8, stop_ids=[])
+    assert a.generate(prompt, SamplingParams(max_tokens=8, stop_ids=())) == b.generate(
+        prompt, SamplingParams(max_tokens=8, stop_ids=())
+    )
 
 
 def test_a_failed_write_leaves_nothing(tmp_path, monkeypatch):

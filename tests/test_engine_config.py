@@ -8,10 +8,10 @@ import math
 import pytest
 import torch
 
-from engine.cache import KVCache
 from engine.checkpoint_maker import PRESETS, text_config_dict
 from engine.config import FULL, SLIDING, parse_config
 from engine.errors import CheckpointError
+from engine.kv_pool import KVPool, plan_geometry
 from engine.model import rope_inv_freq
 
 transformers = pytest.importorskip("transformers")
@@ -66,13 +66,17 @@ def test_e2b_shape():
     assert full.shape == (256,) and (full[:64] > 0).all() and (full[64:] == 0).all()
     assert math.isclose(full[1].item(), 1e6 ** (-2 / 512), rel_tol=1e-6)  # denominator: all 512
 
-    # 15 layers own a cache: 12 sliding rings of 512 and 3 full; 131072 tokens in bf16 ~ 774 MiB
-    cache = KVCache(cfg, 131072, torch.device("meta"), torch.bfloat16)
-    kinds = [cfg.layer_types[i] for i in cache.layers]
+    # 15 layers own a cache: 12 sliding rings of 512 and 3 full; one sequence of 131072 tokens
+    # in bf16 ~ 774 MiB, plus the padding slot's ring and block (a one-sequence pool)
+    geometry = plan_geometry(cfg, torch.bfloat16, 131072, 1 << 62, 1)
+    pool = KVPool(cfg, geometry, torch.device("meta"), torch.bfloat16)
+    kinds = [cfg.layer_types[i] for i in pool.k]
     assert kinds.count(SLIDING) == 12 and kinds.count(FULL) == 3
-    kv_bytes = cache.nbytes() - sum(lc.pos.numel() * 8 for lc in cache.layers.values())
-    assert kv_bytes == 12 * 512 * 2 * 256 * 2 + 3 * 131072 * 2 * 512 * 2
-    assert round(kv_bytes / 2**20) == 774
+    assert geometry.num_blocks * geometry.block_size == 131072 + geometry.block_size
+    kv = sum(t.numel() * t.element_size() for t in (*pool.k.values(), *pool.v.values()))
+    own = 12 * 512 * 2 * 256 * 2 + 3 * 131072 * 2 * 512 * 2
+    assert kv == own + 12 * 512 * 2 * 256 * 2 + 3 * geometry.block_size * 2 * 512 * 2
+    assert round(own / 2**20) == 774
 
 
 def test_e2b_parameter_count():

@@ -7,12 +7,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from engine_support import prefill, read_prompt, sequence_cache
 
 import engine
 from engine import ops
 from engine.checkpoint_maker import make_checkpoint
 from engine.errors import ContextLengthError, EngineError, GenerationError
-from engine.generate import prefill, read_prompt
+from engine.sampling import SamplingParams
 
 PROMPT = [2] + list(range(40, 80))
 
@@ -46,19 +47,31 @@ def test_a_hugging_face_snapshot_is_named_by_its_repo(ckpt, tmp_path):
 
 
 def test_sampling_is_seeded_and_bounded(eng):
-    greedy = eng.generate(PROMPT, 16, stop_ids=[])
-    a = eng.generate(PROMPT, 16, temperature=1.0, seed=5, stop_ids=[])
-    b = eng.generate(PROMPT, 16, temperature=1.0, seed=5, stop_ids=[])
-    c = eng.generate(PROMPT, 16, temperature=1.0, seed=6, stop_ids=[])
+    greedy = eng.generate(PROMPT, SamplingParams(max_tokens=16, stop_ids=()))
+    a = eng.generate(PROMPT, SamplingParams(max_tokens=16, temperature=1.0, seed=5, stop_ids=()))
+    b = eng.generate(PROMPT, SamplingParams(max_tokens=16, temperature=1.0, seed=5, stop_ids=()))
+    c = eng.generate(PROMPT, SamplingParams(max_tokens=16, temperature=1.0, seed=6, stop_ids=()))
     assert a == b and a != c and a != greedy
-    assert eng.generate(PROMPT, 16, temperature=1.0, top_k=1, seed=1, stop_ids=[]) == greedy
-    assert eng.generate(PROMPT, 16, temperature=0.7, top_p=1e-6, seed=1, stop_ids=[]) == greedy
+    assert (
+        eng.generate(
+            PROMPT, SamplingParams(max_tokens=16, temperature=1.0, top_k=1, seed=1, stop_ids=())
+        )
+        == greedy
+    )
+    assert (
+        eng.generate(
+            PROMPT, SamplingParams(max_tokens=16, temperature=0.7, top_p=1e-6, seed=1, stop_ids=())
+        )
+        == greedy
+    )
     # top-k 3: every sampled token is among the 3 most likely at its step
-    out = eng.generate(PROMPT, 8, temperature=2.0, top_k=3, seed=2, stop_ids=[])
-    logits = [prefill(eng.model, eng.cache, PROMPT, 33)]
+    out = eng.generate(
+        PROMPT, SamplingParams(max_tokens=8, temperature=2.0, top_k=3, seed=2, stop_ids=())
+    )
+    logits = [prefill(eng.model, sequence_cache(eng), PROMPT, 33)]
     for i, tok in enumerate(out[:-1]):
         pos = torch.tensor([len(PROMPT) + i])
-        logits.append(eng.model.decode_step(torch.tensor([tok]), pos, eng.cache)[0])
+        logits.append(eng.model.decode_step(torch.tensor([tok]), pos, sequence_cache(eng))[0])
     for tok, row in zip(out, logits, strict=True):
         assert tok in row.topk(3).indices.tolist()
 
@@ -67,7 +80,7 @@ def test_sampling_is_seeded_and_bounded(eng):
 def test_reading_the_last_prompt_token_with_the_decode_step_equals_prefill(eng, prompt_len):
     """read_prompt with a step: the body through chunks that skip the KV-shared layers, the last
     token through the decode step. Same logits and the same cache as the full prefill."""
-    model, cache = eng.model, eng.cache
+    model, cache = eng.model, sequence_cache(eng)
     prompt = PROMPT[:prompt_len]
     want = prefill(model, cache, prompt, 33).clone()
     want_cache = {i: (c.k.clone(), c.v.clone(), c.pos.clone()) for i, c in cache.layers.items()}
@@ -89,37 +102,45 @@ def test_reading_the_last_prompt_token_with_the_decode_step_equals_prefill(eng, 
 
 
 def test_stop_ids_end_without_the_stop_token(eng):
-    greedy = eng.generate(PROMPT, 24, stop_ids=[])
+    greedy = eng.generate(PROMPT, SamplingParams(max_tokens=24, stop_ids=()))
     j = 6
     stop = greedy[j]
     first = greedy.index(stop)
-    gen = eng.stream(PROMPT, 24, stop_ids=[stop])
+    gen = eng.stream(PROMPT, SamplingParams(max_tokens=24, stop_ids=(stop,)))
     assert list(gen) == greedy[:first] and gen.finish_reason == "stop"
-    gen = eng.stream(PROMPT, 5, stop_ids=[])
+    gen = eng.stream(PROMPT, SamplingParams(max_tokens=5, stop_ids=()))
     assert list(gen) == greedy[:5] and gen.finish_reason == "length"
-    gen = eng.stream(PROMPT, 0)
+    gen = eng.stream(PROMPT, SamplingParams(max_tokens=0))
     assert list(gen) == [] and gen.finish_reason == "length"
 
 
 def test_stream_yields_and_cancels(eng):
-    greedy = eng.generate(PROMPT, 12, stop_ids=[])
-    it = eng.stream(PROMPT, 12, stop_ids=[])
+    greedy = eng.generate(PROMPT, SamplingParams(max_tokens=12, stop_ids=()))
+    it = eng.stream(PROMPT, SamplingParams(max_tokens=12, stop_ids=()))
     got = [next(it) for _ in range(4)]
     it.close()
     assert got == greedy[:4]
     with pytest.raises(StopIteration):
         next(it)
-    assert eng.generate(PROMPT, 12, stop_ids=[]) == greedy  # the cache is fine afterwards
+    assert (
+        eng.generate(PROMPT, SamplingParams(max_tokens=12, stop_ids=())) == greedy
+    )  # the cache is fine afterwards
 
 
 def test_context_limit(ckpt):
     small = engine.load(ckpt, device="cpu", max_context=48, prefill_chunk=16)
     with pytest.raises(ContextLengthError) as info:
-        small.stream(list(range(3, 52)), 4)  # raised at the call, before any token
+        small.stream(
+            list(range(3, 52)), SamplingParams(max_tokens=4)
+        )  # raised at the call, before any token
     assert (info.value.requested, info.value.limit) == (49, 48)
-    gen = small.stream(PROMPT, 100, stop_ids=[])  # 41 prompt tokens: room for 8 positions
+    gen = small.stream(
+        PROMPT, SamplingParams(max_tokens=100, stop_ids=())
+    )  # 41 prompt tokens: room for 8 positions
     assert len(list(gen)) == 48 - len(PROMPT) + 1 and gen.finish_reason == "length"
-    assert len(small.generate(list(range(3, 51)), 5, stop_ids=[])) == 1  # prompt fills it exactly
+    assert (
+        len(small.generate(list(range(3, 51)), SamplingParams(max_tokens=5, stop_ids=()))) == 1
+    )  # prompt fills it exactly
     with pytest.raises(EngineError, match="max_context"):
         engine.load(ckpt, device="cpu", max_context=10**7)
     for bad in ("bogus", "meta"):
@@ -131,42 +152,59 @@ def test_context_limit(ckpt):
 def test_bad_requests(eng):
     for kwargs in ({"temperature": -1.0}, {"top_k": 0}, {"top_p": 1.5}):
         with pytest.raises(GenerationError):
-            eng.generate(PROMPT, 4, **kwargs)
+            eng.generate(PROMPT, SamplingParams(max_tokens=4, **kwargs))
     with pytest.raises(GenerationError, match="empty"):
-        eng.generate([], 4)
+        eng.generate([], SamplingParams(max_tokens=4))
     with pytest.raises(GenerationError, match="vocabulary"):
-        eng.generate([2, 10_000], 4)
+        eng.generate([2, 10_000], SamplingParams(max_tokens=4))
     with pytest.raises(GenerationError, match="negative"):  # at the call, before any token
-        eng.stream(PROMPT, -1)
+        eng.stream(PROMPT, SamplingParams(max_tokens=-1))
     with pytest.raises(GenerationError, match="logit_bias"):
-        eng.stream(PROMPT, 4, logit_bias={10_000: 1.0})
+        eng.stream(PROMPT, SamplingParams(max_tokens=4, logit_bias=((10_000, 1.0),)))
 
 
 def test_logit_bias_moves_greedy_and_sampled_choices(eng):
-    free = eng.generate(PROMPT, 6, stop_ids=[])
-    assert eng.generate(PROMPT, 6, stop_ids=[], logit_bias={77: 100.0}) == [77] * 6
-    banned = eng.generate(PROMPT, 6, stop_ids=[], logit_bias={free[0]: -100.0})
+    free = eng.generate(PROMPT, SamplingParams(max_tokens=6, stop_ids=()))
+    assert (
+        eng.generate(PROMPT, SamplingParams(max_tokens=6, stop_ids=(), logit_bias=((77, 100.0),)))
+        == [77] * 6
+    )
+    banned = eng.generate(
+        PROMPT, SamplingParams(max_tokens=6, stop_ids=(), logit_bias=((free[0], -100.0),))
+    )
     assert banned[0] != free[0] and free[0] not in banned
-    sampled = eng.generate(PROMPT, 6, temperature=1.0, seed=3, logit_bias={77: 100.0})
+    sampled = eng.generate(
+        PROMPT, SamplingParams(max_tokens=6, temperature=1.0, seed=3, logit_bias=((77, 100.0),))
+    )
     assert sampled == [77] * 6
 
 
 def test_cache_ring_and_memory(ckpt):
     eng = engine.load(ckpt, device="cpu", max_context=100, prefill_chunk=7)
     cfg = eng.config
-    prefill(eng.model, eng.cache, list(range(3, 43)), 7)  # 40 tokens, window 16
-    for i, lc in eng.cache.layers.items():
+    prefill(eng.model, sequence_cache(eng), list(range(3, 43)), 7)  # 40 tokens, window 16
+    for i, lc in sequence_cache(eng).layers.items():
         if cfg.is_sliding(i):
             assert lc.slots == cfg.sliding_window
             assert sorted(lc.pos.tolist()) == list(range(24, 40))
             assert all(p % lc.slots == s for s, p in enumerate(lc.pos.tolist()))
         else:
             assert lc.pos[:40].tolist() == list(range(40)) and (lc.pos[40:] == -1).all()
-    assert set(eng.cache.layers) == set(range(cfg.first_shared_layer))  # shared layers own none
-    expected = sum(
-        (cfg.sliding_window if cfg.is_sliding(i) else 100)
-        * (2 * cfg.layer_kv_heads[i] * cfg.layer_head_dims[i] * 4 + 8)
-        for i in range(cfg.first_shared_layer)
+    assert set(sequence_cache(eng).layers) == set(
+        range(cfg.first_shared_layer)
+    )  # shared layers own none
+    # a one-sequence pool: the context rounded up to whole blocks plus block 0 (the padding
+    # slot's) in every full layer, a ring per slot (the sequence's and the padding slot's) in
+    # every sliding one, each row K + V + its position; and the block table
+    g = eng.pool.geometry
+    assert (g.max_seqs, g.num_blocks) == (1, -(-100 // g.block_size) + 1)
+    expected = (
+        sum(
+            (2 * cfg.sliding_window if cfg.is_sliding(i) else g.num_blocks * g.block_size)
+            * (2 * cfg.layer_kv_heads[i] * cfg.layer_head_dims[i] * 4 + 8)
+            for i in range(cfg.first_shared_layer)
+        )
+        + 2 * g.max_blocks_per_seq * 4
     )
     report = eng.memory_report()
     assert report.cache_bytes == expected
@@ -213,21 +251,23 @@ def test_attention_in_row_blocks_is_the_same(monkeypatch):
     assert torch.equal(ops._attend(q, k, v, kp, qp, 64), whole)
 
 
-def test_an_abandoned_stream_cannot_resume(eng):
-    greedy = eng.generate(PROMPT, 6, stop_ids=[])
-    old = eng.stream(PROMPT, 6, stop_ids=[])
+def test_two_open_streams_each_get_their_alone_tokens(eng):
+    """One engine design: a second request on a one-sequence engine waits in the line while the
+    first keeps its slot, then runs; both get the tokens they get alone."""
+    greedy = eng.generate(PROMPT, SamplingParams(max_tokens=6, stop_ids=()))
+    short = eng.generate(PROMPT[:20], SamplingParams(max_tokens=3, stop_ids=()))
+    old = eng.stream(PROMPT, SamplingParams(max_tokens=6, stop_ids=()))
     assert next(old) == greedy[0]
-    assert eng.generate(PROMPT[:20], 3, stop_ids=[])  # a newer generation takes the cache
-    with pytest.raises(EngineError, match="another generation"):
-        next(old)
-    assert eng.generate(PROMPT, 6, stop_ids=[]) == greedy
+    assert eng.generate(PROMPT[:20], SamplingParams(max_tokens=3, stop_ids=())) == short
+    assert [greedy[0], *old] == greedy and old.finish_reason == "length"
 
 
 def test_generate_text_streams_the_same_text(eng):
     from engine.textgen import generate_text
 
     pieces: list[str] = []
-    res = generate_text(eng, chat="Tell me a story", max_new_tokens=20, on_text=pieces.append)
+    params = SamplingParams(max_tokens=20)
+    res = generate_text(eng, chat="Tell me a story", params=params, on_text=pieces.append)
     assert "".join(pieces) == res.text and res.new_tokens == 20 and len(pieces) > 1
     assert res.prompt_tokens > 10 and res.weight_bytes_per_token == eng.model.decode_weight_bytes()
 
@@ -235,7 +275,7 @@ def test_generate_text_streams_the_same_text(eng):
 def test_read_prompt_returns_logits_the_next_step_does_not_overwrite(eng):
     """On CUDA the decode step returns its graph's output buffer; read_prompt's logits must
     survive the next step (the bench compares prompt modes after further steps)."""
-    model, cache = eng.model, eng.cache
+    model, cache = eng.model, sequence_cache(eng)
     out = torch.zeros(1, model.cfg.vocab_size)
 
     def step(token, position):  # a step that hands out one shared buffer, as a graph does

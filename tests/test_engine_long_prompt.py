@@ -10,14 +10,15 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from engine_support import prefill, read_prompt, sequence_cache
 
 import engine
 from engine import memory, ops
 from engine.attention import attend_chunk
 from engine.checkpoint_maker import make_checkpoint, text_config_dict
 from engine.config import parse_config
-from engine.generate import prefill, read_prompt
 from engine.memory import MIB, PromptMemoryError, plan_prompt
+from engine.sampling import SamplingParams
 
 LENGTHS = [1, 2, 33, 64, 65, 97, 129]  # 33, 65, 97: torch's memory-efficient kernel's bad rows
 
@@ -77,7 +78,7 @@ def long_eng(tmp_path_factory) -> engine.Engine:
 def test_a_long_chunked_read_equals_one_whole_pass(long_eng, monkeypatch):
     """1,500 tokens read in chunks of 64 / 250 / 512 with score slices of a few hundred keys:
     the last token's logits equal one whole pass's, and the greedy continuations agree."""
-    model, cache = long_eng.model, long_eng.cache
+    model, cache = long_eng.model, sequence_cache(long_eng)
     prompt = [2] + torch.randint(
         3, 512, (1499,), generator=torch.Generator().manual_seed(1)
     ).tolist()
@@ -94,7 +95,7 @@ def test_a_long_chunked_read_equals_one_whole_pass(long_eng, monkeypatch):
         assert _greedy(model, cache, got, len(prompt), 6) == ref_tokens, f"chunk {chunk}"
     # the whole generate path (the reference prefill on the CPU) with a small budget too
     long_eng.prefill_chunk = 100
-    assert long_eng.generate(prompt, 6, stop_ids=[]) == ref_tokens
+    assert long_eng.generate(prompt, SamplingParams(max_tokens=6, stop_ids=())) == ref_tokens
 
 
 def _greedy(model, cache, logits, n, steps) -> list[int]:
@@ -139,10 +140,10 @@ def test_a_prompt_that_cannot_be_read_is_refused_naming_the_largest():
 
 def test_the_engine_refuses_before_reading(long_eng, monkeypatch):
     """Engine.stream raises at the call, not from the first next(); the cache is untouched."""
-    cache = long_eng.cache
+    cache = sequence_cache(long_eng)
     for c in cache.layers.values():
         c.pos.fill_(3)
     monkeypatch.setattr(memory, "available_bytes", lambda device, cap: 16 * MIB)
     with pytest.raises(PromptMemoryError, match="largest prompt that fits"):
-        long_eng.stream(list(range(3, 503)) * 2, 4)
+        long_eng.stream(list(range(3, 503)) * 2, SamplingParams(max_tokens=4))
     assert all(bool((c.pos == 3).all()) for c in cache.layers.values())

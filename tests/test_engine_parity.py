@@ -23,11 +23,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from engine_support import prefill, sequence_cache
 
 import engine
 from engine.checkpoint_maker import make_checkpoint
-from engine.generate import prefill
 from engine.ops import PackedLinear, PlainLinear
+from engine.sampling import SamplingParams
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("compressed_tensors")
@@ -117,10 +118,10 @@ def hf_reference(path, dtype=torch.float32):
 def engine_logits(eng, seq: list[int], prompt_len: int, chunk: int) -> torch.Tensor:
     """The engine's logits for positions prompt_len-1 .. len(seq)-2, teacher-forced on `seq`."""
     eng.prefill_chunk = chunk
-    rows = [prefill(eng.model, eng.cache, seq[:prompt_len], chunk)]
+    rows = [prefill(eng.model, sequence_cache(eng), seq[:prompt_len], chunk)]
     for pos in range(prompt_len, len(seq) - 1):
         tok = torch.tensor([seq[pos]])
-        rows.append(eng.model.decode_step(tok, torch.tensor([pos]), eng.cache)[0])
+        rows.append(eng.model.decode_step(tok, torch.tensor([pos]), sequence_cache(eng))[0])
     return torch.stack(rows)
 
 
@@ -149,7 +150,7 @@ def test_engine_matches_transformers(case):
     greedy = None
     for chunk in chunks:
         eng.prefill_chunk = chunk
-        gen = eng.stream(prompt, NEW_TOKENS, stop_ids=[])
+        gen = eng.stream(prompt, SamplingParams(max_tokens=NEW_TOKENS, stop_ids=()))
         out = list(gen)
         assert len(out) == NEW_TOKENS and gen.finish_reason == "length"
         if greedy is None:
@@ -194,7 +195,7 @@ def test_transformers_generate_agrees(tmp_path):
             pad_token_id=0,
         )[0, len(prompt) :].tolist()
     eng = engine.load(path, device="cpu", max_context=400, prefill_chunk=65)
-    assert eng.generate(prompt, NEW_TOKENS, stop_ids=[]) == hf
+    assert eng.generate(prompt, SamplingParams(max_tokens=NEW_TOKENS, stop_ids=())) == hf
 
 
 def test_emb4_matches_dequantized_reference(tmp_path):
@@ -228,7 +229,7 @@ def test_emb4_matches_dequantized_reference(tmp_path):
     )
     assert eng.model.lm_head is eng.model.embed  # one copy serves both
     prompt = [2] + list(range(100, 180))
-    out = eng.generate(prompt, NEW_TOKENS, stop_ids=[])
+    out = eng.generate(prompt, SamplingParams(max_tokens=NEW_TOKENS, stop_ids=()))
     seq = prompt + out
     with torch.no_grad():
         ref_rows = ref(torch.tensor([seq]), use_cache=False).logits[0, len(prompt) - 1 : -1].float()
@@ -249,12 +250,12 @@ def test_bfloat16_matches_transformers_bfloat16(tmp_path):
     gen = torch.Generator().manual_seed(3)
     prompt = [2] + torch.randint(3, 512, (PROMPT_LEN - 1,), generator=gen).tolist()
     eng = engine.load(path, device="cpu", max_context=512, dtype=torch.bfloat16, prefill_chunk=33)
-    out = eng.generate(prompt, NEW_TOKENS, stop_ids=[])
+    out = eng.generate(prompt, SamplingParams(max_tokens=NEW_TOKENS, stop_ids=()))
     seq = prompt + out
     with torch.no_grad():
         ref_rows = ref(torch.tensor([seq]), use_cache=False).logits[0, len(prompt) - 1 : -1].float()
     assert ref_rows.argmax(-1).tolist() == out
-    first = prefill(eng.model, eng.cache, prompt, 33).float()
+    first = prefill(eng.model, sequence_cache(eng), prompt, 33).float()
     assert (first - ref_rows[0]).abs().max().item() < 1e-2
 
 
@@ -280,7 +281,7 @@ def test_quantized_transformers_save_matches(tmp_path):
     ref = hf_reference(tmp_path / "w4")
     eng = engine.load(tmp_path / "w4", device="cpu", max_context=512, prefill_chunk=33)
     prompt = [2] + list(range(100, 200))
-    out = eng.generate(prompt, NEW_TOKENS, stop_ids=[])
+    out = eng.generate(prompt, SamplingParams(max_tokens=NEW_TOKENS, stop_ids=()))
     seq = prompt + out
     with torch.no_grad():
         ref_rows = ref(torch.tensor([seq]), use_cache=False).logits[0, len(prompt) - 1 : -1].float()

@@ -15,8 +15,10 @@ from engine.chat.render import ChatFormat, bundled_template
 from engine.checkpoint_maker import make_checkpoint
 from engine.config import GenerationConfig, read_generation_config
 from engine.detokenize import MAX_HELD, Detokenizer, TextStream
-from engine.errors import CheckpointError, EngineError
+from engine.errors import CheckpointError
 from engine.generation import Generation
+from engine.sampling import SamplingParams
+from engine.sequence import Output, Sequence
 from engine.textgen import GenerationResult
 from engine.tokenizer_synth import build_tokenizer
 
@@ -39,7 +41,7 @@ def eng(tmp_path_factory):
 
 
 def test_generation_reports_length_counts_and_timings(eng):
-    gen = eng.stream(PROMPT, 7, stop_ids=[])
+    gen = eng.stream(PROMPT, SamplingParams(max_tokens=7, stop_ids=()))
     assert isinstance(gen, Generation) and gen.finish_reason is None and not gen.done
     first = next(gen)
     assert gen.finish_reason is None and gen.completion_tokens == 1  # still running
@@ -52,44 +54,44 @@ def test_generation_reports_length_counts_and_timings(eng):
     assert 0 < t.prompt_seconds <= t.time_to_first_token and t.decode_seconds > 0
     assert t.decode_tokens_per_s == pytest.approx(6 / t.decode_seconds)
     assert gen.timings == t  # final once done
-    assert eng.generate(PROMPT, 7, stop_ids=[]) == gen.tokens
+    assert eng.generate(PROMPT, SamplingParams(max_tokens=7, stop_ids=())) == gen.tokens
 
 
 def test_generation_stopped_by_a_stop_id_counts_the_stop_as_decoded(eng):
-    greedy = eng.generate(PROMPT, 12, stop_ids=[])
+    greedy = eng.generate(PROMPT, SamplingParams(max_tokens=12, stop_ids=()))
     stop = greedy[5]
     cut = greedy.index(stop)
-    gen = eng.stream(PROMPT, 12, stop_ids=[stop])
+    gen = eng.stream(PROMPT, SamplingParams(max_tokens=12, stop_ids=(stop,)))
     assert list(gen) == greedy[:cut] and gen.finish_reason == "stop"
     assert gen.completion_tokens == cut
     # the stop id was made by a decode step too (unless it was the first token)
     assert gen.timings.decode_tokens == (cut - 1 + 1 if cut else 0)
-    none = eng.stream(PROMPT, 0)
+    none = eng.stream(PROMPT, SamplingParams(max_tokens=0))
     assert list(none) == [] and none.finish_reason == "length"
     assert none.timings.decode_tokens == 0 and none.timings.decode_tokens_per_s is None
 
 
 def test_generation_closed_early_has_no_finish_reason(eng):
-    with eng.stream(PROMPT, 20, stop_ids=[]) as gen:
+    with eng.stream(PROMPT, SamplingParams(max_tokens=20, stop_ids=())) as gen:
         got = [next(gen), next(gen)]
     assert gen.done and gen.finish_reason is None and gen.tokens == got
     gen.close()  # again: harmless
     with pytest.raises(StopIteration):
         next(gen)
-    old = eng.stream(PROMPT, 5, stop_ids=[])
-    next(old)
-    eng.generate(PROMPT, 2, stop_ids=[])  # a newer generation takes the cache
-    with pytest.raises(EngineError, match="another generation"):
-        next(old)
-    assert old.done and old.finish_reason is None
+    assert eng.generate(PROMPT, SamplingParams(max_tokens=3, stop_ids=()))  # its slot was freed
 
 
 def test_tiny_temperatures_are_greedy(eng):
-    greedy = eng.generate(PROMPT, 5, stop_ids=[])
+    greedy = eng.generate(PROMPT, SamplingParams(max_tokens=5, stop_ids=()))
     for t in (1e-40, 9.9e-6):  # 1e-40 made softmax of inf: "probability tensor contains nan"
-        assert eng.generate(PROMPT, 5, temperature=t, stop_ids=[]) == greedy
+        assert (
+            eng.generate(PROMPT, SamplingParams(max_tokens=5, temperature=t, stop_ids=())) == greedy
+        )
     sampled = {
-        tuple(eng.generate(PROMPT, 5, temperature=5.0, seed=s, stop_ids=[])) for s in range(3)
+        tuple(
+            eng.generate(PROMPT, SamplingParams(max_tokens=5, temperature=5.0, seed=s, stop_ids=()))
+        )
+        for s in range(3)
     }
     assert len(sampled) > 1  # a real temperature still samples
 
@@ -97,32 +99,48 @@ def test_tiny_temperatures_are_greedy(eng):
 # ---- Generation as a pure iterator ----------------------------------------------------------
 
 
-class _State:
-    finish_reason: str | None = None
+class _Engine:
+    """Steps that hand a sequence prepared outputs, one per step, `delay` apart."""
+
+    def __init__(self, seq: Sequence, outputs: list[Output], delay: float = 0.0) -> None:
+        self.seq, self.outputs, self.delay = seq, outputs, delay
+        self.steps = 0
+
+    def step(self) -> bool:
+        time.sleep(self.delay)
+        self.steps += 1
+        if self.steps == 1:
+            self.seq.started_at = time.perf_counter()
+        out = self.outputs.pop(0)
+        if out.tokens and self.seq.first_token_at is None:
+            self.seq.first_token_at = time.perf_counter()
+        if out.finished:
+            self.seq.finished, self.seq.finish_reason = True, out.finish_reason
+            self.seq.ended_at = time.perf_counter()
+        self.seq.sink(self.seq, out)
+        return bool(self.outputs)
 
 
-def _steps(state: _State, ids: list[int], reason: str, delay: float = 0.0):
-    for i in ids:
-        time.sleep(delay)
-        yield i
-    state.finish_reason = reason
+def _seq() -> Sequence:
+    return Sequence([2, 3, 4, 5], SamplingParams(max_tokens=8), frozenset(), 4, None)
 
 
 def test_generation_timings_follow_its_phases():
-    state = _State()
-    synced = []
-    gen = Generation(_steps(state, [5, 6, 7], "stop", 0.02), state, 4, lambda: synced.append(1))
-    assert list(gen) == [5, 6, 7] and gen.finish_reason == "stop" and synced == [1]
+    seq = _seq()
+    outs = [Output([]), Output([5]), Output([6]), Output([7], finished=True, finish_reason="stop")]
+    stepper = _Engine(seq, outs, 0.02)
+    gen = Generation(stepper, seq)
+    assert list(gen) == [5, 6, 7] and gen.finish_reason == "stop" and stepper.steps == 4
     t = gen.timings
     assert t.prompt_seconds >= 0.015 and t.decode_seconds >= 0.03
     assert t.decode_tokens == 3  # two after the first, and the stop id
-    broken = _State()
+    assert gen.timings == t  # final once done
 
-    def failing():
-        yield 1
-        raise RuntimeError("device lost")
-
-    gen = Generation(failing(), broken, 2)
+    failing = _seq()
+    error = RuntimeError("device lost")
+    gen = Generation(
+        _Engine(failing, [Output([1]), Output([], finished=True, error=error)]), failing
+    )
     assert next(gen) == 1
     with pytest.raises(RuntimeError):
         next(gen)
@@ -233,7 +251,9 @@ def test_text_stream_cuts_at_a_stop_string_split_over_byte_tokens(tokenizer):
 
 
 def test_generation_result_of_a_text_stream(eng):
-    stream = TextStream(eng.stream(PROMPT, 9, stop_ids=[]), eng.tokenizer)
+    stream = TextStream(
+        eng.stream(PROMPT, SamplingParams(max_tokens=9, stop_ids=())), eng.tokenizer
+    )
     pieces = [p for p in stream if p]
     result = GenerationResult.of(stream)
     assert result.text == "".join(pieces) == eng.tokenizer.decode(stream.generation.tokens)

@@ -31,7 +31,6 @@ LAYER_CASES_TO_BE_REMOVED = {
     ("bench.sweep_e2b", "mcp_server.cli_sweep"),  # the sweep's own fix moves what it needs down
 }
 PRIVATE_CASES_TO_BE_REMOVED = {
-    ("engine.fast.batch_decode", "engine.fast.decode._qkv_matrices"),  # engine-core rewrite
     ("engine.server.tokenize", "engine.server.schemas._Request"),  # server rewrite, in progress
     ("bench.sweep.telemetry", "tools.gpu_nvml._nvml_error_text"),  # now nvml_error_text
     ("bench.sweep.compare", "bench.sweep.run._find_dir"),  # the sweep's rewrite

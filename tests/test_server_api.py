@@ -21,6 +21,7 @@ import engine
 from engine.chat.render import encode_prompt, render_chat
 from engine.chat.tool_calls import parse_reply
 from engine.checkpoint_maker import make_checkpoint
+from engine.sampling import SamplingParams
 
 MODEL = "tiny-ckpt"
 CHAT_STOPS = [1, 50, 106]  # <eos>, <|tool_response>, <turn|>
@@ -93,7 +94,7 @@ def test_chat_matches_the_engine_and_reports_usage_and_timings(client, reference
         model=MODEL, messages=messages, max_tokens=12, temperature=0
     )
     ids = chat_ids(reference, messages)
-    reference_run = reference.stream(ids, 12, stop_ids=CHAT_STOPS)
+    reference_run = reference.stream(ids, SamplingParams(max_tokens=12, stop_ids=tuple(CHAT_STOPS)))
     expected_ids = list(reference_run)
     expected = parse_reply(
         reference.tokenizer.decode(expected_ids, skip_special_tokens=False), parse_calls=False
@@ -156,7 +157,7 @@ def test_completions_with_token_ids_text_and_stream(client, reference):
     resp = client.completions.create(
         model=MODEL, prompt=ids, max_tokens=9, extra_body={"ignore_eos": True}
     )
-    expected = reference.generate(ids, 9, stop_ids=[])
+    expected = reference.generate(ids, SamplingParams(max_tokens=9, stop_ids=()))
     assert resp.usage.prompt_tokens == len(ids) and resp.usage.completion_tokens == 9
     assert resp.choices[0].finish_reason == "length"
     assert resp.choices[0].text == reference.tokenizer.decode(expected, skip_special_tokens=True)
@@ -308,7 +309,9 @@ def test_logit_bias_steers_the_tokens(client, reference):
         logit_bias={"77": 100},
         extra_body={"ignore_eos": True},
     )
-    expected = reference.generate(ids, 4, stop_ids=[], logit_bias={77: 100.0})
+    expected = reference.generate(
+        ids, SamplingParams(max_tokens=4, stop_ids=(), logit_bias=((77, 100.0),))
+    )
     assert expected == [77] * 4
     assert resp.choices[0].text == reference.tokenizer.decode(expected, skip_special_tokens=True)
     for bad in ({"x": 1}, {"99999": 1}):
@@ -321,7 +324,7 @@ def test_logit_bias_steers_the_tokens(client, reference):
 
 def test_concurrent_clients_each_get_their_own_answer_in_shared_steps(server, reference):
     prompts = [[2, 105, 10 + i, 20 + i, 30 + i] for i in range(6)]
-    expected = [reference.generate(p, 16, stop_ids=[]) for p in prompts]
+    expected = [reference.generate(p, SamplingParams(max_tokens=16, stop_ids=())) for p in prompts]
     results: dict[int, object] = {}
     barrier = threading.Barrier(len(prompts))
 

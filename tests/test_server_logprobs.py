@@ -18,6 +18,7 @@ from server_support import ServerProcess
 
 import engine
 from engine.checkpoint_maker import make_checkpoint
+from engine.sampling import SamplingParams
 
 PROMPT = [2, 10, 20, 30, 40, 50, 60]
 CHAT = [{"role": "user", "content": "Say something."}]
@@ -205,7 +206,7 @@ def test_concurrent_requests_with_and_without_logprobs(server, checkpoint):
     eng = engine.load(checkpoint, device="cpu", max_context=256)  # one sequence: generate.py
     for i in (0, 2):
         k = bodies[i]["logprobs"]
-        gen = eng.stream(bodies[i]["prompt"], 6, stop_ids=[], logprobs=k)
+        gen = eng.stream(bodies[i]["prompt"], SamplingParams(max_tokens=6, stop_ids=(), logprobs=k))
         list(gen)
         lp = out[i]["logprobs"]
         assert [e.logprob for e in gen.logprobs] == pytest.approx(lp["token_logprobs"], abs=1e-4)

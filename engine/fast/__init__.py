@@ -1,7 +1,8 @@
 """The engine's fast path on NVIDIA GPUs: Triton kernels behind engine/ops.py's dispatch points
-(`ops_fast.FastOps`), a fused decode step (`decode`), fused prompt chunks (`prefill`), and the
-decode step replayed as a CUDA graph (`graph`).
+(`ops_fast.FastOps`), the fused decode step of a batch (`batch_decode`, one row included),
+fused prompt chunks (`prefill`), and the step replayed as one CUDA graph per batch bucket
+(`batch_graph`).
 
-Nothing here chooses itself: engine.backend.Backend picks this path once, at load, from the
-engine's EngineOptions (engine/options.py), and owns the fused weights and the decoder.
+Nothing here chooses itself: engine/runner.py's ModelRunner picks this path once, at load, from
+the engine's EngineOptions (engine/options.py), and owns the fused weights and the decoder.
 """

@@ -1,8 +1,8 @@
 """The decode step of a batch: B sequences, one new token each, through every layer at once.
 
 Why: one decode step reads ~1.28 GB of 4-bit weights on E2B whatever the number of rows, so
-sixteen sequences sharing a step cost little more than one. The step is the fused single-token
-step of engine/fast/decode.py widened to B rows:
+sixteen sequences sharing a step cost little more than one. Every batch size runs it, one row
+included (a single sequence is a batch of one):
 
 * the products are the int4 GEMM for 2..16 rows (engine/kernels/w4gemm.py), which reads each
   weight word once for all rows; a one-row batch keeps the single-token GEMV whose prologue
@@ -12,7 +12,15 @@ step of engine/fast/decode.py widened to B rows:
 * attention reads each row's sequence through its block table (full layers) or its ring
   (sliding layers) with the paged split kernel (engine/kernels/attention_paged.py).
 
-Every intermediate is rounded where the reference rounds it, as in the single-token step, so a
+A one-row step makes the residual+norm before the per-layer gate and before the next layer's
+q|k|v in that GEMV's prologue: only GEMVs of few programs take one (every program recomputes
+the two norms over the whole vector, which the q|k|v and per-layer gate GEMVs absorb, but
+gate|up and the lm_head would pay ~30% more instructions); the residual alternates between two
+buffers, since a prologue reads one while its program 0 writes the other. Other arrangements
+(residual+norm in GEMV epilogues, q/k/v work inside the attention, a gate|up prologue, PDL and
+L2 prefetch) were measured no faster; their numbers stay in bench/NOTES.md.
+
+Every intermediate is rounded where the reference rounds it, so a
 row's logits equal the reference's for that sequence up to summation order (fp32: the tokens of
 a batched row equal the same request run alone; tests/test_batching*.py).
 """
@@ -21,11 +29,11 @@ from __future__ import annotations
 
 import torch
 
-from engine.fast.decode import _qkv_matrices, embed_tokens
 from engine.fast.fuse import FusedLayer
 from engine.fast.ops_fast import FastOps, packed_ok
 from engine.kernels.attention_paged import PagedDecodeAttention
-from engine.kernels.fused import qkv_rope_rows, residual_norm, rmsnorm_rows
+from engine.kernels.fused import ple_mix, qkv_rope_rows, residual_norm, rmsnorm_rows
+from engine.kernels.w4dequant import w4_gather_rows
 from engine.kernels.w4gemm import w4_gemm
 from engine.kernels.w4gemv import w4_gemv, w4_gemv_after_residual, w4_gemv_glu
 from engine.kv_pool import KVPool
@@ -35,11 +43,56 @@ GEMV_ROWS = 4  # up to this many rows the GEMV beats the GEMM (see BatchDecoder.
 GEMV_MAX_N = 65536  # the lm_head (262,144 rows) is read once by the GEMM at any row count
 
 
-def supported(model, fused: list[FusedLayer]) -> bool:
-    """The batched step covers what the fused single-token step covers (E2B, the presets)."""
-    from engine.fast import decode
+def qkv_matrices(model, fused: list[FusedLayer]) -> list:
+    """The one matrix each layer's q|k|v GEMV reads (KV-shared layers: q alone)."""
+    return [
+        fl.qkv if fl.qkv is not None else w.q if w.k is None and w.v is None else None
+        for fl, w in zip(fused, model.layers, strict=True)
+    ]
 
-    return decode.supported(model, fused)
+
+def supported(model, fused: list[FusedLayer]) -> bool:
+    """True when every layer fits the fused kernels (E2B and the tiny presets do)."""
+    cfg = model.cfg
+    for i in range(cfg.num_hidden_layers):
+        d = cfg.layer_head_dims[i]
+        if cfg.layer_kv_heads[i] != 1 or d & (d - 1) or d < 16:
+            return False
+    if model.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return False
+    return (
+        all(q is not None and packed_ok(q) for q in qkv_matrices(model, fused))
+        and all(fl.gate_up is not None and packed_ok(fl.gate_up) for fl in fused)
+        and all(packed_ok(w.ple_gate) for w in model.layers if model.ple_table is not None)
+    )
+
+
+def embed_tokens(
+    model, ops: FastOps, tokens: torch.Tensor, linear
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Hidden states [B, H] and per-layer inputs [B, layers, width] (None without PLE) of B
+    decode tokens, from the 4-bit tables (one gather each) and one mix kernel; `linear` makes
+    the per-layer-input projection (the GEMV for one row, the batched product for more)."""
+    m, cfg = model, model.cfg
+    b = tokens.shape[0]
+    if packed_ok(m.embed):
+        h = w4_gather_rows(tokens, m.embed.packed, m.embed.scales, dtype=m.dtype,
+                           mul=m.embed_scale)  # fmt: skip
+    else:
+        h = ops.embed_rows(tokens, m.embed, m.dtype) * m.embed_scale
+    h = h.contiguous()
+    if m.ple_table is None:
+        return h, None
+    n, p = cfg.num_hidden_layers, cfg.hidden_size_per_layer_input
+    if packed_ok(m.ple_table):
+        tok = w4_gather_rows(tokens, m.ple_table.packed, m.ple_table.scales, dtype=m.dtype,
+                             mul=m.ple_scale)  # fmt: skip
+    else:
+        tok = ops.embed_rows(tokens, m.ple_table, m.dtype) * m.ple_scale
+    proj = linear(h, m.ple_projection).contiguous()
+    ple = ple_mix(proj.view(b * n, p), tok.contiguous().view(b * n, p), m.ple_projection_norm,
+                  b * n, p, cfg.rms_norm_eps, cfg.hidden_size**-0.5, 2.0**-0.5)  # fmt: skip
+    return h, ple.view(b, n, p)
 
 
 class BatchDecoder:
@@ -53,7 +106,7 @@ class BatchDecoder:
         self.fused = fused
         self.ops = kernels
         self.max_batch = max_batch
-        self.qkv_lin = _qkv_matrices(model, fused)
+        self.qkv_lin = qkv_matrices(model, fused)
         self._attention: dict[tuple[int, bool], PagedDecodeAttention] = {}
 
     def _attn(self, layer: int, rows: int) -> PagedDecodeAttention:

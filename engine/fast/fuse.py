@@ -66,7 +66,7 @@ def _interleave(gate, up) -> PackedLinear | None:
 
 def fuse_projections(model) -> list[FusedLayer]:
     """Fuse every layer's q|k|v and gate|up. The layer's own q/k/v/gate/up become views into
-    the fused matrices (no second copy); the caller (engine.backend.Backend) keeps the result
+    the fused matrices (no second copy); the caller (engine.runner.ModelRunner) keeps the result
     and hands it to the fused decoder and prefill, so it is made once per engine."""
     layers: list[FusedLayer] = []
     for w in model.layers:

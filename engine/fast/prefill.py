@@ -11,8 +11,9 @@ attention over the prompt and the cache write stay the reference's ops. Every in
 rounded where the reference rounds it, so the cache equals the reference's up to the matmuls'
 summation order. The q/k/v head norms and RoPE are one kernel for the whole chunk.
 
-Only the body of a prompt comes here: the last token goes through the decode step
-(engine.generate.read_prompt), so the KV-shared layers never run on a prompt chunk.
+Only the body of a prompt comes here: the last token goes through the decode step (the
+scheduler feeds it as the sequence's first decode row), so the KV-shared layers never run on a
+prompt chunk.
 """
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ def supported(model, fused: list[FusedLayer]) -> bool:
 
 
 class FusedPrefill:
-    """`chunk(ids [T], start, cache)`: what `prefill_chunk(ids, start, cache, last=False)` does."""
+    """`chunks([(ids [T], start, cache), ...])`: what `prefill_chunk(ids, start, cache,
+    last=False)` does for each, in one pass."""
 
     def __init__(self, model, fused: list[FusedLayer], kernels: FastOps) -> None:
         self.model = model
@@ -94,10 +96,6 @@ class FusedPrefill:
         ple = ple_mix(proj.view(t * n, p), tok.view(t * n, p), m.ple_projection_norm, t * n, p,
                       cfg.rms_norm_eps, cfg.hidden_size**-0.5, 2.0**-0.5, out=tok.view(t * n, p))  # fmt: skip
         return h, ple.view(t, n, p)
-
-    def chunk(self, ids: torch.Tensor, start: int, cache, score_budget: int | None = None) -> None:
-        """One sequence's prompt chunk at positions start.. into its cache."""
-        self.chunks([(ids, start, cache)], score_budget)
 
     @torch.inference_mode()
     def chunks(self, segments: list[tuple[torch.Tensor, int, object]],

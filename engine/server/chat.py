@@ -20,7 +20,7 @@ from engine.chat.tool_calls import CALL_OPEN, StreamingReplyParser, parse_reply
 from engine.server.body import parse_request, read_body
 from engine.server.errors import ApiError, excerpt
 from engine.server.logprobs import chat_k, chat_logprobs
-from engine.server.queue import Event, GenerationRequest
+from engine.server.queue import Event
 from engine.server.schemas import (
     AssistantMessage,
     ChatChoice,
@@ -32,7 +32,7 @@ from engine.server.schemas import (
     Usage,
 )
 from engine.server.sse import SSEResponse, error_payload, first_event_or_error, run_to_end
-from engine.server.state import ServerState, sampling, token_budget
+from engine.server.state import ServerState, generation_request, submit, token_budget
 
 
 class ChatPrompt(NamedTuple):
@@ -127,18 +127,9 @@ async def chat_completions(request: Request) -> Response:
     budget = token_budget(state, len(prompt_ids), asked, "messages")
     k, want_ids = chat_k(req), bool(req.return_token_ids)
     as_ids = bool(req.return_tokens_as_token_ids)
-    job = state.queue.submit(
-        GenerationRequest(
-            prompt_ids=prompt_ids,
-            max_new_tokens=budget.max_new,
-            stop_ids=[] if req.ignore_eos else list(state.chat.stop_ids),
-            stop_strings=req.stop_strings(),
-            skip_special_tokens=False,  # the parser needs the markers
-            logprobs=k,
-            token_ids=want_ids,
-            **sampling(state, req),
-        )
-    )
+    stops = list(state.chat.stop_ids)  # skip_special_tokens False: the parser needs the markers
+    job = submit(state, generation_request(state, req, prompt_ids, budget.max_new, stops, k, False),
+                 "messages")  # fmt: skip
     completion_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     capped = {"max_tokens_capped": budget.capped} if budget.capped is not None else {}
     if not req.stream:

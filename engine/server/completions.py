@@ -14,15 +14,13 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from engine.errors import ContextLengthError, GenerationError
 from engine.server.body import parse_request, read_body
 from engine.server.chat import usage
 from engine.server.errors import ApiError, context_error
 from engine.server.logprobs import completion_k, completion_logprobs
-from engine.server.queue import GenerationRequest
 from engine.server.schemas import Completion, CompletionChoice, CompletionRequest, Timings, Usage
 from engine.server.sse import SSEResponse, error_payload, first_event_or_error, run_to_end
-from engine.server.state import ServerState, sampling, token_budget
+from engine.server.state import ServerState, generation_request, submit, token_budget
 
 
 def _precheck(state: ServerState, data: dict[str, Any]) -> None:
@@ -47,17 +45,7 @@ def completion_prompt(state: ServerState, req: CompletionRequest) -> list[int]:
         ids = state.encode(prompt, add_special_tokens=True, param="prompt")
     else:
         ids = [int(i) for i in prompt]
-    from engine.generate import check_prompt  # the engine's own checks (the engine is loaded)
-
-    try:
-        check_prompt(ids, state.vocab_size, state.max_context)
-    except ContextLengthError as exc:
-        raise context_error(exc.limit, exc.requested, None, "prompt") from None
-    except GenerationError as exc:
-        raise ApiError(
-            400, f"{exc.message[:1].upper()}{exc.message[1:]}.", param="prompt"
-        ) from None
-    return ids
+    return ids  # checked once, by the engine (state.submit)
 
 
 def _prepare(state: ServerState, body: bytes) -> tuple[CompletionRequest, list[int], str]:
@@ -76,18 +64,8 @@ async def completions(request: Request) -> Response:
     budget = token_budget(state, len(prompt_ids), req.max_tokens, "prompt")
     k, want_ids = completion_k(req), bool(req.return_token_ids)
     as_ids = bool(req.return_tokens_as_token_ids)
-    job = state.queue.submit(
-        GenerationRequest(
-            prompt_ids=prompt_ids,
-            max_new_tokens=budget.max_new,
-            stop_ids=[] if req.ignore_eos else state.eos_ids,
-            stop_strings=req.stop_strings(),
-            skip_special_tokens=True,
-            logprobs=k,
-            token_ids=want_ids,
-            **sampling(state, req),
-        )
-    )
+    request_ = generation_request(state, req, prompt_ids, budget.max_new, state.eos_ids, k, True)
+    job = submit(state, request_, "prompt")
     completion_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     capped = {"max_tokens_capped": budget.capped} if budget.capped is not None else {}
     if not req.stream:

@@ -72,8 +72,9 @@ def context_error(limit: int, prompt_len: int, asked: int | None, param: str) ->
 CLIENT_CATEGORIES = ("invalid_input", "refused")
 
 
-def engine_error_to_api(exc: BaseException | None) -> ApiError:
-    """The client's view of an error raised by the engine while running a job."""
+def engine_error_to_api(exc: BaseException | None, param: str | None = None) -> ApiError:
+    """The client's view of an error the engine raised on a request (naming `param` where the
+    request's field is known)."""
     if isinstance(exc, ContextLengthError):
         return ApiError(
             400,
@@ -83,5 +84,7 @@ def engine_error_to_api(exc: BaseException | None) -> ApiError:
             code="context_length_exceeded",
         )
     if isinstance(exc, GpurigError) and exc.category in CLIENT_CATEGORIES:  # GenerationError
+        if param is not None:
+            return ApiError(400, f"{exc.message[:1].upper()}{exc.message[1:]}.", param=param)
         return ApiError(400, str(exc))
     return ApiError(500, f"Generation failed: {type(exc).__name__}: {exc}", type_="server_error")

@@ -33,10 +33,7 @@ class Metrics:
         self.decode_seconds = 0.0
         self.decode_tokens = 0.0
         self.queue_seconds = 0.0
-        self.queue_waiting = 0
-        self.running = 0
-        self.busy = False
-        # the batching engine's scheduler (engine.scheduler.Scheduler.stats), when it has one
+        # the engine's scheduler (engine.scheduler.Scheduler.stats): the one waiting line
         self.scheduler_stats: Callable[[], Any] | None = None
         self.last_decode_tok_per_s = 0.0
         self.last_prompt_tok_per_s = 0.0
@@ -48,12 +45,6 @@ class Metrics:
     def record_cancelled(self) -> None:
         with self._lock:
             self.cancelled += 1
-
-    def set_queue(self, waiting: int, busy: bool, running: int | None = None) -> None:
-        with self._lock:
-            self.queue_waiting = waiting
-            self.busy = busy
-            self.running = int(busy) if running is None else running
 
     def record_generation(self, r: GenerationResult, queue_ms: float) -> None:
         with self._lock:
@@ -86,8 +77,8 @@ class Metrics:
                 "prompt_seconds_total": round(self.prompt_seconds, 6),
                 "decode_seconds_total": round(self.decode_seconds, 6),
                 "queue_seconds_total": round(self.queue_seconds, 6),
-                "queue_waiting": self.queue_waiting,
-                "busy": self.busy,
+                "queue_waiting": batch["num_requests_waiting"],
+                "busy": batch["num_requests_running"] > 0,
                 "prompt_tok_per_s_avg": _rate(self.prompt_tokens, self.prompt_seconds),
                 "decode_tok_per_s_avg": _rate(self.decode_tokens, self.decode_seconds),
                 "prompt_tok_per_s_last": round(self.last_prompt_tok_per_s, 2),
@@ -96,20 +87,13 @@ class Metrics:
 
     def _batch(self) -> dict[str, Any]:
         """What the scheduler says (vLLM's gauges): requests running in the batch and waiting
-        (in the server's queue and the scheduler's), KV cache usage, tokens per decode step.
-        Without a scheduler, the one-at-a-time queue's view."""
+        in its line, KV cache usage, tokens per decode step (zeros before an engine is set)."""
         if self.scheduler_stats is None:
-            with self._lock:
-                return {
-                    "num_requests_running": self.running,
-                    "num_requests_waiting": self.queue_waiting,
-                }
+            return {"num_requests_running": 0, "num_requests_waiting": 0}
         st = self.scheduler_stats()
-        with self._lock:
-            waiting = self.queue_waiting
         return {
             "num_requests_running": st.running,
-            "num_requests_waiting": st.waiting + waiting,
+            "num_requests_waiting": st.waiting,
             "max_num_seqs": st.max_num_seqs,
             "kv_cache_usage_perc": round(st.kv_usage, 6),
             "kv_cache_tokens": st.kv_tokens,

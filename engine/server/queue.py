@@ -1,31 +1,28 @@
-"""Generations off the event loop, first come first served.
+"""Requests into the engine and their text back to the event loop.
 
-The engine is blocking torch code, so worker threads drive it and take jobs from a FIFO queue;
-the asyncio side only enqueues and listens. With a batching engine (`engine.load(max_num_seqs=N)`,
-what `gpurig engine serve` loads) there are N workers, each a client of the engine's scheduler
-(engine/scheduler.py), which puts every open generation in the same decode steps; a job beyond N
-waits here in arrival order. A single-sequence engine (not thread-safe) gets one worker: one
-generation at a time. Each job streams its text back to the event loop as it is made (a
-thread-safe hand-off into an asyncio.Queue), so streaming clients see tokens as they come and the
-loop keeps answering /health and /metrics while generations run.
-
-Cancelling a job (a client that went away) is a flag the worker checks after every token: it then
-closes the engine's stream, which frees its place in the batch at the next step. A job cancelled
-while still waiting is skipped without touching the engine.
+One waiting line, the scheduler's (engine/scheduler.py): `submit` hands a request straight to
+the engine, and one thread (`EngineLoop`) steps the engine while it has work. The engine hands
+each request's new tokens to its sink on that thread, which puts them on the request's asyncio
+queue; the handler's side turns them into text there (engine/detokenize.py: the incremental
+detokeniser and the stop strings), so no thread relays anything and the loop keeps answering
+/health and /metrics while generations run. Cancelling a request (a client that left, a stop
+string) is one flag on its sequence, read by the next step.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import queue
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.detokenize import TextStream
+from engine.detokenize import TextAssembler
+from engine.generation import Timings
+from engine.sampling import SamplingParams
+from engine.sequence import Output, Sequence
 from engine.server.metrics import Metrics
 from engine.textgen import GenerationResult
 
@@ -34,23 +31,19 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class GenerationRequest:
+    """A request as the engine takes it (`params`), with what the text side does to its
+    tokens: stop strings, special tokens skipped, token ids sent along."""
+
     prompt_ids: list[int]
-    max_new_tokens: int
-    temperature: float = 0.0
-    top_p: float | None = None
-    top_k: int | None = None
-    seed: int | None = None
-    stop_ids: list[int] = field(default_factory=list)
+    params: SamplingParams
     stop_strings: list[str] = field(default_factory=list)
     skip_special_tokens: bool = False
-    logit_bias: dict[int, float] | None = None
-    logprobs: int | None = None  # k: each token's log-probability and the top k
     token_ids: bool = False  # the events carry the new token ids (`return_token_ids`)
 
     @property
     def tracks_tokens(self) -> bool:
         """The events carry token ids and log-probabilities, not only text."""
-        return self.logprobs is not None or self.token_ids
+        return self.params.logprobs is not None or self.token_ids
 
 
 @dataclass
@@ -58,7 +51,7 @@ class Event:
     kind: str  # "delta" | "done" | "error"
     text: str = ""
     result: GenerationResult | None = None
-    queue_ms: float = 0.0  # with "done": how long the job waited for the engine
+    queue_ms: float = 0.0  # with "done": how long the request waited for a place in the batch
     error: BaseException | None = None
     # for a request that tracks tokens: a delta's new token ids and their log-probabilities
     # (engine.logprobs.TokenLogprobs), or with "done" all of them
@@ -81,182 +74,147 @@ def timings(result: GenerationResult, queue_ms: float) -> dict[str, float]:
     }
 
 
-class Job:
-    """One request's generation: its parameters, a cancel flag, and its event stream."""
+class EngineLoop:
+    """The one thread that steps the engine while any request is open."""
 
-    def __init__(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self._wake = threading.Event()
+        self._closing = False
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="gpurig-engine", daemon=True)
+            self._thread.start()
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop stepping; open requests end with the engine's shutdown error."""
+        self._closing = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+        self.engine.close()
+
+    def _run(self) -> None:
+        while not self._closing:
+            if self.engine.has_work:
+                self.engine.step()  # a failing step ends its requests with the error itself
+                continue
+            self._wake.wait(timeout=1.0)
+            self._wake.clear()
+
+
+class Job:
+    """One request in the engine: its sequence (the cancel flag) and its events."""
+
+    def __init__(self, request: GenerationRequest, tokenizer: Any, metrics: Metrics,
+                 loop: asyncio.AbstractEventLoop, wake: Callable[[], None]) -> None:  # fmt: skip
         self.request = request
+        self.metrics = metrics
         self.loop = loop
-        self.enqueued_at = time.perf_counter()
-        self._cancel = threading.Event()
-        self._events: asyncio.Queue[Event] = asyncio.Queue()
+        self.seq: Sequence | None = None
         self.finished = False
+        self._outputs: asyncio.Queue[Output] = asyncio.Queue()
+        self._text = TextAssembler(tokenizer, request.stop_strings, request.skip_special_tokens)
+        self._wake = wake
+        self._cancelled = False
 
     @property
     def cancelled(self) -> bool:
-        return self._cancel.is_set()
+        return self._cancelled
 
     def cancel(self) -> None:
-        """Ask the worker to stop this job (safe from any thread, any number of times)."""
-        self._cancel.set()
+        """Stop this request at the engine's next step (safe any number of times)."""
+        self._cancelled = True
+        if self.seq is not None:
+            self.seq.cancel()
+            self._wake()
 
-    def put(self, event: Event) -> None:
-        """Hand an event to the event loop (called from the worker thread)."""
+    def sink(self, _seq: Sequence, out: Output) -> None:
+        """The engine's hand-off (on its thread): onto the event loop, as it is."""
         try:
-            self.loop.call_soon_threadsafe(self._events.put_nowait, event)
+            self.loop.call_soon_threadsafe(self._outputs.put_nowait, out)
         except RuntimeError:  # the loop is gone (server shutting down): nobody is listening
-            self._cancel.set()
+            self.cancel()
 
     async def events(self) -> AsyncIterator[Event]:
         """Events until "done" or "error" (inclusive)."""
+        track, tokens = self.request.tracks_tokens, []
+        logprobs: list[Any] | None = [] if self.request.params.logprobs is not None else None
         while True:
-            event = await self._events.get()
-            yield event
-            if event.kind in ("done", "error"):
+            out = await self._outputs.get()
+            if out.error is not None:
                 self.finished = True
+                yield Event("error", error=out.error)
+                return
+            text = self._text.push_all(out.tokens) if not self._text.stopped else ""
+            tokens += out.tokens
+            if logprobs is not None and out.logprobs:
+                logprobs += out.logprobs
+            if self._text.stopped and not out.finished and self.seq is not None:
+                self.seq.cancel()  # a stop string: the engine need not make more
+                self._wake()
+            end = out.finished or self._text.stopped
+            if end:
+                text += self._text.flush()
+            if track and (text or out.tokens):
+                yield Event("delta", text=text, token_ids=list(out.tokens),
+                            logprobs=list(out.logprobs or []) if logprobs is not None else None)  # fmt: skip
+            elif text:
+                yield Event("delta", text=text)
+            if end:
+                self.finished = True
+                yield self._done(out, tokens, logprobs)
                 return
 
-
-def worker_count(engine: Any) -> int:
-    """One worker per sequence the engine batches; one for an engine without a scheduler."""
-    scheduler = getattr(engine, "scheduler", None)
-    return int(scheduler.max_num_seqs) if scheduler is not None else 1
+    def _done(self, out: Output, tokens: list[int], logprobs: list[Any] | None) -> Event:
+        seq = self.seq
+        assert seq is not None
+        if self._text.stopped:
+            reason = "stop"
+        elif self._cancelled or out.finish_reason is None:
+            reason = "cancelled"
+        else:
+            reason = out.finish_reason
+        seq.ended_at = seq.ended_at or time.perf_counter()
+        result = GenerationResult.of_run(
+            self._text.text, reason, len(seq.prompt), len(tokens), Timings.of(seq, len(tokens))
+        )
+        started = seq.started_at if seq.started_at is not None else seq.ended_at
+        queue_ms = (started - seq.arrived) * 1000
+        if reason == "cancelled":
+            self.metrics.record_cancelled()
+        self.metrics.record_generation(result, queue_ms)
+        done = Event("done", result=result, queue_ms=queue_ms)
+        if self.request.tracks_tokens:
+            done.token_ids, done.logprobs = tokens, logprobs
+        return done
 
 
 class GenerationQueue:
-    """The FIFO in front of the engine, and the worker threads that run it."""
+    """Requests into the engine (its one waiting line), stepped by one EngineLoop."""
 
     def __init__(self, engine: Any, metrics: Metrics) -> None:
         self.engine = engine
         self.metrics = metrics
-        self.workers = worker_count(engine)
-        self._jobs: queue.Queue[Job | None] = queue.Queue()
-        self._threads: list[threading.Thread] = []
-        self._lock = threading.Lock()
-        self.active: set[Job] = set()
+        self.loop = EngineLoop(engine)
 
     def start(self) -> None:
-        if self._threads:
-            return
-        for i in range(self.workers):
-            thread = threading.Thread(target=self._run, name=f"gpurig-generate-{i}", daemon=True)
-            thread.start()
-            self._threads.append(thread)
+        self.loop.start()
 
     def stop(self, timeout: float = 10.0) -> None:
-        if not self._threads:
-            return
-        with self._lock:
-            for job in self.active:
-                job.cancel()
-        for _ in self._threads:
-            self._jobs.put(None)
-        deadline = time.monotonic() + timeout
-        for thread in self._threads:
-            thread.join(max(0.0, deadline - time.monotonic()))
-        self._threads = []
-
-    @property
-    def waiting(self) -> int:
-        return self._jobs.qsize()
-
-    @property
-    def running(self) -> int:
-        return len(self.active)
+        self.loop.stop(timeout)
 
     def submit(self, request: GenerationRequest) -> Job:
-        job = Job(request, asyncio.get_running_loop())
-        self._jobs.put(job)
-        self._report()
+        """Queue a request in the engine (its arguments checked there, raising before the
+        request is queued)."""
+        loop = asyncio.get_running_loop()
+        job = Job(request, self.engine.tokenizer, self.metrics, loop, self.loop.wake)
+        job.seq = self.engine.add_request(request.prompt_ids, request.params, job.sink)
+        self.loop.wake()
         return job
-
-    def _report(self) -> None:
-        self.metrics.set_queue(self.waiting, bool(self.active), len(self.active))
-
-    def _run(self) -> None:
-        while True:
-            job = self._jobs.get()
-            if job is None:
-                return
-            with self._lock:
-                self.active.add(job)
-            self._report()
-            try:
-                self._execute(job)
-            except BaseException as exc:  # never let one request kill the worker
-                log.exception("generation failed")
-                job.put(Event("error", error=exc))
-            finally:
-                with self._lock:
-                    self.active.discard(job)
-                self._report()
-
-    def _execute(self, job: Job) -> None:
-        req = job.request
-        queue_ms = (time.perf_counter() - job.enqueued_at) * 1000
-        if job.cancelled:  # the client left while waiting: skip the engine entirely
-            self.metrics.record_cancelled()
-            job.put(Event("done", result=_skipped(req), queue_ms=queue_ms))
-            return
-        generation = self.engine.stream(
-            req.prompt_ids,
-            req.max_new_tokens,
-            temperature=req.temperature,
-            top_k=req.top_k,
-            top_p=req.top_p,
-            seed=req.seed,
-            stop_ids=req.stop_ids,
-            logit_bias=req.logit_bias,
-            **({"logprobs": req.logprobs} if req.logprobs is not None else {}),
-        )
-        stream = TextStream(
-            generation, self.engine.tokenizer, req.stop_strings, req.skip_special_tokens
-        )
-        cancelled = False
-        track, sent = req.tracks_tokens, 0
-        try:
-            for text in stream:
-                if track:  # every token reaches the client, also one whose text is still held
-                    n = len(generation.tokens)
-                    if text or n > sent:
-                        job.put(Event("delta", text=text, token_ids=generation.tokens[sent:n],
-                                      logprobs=_logprobs(generation, sent, n)))  # fmt: skip
-                        sent = n
-                elif text:
-                    job.put(Event("delta", text=text))
-                if job.cancelled:
-                    cancelled = True
-                    break
-        finally:
-            stream.close()  # stops the engine now, whether we finished, broke off or failed
-        result = GenerationResult.of(stream, "cancelled" if cancelled else None)
-        if cancelled:
-            self.metrics.record_cancelled()
-        self.metrics.record_generation(result, queue_ms)
-        done = Event("done", result=result, queue_ms=queue_ms)
-        if track:
-            n = len(generation.tokens)
-            done.token_ids, done.logprobs = list(generation.tokens), _logprobs(generation, 0, n)
-        job.put(done)
-
-
-def _logprobs(generation: Any, start: int, end: int) -> list[Any] | None:
-    """The log-probabilities of tokens[start:end] (None when the request did not ask)."""
-    entries = getattr(generation, "logprobs", None)
-    return None if entries is None else list(entries[start:end])
-
-
-def _skipped(req: GenerationRequest) -> GenerationResult:
-    """The result of a job cancelled before it reached the engine."""
-    return GenerationResult(
-        text="",
-        finish_reason="cancelled",
-        prompt_tokens=len(req.prompt_ids),
-        new_tokens=0,
-        time_to_first_token_seconds=0.0,
-        prefill_seconds=0.0,
-        prefill_tokens_per_s=0.0,
-        decode_seconds=0.0,
-        decode_tokens=0,
-        decode_tokens_per_s=None,
-    )

@@ -8,6 +8,7 @@ streams whatever a body holds.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -18,11 +19,13 @@ from anyio import CapacityLimiter
 
 from engine.chat.render import ChatFormat
 from engine.config import read_generation_config
-from engine.server.errors import ApiError, context_error, excerpt
+from engine.errors import ContextLengthError, GpurigError
+from engine.sampling import SamplingParams, bias_pairs
+from engine.server.errors import ApiError, context_error, engine_error_to_api, excerpt
 from engine.server.limits import Limits, ServerOptions, compute_limits
 from engine.server.logprobs import TokenText
 from engine.server.metrics import Metrics
-from engine.server.queue import GenerationQueue
+from engine.server.queue import GenerationQueue, GenerationRequest, Job
 
 T = TypeVar("T")
 
@@ -56,9 +59,7 @@ class ServerState:
         )
         self.created = int(time.time())
         self.metrics = Metrics(self.model_name)
-        scheduler = getattr(engine, "scheduler", None)
-        if scheduler is not None:
-            self.metrics.scheduler_stats = scheduler.stats
+        self.metrics.scheduler_stats = getattr(engine, "stats", None)  # None: a stand-in engine
         self.queue = GenerationQueue(engine, self.metrics)
         self.eos_ids = [int(i) for i in (getattr(engine, "eos_ids", None) or [])]
         self.defaults = sampling_defaults(model_dir)
@@ -109,22 +110,62 @@ def sampling_defaults(model_dir: Any) -> dict[str, Any]:
     return read_generation_config(Path(model_dir)).sampling_defaults()
 
 
-def sampling(state: ServerState, req: Any) -> dict[str, Any]:
-    """The engine's sampling arguments for a request (its values, else the checkpoint's)."""
-    d = state.defaults
-    # a temperature below engine.generate.MIN_TEMPERATURE is greedy there
-    temperature = req.temperature if req.temperature is not None else d.get("temperature", 0.0)
+def generation_request(
+    state: ServerState,
+    req: Any,
+    prompt_ids: list[int],
+    max_tokens: int,
+    stop_ids: list[int],
+    logprobs: int | None,
+    skip_special_tokens: bool,
+) -> GenerationRequest:
+    """The engine's request for an HTTP request: its SamplingParams from the request's fields
+    of the same names (temperature, top_p, top_k, seed, ...), else the checkpoint's defaults,
+    so a new sampling option needs only SamplingParams and the two request schemas; then the
+    endpoint's own decisions (the token budget, stop ids, logprobs k) and the text side."""
     try:
         logit_bias = req.logit_bias_ids(state.vocab_size)
     except ValueError as exc:
         raise ApiError(400, str(exc), param="logit_bias") from None
-    return {
-        "temperature": float(temperature),
-        "top_p": req.top_p if req.top_p is not None else d.get("top_p"),
-        "top_k": req.top_k if req.top_k is not None else d.get("top_k"),
-        "seed": req.seed,
-        "logit_bias": logit_bias,
+    values: dict[str, Any] = {
+        name: state.defaults[name] for name in SAMPLING_FIELDS if name in state.defaults
     }
+    for name in SAMPLING_FIELDS:
+        if getattr(req, name, None) is not None:
+            values[name] = getattr(req, name)
+    params = SamplingParams(
+        **values,
+        max_tokens=max_tokens,
+        stop_ids=() if getattr(req, "ignore_eos", False) else tuple(stop_ids),
+        logit_bias=bias_pairs(logit_bias),
+        logprobs=logprobs,
+    )
+    return GenerationRequest(
+        prompt_ids=prompt_ids,
+        params=params,
+        stop_strings=req.stop_strings(),
+        skip_special_tokens=skip_special_tokens,
+        token_ids=bool(getattr(req, "return_token_ids", False)),
+    )
+
+
+# SamplingParams' fields a request carries under the same name (the others are decided above)
+SAMPLING_FIELDS = tuple(
+    f.name
+    for f in dataclasses.fields(SamplingParams)
+    if f.name not in ("max_tokens", "stop_ids", "logit_bias", "logprobs")
+)
+
+
+def submit(state: ServerState, request: GenerationRequest, param: str) -> Job:
+    """Queue a request in the engine, which checks it once; what it refuses is the client's
+    400 (naming `param`), anything else a 500."""
+    try:
+        return state.queue.submit(request)
+    except ContextLengthError as exc:
+        raise context_error(exc.limit, exc.requested, None, param) from None
+    except GpurigError as exc:
+        raise engine_error_to_api(exc, param) from None
 
 
 class Budget(NamedTuple):

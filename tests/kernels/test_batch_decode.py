@@ -16,6 +16,7 @@ import torch
 import engine
 from engine.checkpoint_maker import make_checkpoint
 from engine.options import EngineOptions
+from engine.sampling import SamplingParams
 
 CTX = 128
 
@@ -70,12 +71,13 @@ def test_fast_scheduler_tokens_equal_alone(checkpoint, device):
         specs = [(4, 4), (20, 3), (9, 5)]
         prompts = [_prompt(n, 10 + i) for i, (n, _) in enumerate(specs)]
         alone = [
-            single.generate(p, m, stop_ids=[]) for p, (_, m) in zip(prompts, specs, strict=True)
+            single.generate(p, SamplingParams(max_tokens=m, stop_ids=()))
+            for p, (_, m) in zip(prompts, specs, strict=True)
         ]
         got: dict[int, list[int]] = {}
 
         def run(i: int) -> None:
-            got[i] = multi.generate(prompts[i], specs[i][1], stop_ids=[])
+            got[i] = multi.generate(prompts[i], SamplingParams(max_tokens=specs[i][1], stop_ids=()))
 
         threads = [threading.Thread(target=run, args=(i,)) for i in range(len(specs))]
         for t in threads:

@@ -8,23 +8,36 @@ import copy
 
 import pytest
 import torch
+from engine_support import prefill, reset, sequence_cache
 
 import engine
 from engine import ops
 from engine.checkpoint_maker import make_checkpoint
 from engine.fast import ops_fast
-from engine.fast.decode import FusedDecoder, supported
+from engine.fast.batch_decode import BatchDecoder, supported
 from engine.fast.fuse import fuse_projections
 from engine.fast.ops_fast import FastOps
-from engine.generate import prefill
 from engine.options import EngineOptions
+from engine.sampling import SamplingParams
 
 FORCE = EngineOptions(fast="force")  # the Triton path on any device (the CPU interpreter here)
 OFF = EngineOptions(fast="off")
 
 
-def _decoder(model, cache) -> FusedDecoder:
-    return FusedDecoder(model, cache, fuse_projections(model), FastOps())
+class _OneRow:
+    """The fused step of a batch of one row (what every single sequence runs) over `cache`'s
+    pool slot: `step(token [1], position [1]) -> logits [1, V]`."""
+
+    def __init__(self, model, cache) -> None:
+        self.decoder = BatchDecoder(model, cache.pool, fuse_projections(model), FastOps(), 1)
+        self.slots = torch.tensor([cache.slot], dtype=torch.int32, device=model.device)
+
+    def step(self, token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        return self.decoder.step(token, position, self.slots)
+
+
+def _decoder(model, cache) -> _OneRow:
+    return _OneRow(model, cache)
 
 
 def _three_steps_match_the_reference(model, cache, decoder, logits, n_prompt) -> None:
@@ -51,21 +64,21 @@ def test_fused_decode_step_matches_the_reference_step(tiny_engine):
     model = eng.model
     assert supported(model, fuse_projections(model))  # every matrix the prologues need packed
     prompt = [2] + [int(t) for t in torch.randint(3, 500, (40,))]
-    logits = prefill(model, eng.cache, prompt, 16)  # 40 > window 16: the rings wrap
-    fused_cache = copy.deepcopy(eng.cache)
+    logits = prefill(model, sequence_cache(eng), prompt, 16)  # 40 > window 16: the rings wrap
+    fused_cache = copy.deepcopy(sequence_cache(eng))
     decoder = _decoder(model, fused_cache)
     tok_ref = tok_fast = logits.argmax().view(1)
     pos = torch.tensor([len(prompt)], device=model.device)
     for _ in range(8):
-        ref = model.decode_step(tok_ref, pos, eng.cache)[0]
+        ref = model.decode_step(tok_ref, pos, sequence_cache(eng))[0]
         fast = decoder.step(tok_fast, pos)[0]
         assert (ref - fast).abs().max().item() < 1e-4
         tok_ref, tok_fast = ref.argmax().view(1), fast.argmax().view(1)
         assert tok_ref.item() == tok_fast.item()
         pos = pos + 1
-    for i, layer in eng.cache.layers.items():
+    for i, layer in sequence_cache(eng).layers.items():
         other = fused_cache.layers[i]
-        assert torch.equal(layer.pos, other.pos), i
+        # the batched step writes K/V rows, not positions (kv_pool: the kernels need none)
         assert torch.allclose(layer.k, other.k, atol=1e-5) and torch.allclose(
             layer.v, other.v, atol=1e-5
         )
@@ -81,13 +94,13 @@ def test_fused_step_covers_layers_whose_values_are_their_keys(tmp_path):
     model = eng.model
     assert any(w.k is not None and w.v is None for w in model.layers)
     prompt = [2] + list(range(10, 50))  # 40 > window 16: the rings wrap
-    logits = prefill(model, eng.cache, prompt, 16)
-    fused_cache = copy.deepcopy(eng.cache)
+    logits = prefill(model, sequence_cache(eng), prompt, 16)
+    fused_cache = copy.deepcopy(sequence_cache(eng))
     decoder = _decoder(model, fused_cache)
-    _three_steps_match_the_reference(model, eng.cache, decoder, logits, len(prompt))
-    for i, layer in eng.cache.layers.items():
+    _three_steps_match_the_reference(model, sequence_cache(eng), decoder, logits, len(prompt))
+    for i, layer in sequence_cache(eng).layers.items():
         other = fused_cache.layers[i]
-        assert torch.equal(layer.pos, other.pos), i
+        # the batched step writes K/V rows, not positions (kv_pool: the kernels need none)
         assert torch.allclose(layer.k, other.k, atol=1e-5), i
         assert torch.allclose(layer.v, other.v, atol=1e-5), i
 
@@ -119,7 +132,7 @@ def test_fast_ops_agree_with_the_reference_ops(tiny_engine) -> None:
     got = fast_ops.embed4_rows(ids, model.embed, torch.float32)
     assert torch.equal(got, ops.embed4_rows(ids, model.embed, torch.float32))
     # decode attention over a wrapped sliding ring and over a full cache, slots from the cache
-    cache = copy.deepcopy(tiny_engine.cache)
+    cache = copy.deepcopy(sequence_cache(tiny_engine))
     prefill(model, cache, list(range(2, 60)), 32)
     for i, window in ((0, model.cfg.sliding_window), (2, None)):
         lc = cache.layers[i]
@@ -167,7 +180,7 @@ def test_engine_picks_the_fast_path_once_at_load(tmp_path, monkeypatch) -> None:
                            options=FORCE)  # fmt: skip
     assert type(ref_eng.model.ops) is ops.Ops and isinstance(fast_eng.model.ops, FastOps)
     prompt = [2] + list(range(10, 50))
-    ref = ref_eng.generate(prompt, 10, stop_ids=[])
+    ref = ref_eng.generate(prompt, SamplingParams(max_tokens=10, stop_ids=()))
     calls = {"gemv": 0}
     original = ops_fast.w4_gemv
 
@@ -177,10 +190,10 @@ def test_engine_picks_the_fast_path_once_at_load(tmp_path, monkeypatch) -> None:
 
     monkeypatch.setattr(ops_fast, "w4_gemv", counting)
     monkeypatch.setenv("GPURIG_FAST", "0")  # read by no one after load
-    fast = fast_eng.generate(prompt, 10, stop_ids=[])
+    fast = fast_eng.generate(prompt, SamplingParams(max_tokens=10, stop_ids=()))
     assert calls["gemv"] > 0  # the dispatch really went through the Triton branches
     assert fast == ref
-    assert fast_eng.backend.step() is fast_eng.backend.step()  # the decoder is made once
+    assert fast_eng.runner.batched  # the fused step of a batch, one row here
 
 
 def test_prologue_step_of_a_model_without_per_layer_inputs(tmp_path) -> None:
@@ -194,15 +207,15 @@ def test_prologue_step_of_a_model_without_per_layer_inputs(tmp_path) -> None:
     model = eng.model
     assert model.ple_table is None and supported(model, fuse_projections(model))
     prompt = [2] + list(range(10, 50))
-    logits = prefill(model, eng.cache, prompt, 16)
-    fused_cache = copy.deepcopy(eng.cache)
+    logits = prefill(model, sequence_cache(eng), prompt, 16)
+    fused_cache = copy.deepcopy(sequence_cache(eng))
     decoder = _decoder(model, fused_cache)
-    _three_steps_match_the_reference(model, eng.cache, decoder, logits, len(prompt))
+    _three_steps_match_the_reference(model, sequence_cache(eng), decoder, logits, len(prompt))
 
 
 @pytest.mark.parametrize("per_layer_inputs", [True, False])
 def test_fused_prefill_chunks_fill_the_cache_as_the_reference_does(tmp_path, per_layer_inputs):
-    """FusedPrefill.chunk against prefill_chunk(last=False): three 16-token chunks over a
+    """FusedPrefill.chunks against prefill_chunk(last=False): three 16-token chunks over a
     window-16 ring (it wraps), with and without per-layer inputs; every cache the same."""
     from engine.fast import prefill as fast_prefill
 
@@ -215,13 +228,13 @@ def test_fused_prefill_chunks_fill_the_cache_as_the_reference_does(tmp_path, per
     assert fast_prefill.supported(model, fused_layers)
     assert (model.ple_table is not None) == per_layer_inputs
     ids = torch.tensor([2] + [int(t) for t in torch.randint(3, 500, (47,))], device=dev)
-    ref_cache = eng.cache
-    ref_cache.reset()
+    ref_cache = sequence_cache(eng)
+    reset(ref_cache)
     fast_cache = copy.deepcopy(ref_cache)
     fused = fast_prefill.FusedPrefill(model, fused_layers, FastOps())
     for start in (0, 16, 32):
         model.prefill_chunk(ids[start : start + 16], start, ref_cache, last=False)
-        fused.chunk(ids[start : start + 16], start, fast_cache)
+        fused.chunks([(ids[start : start + 16], start, fast_cache)])
     assert len(ref_cache.layers) == model.cfg.first_shared_layer
     for i, layer in ref_cache.layers.items():
         other = fast_cache.layers[i]
@@ -237,21 +250,22 @@ def test_fused_prefill_in_score_slices_equals_one_whole_pass(tmp_path) -> None:
     """A prompt four windows long read by FusedPrefill in 24-token chunks whose attention
     walks slices of ~40 keys (full layers without a prefix mask): the cache and the last
     token's logits equal the reference's one whole pass."""
+    from engine_support import read_prompt, sequence_cache
+
     from engine.fast import prefill as fast_prefill
-    from engine.generate import read_prompt
 
     make_checkpoint(tmp_path, preset="tiny", seed=5, emb4=True)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     eng = engine.load(tmp_path, device=dev, dtype=torch.float32, max_context=256)
-    model, cache = eng.model, eng.cache
+    model, cache = eng.model, sequence_cache(eng)
     prompt = [2] + [int(t) for t in torch.randint(3, 500, (63,))]
     whole = prefill(model, cache, prompt, len(prompt), score_budget=1 << 30).clone()
     want = {i: (c.k.clone(), c.v.clone()) for i, c in cache.layers.items()}
     fused = fast_prefill.FusedPrefill(model, fuse_projections(model), FastOps())
-    cache.reset()
+    reset(cache)
     ids = torch.tensor(prompt, device=dev)
     for start in range(0, len(prompt), 24):
-        fused.chunk(ids[start : start + 24], start, cache, score_budget=2 * 24 * 40)
+        fused.chunks([(ids[start : start + 24], start, cache)], score_budget=2 * 24 * 40)
     for i, (k, v) in want.items():
         assert torch.allclose(cache.layers[i].k, k, atol=1e-5), i
         assert torch.allclose(cache.layers[i].v, v, atol=1e-5), i
@@ -269,21 +283,21 @@ def test_generate_reads_prompts_through_the_fused_prefill(tmp_path, monkeypatch)
     from engine.fast import prefill as fast_prefill
 
     calls = {"chunks": 0}
-    real = fast_prefill.FusedPrefill.chunk
+    real = fast_prefill.FusedPrefill.chunks
 
-    def counted(self, ids, start, cache, score_budget=None):
-        calls["chunks"] += 1
-        return real(self, ids, start, cache, score_budget)
+    def counted(self, segments, score_budget=None):
+        calls["chunks"] += len(segments)
+        return real(self, segments, score_budget)
 
     make_checkpoint(tmp_path, preset="tiny", seed=3, emb4=True)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     prompt = [2] + list(range(30, 70))
     ref_eng = engine.load(tmp_path, device=dev, dtype=torch.float32, max_context=256, options=OFF)
-    ref = ref_eng.generate(prompt, 6, stop_ids=[])
+    ref = ref_eng.generate(prompt, SamplingParams(max_tokens=6, stop_ids=()))
     fast_eng = engine.load(tmp_path, device=dev, dtype=torch.float32, max_context=256,
                            options=FORCE)  # fmt: skip
-    monkeypatch.setattr(fast_prefill.FusedPrefill, "chunk", counted)
-    fast = fast_eng.generate(prompt, 6, stop_ids=[])
+    monkeypatch.setattr(fast_prefill.FusedPrefill, "chunks", counted)
+    fast = fast_eng.generate(prompt, SamplingParams(max_tokens=6, stop_ids=()))
     assert calls["chunks"] == -(-(len(prompt) - 1) // fast_eng.prefill_chunk)
     assert fast == ref
 
@@ -301,5 +315,5 @@ def test_fused_prefill_leaves_head_widths_its_kernel_cannot_span_to_the_model(tm
                            options=FORCE)  # fmt: skip
     assert not fast_prefill.supported(fast_eng.model, fuse_projections(fast_eng.model))
     prompt = [2] + list(range(30, 50))
-    ref = eng.generate(prompt, 3, stop_ids=[])
-    assert fast_eng.generate(prompt, 3, stop_ids=[]) == ref
+    ref = eng.generate(prompt, SamplingParams(max_tokens=3, stop_ids=()))
+    assert fast_eng.generate(prompt, SamplingParams(max_tokens=3, stop_ids=())) == ref

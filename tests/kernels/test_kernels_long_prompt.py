@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from engine_support import read_prompt, sequence_cache
 
 import engine
 from engine import memory
 from engine.checkpoint_maker import make_checkpoint
-from engine.generate import read_prompt
 
 pytestmark = [
     pytest.mark.gpu,
@@ -27,12 +27,14 @@ def test_reading_stays_within_the_plan(tmp_path, monkeypatch, left_mib):
     step = eng.backend.step()
     monkeypatch.setattr(memory, "available_bytes", lambda device, cap: left_mib * memory.MIB)
     body = eng.backend.prefill_body
-    read_prompt(eng.model, eng.cache, prompt, 4096, step, None, body())  # warm-up: kernels, capture
+    read_prompt(
+        eng.model, sequence_cache(eng), prompt, 4096, step, None, body()
+    )  # warm-up: kernels, capture
     plan = memory.plan_prompt(eng.model, len(prompt), 4096, available=left_mib * memory.MIB)
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    logits = read_prompt(eng.model, eng.cache, prompt, 4096, step, None, body())
+    logits = read_prompt(eng.model, sequence_cache(eng), prompt, 4096, step, None, body())
     torch.cuda.synchronize()
     used = torch.cuda.max_memory_allocated() - base
     assert torch.isfinite(logits).all()

@@ -1,0 +1,242 @@
+"""The model runner: executes the scheduler's step plans on the device.
+
+What it owns (nano-vllm's model runner, vLLM v1's GPU model runner): the KV pool's device side,
+how prompts are read and rows decoded (chosen once, from the engine's options), each running
+request's sampler, and the token read-back. It decides nothing: a `StepPlan`
+(engine/scheduler.py) says which prompt chunks to read and which rows to decode.
+
+The arrangement, one for every batch size (a single sequence is a batch of one row):
+* fast path (CUDA, or EngineOptions(fast="force")): prompt chunks through the fused prefill
+  (engine/fast/prefill.py), several sequences in one pass; decode rows through the fused batched
+  step (engine/fast/batch_decode.py), replayed as one CUDA graph per batch bucket on CUDA;
+* reference (the CPU, or a model the fused kernels do not cover): the model's own rows
+  (Gemma4Model), every row of a batch in the same tensors where the model offers it.
+
+Tokens come back one step late: `execute` launches step n and returns at once; `collect` of step
+n-1 then waits for its token ids (on CUDA a pinned copy behind an event), so the device decodes
+while the host delivers. A row whose token is that of its previous step reads it on the device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from engine import ops
+from engine.kv_pool import KVPool
+from engine.logprobs import StepLogprobs
+from engine.model import Gemma4Model
+from engine.options import EngineOptions
+from engine.sampling import Sampler
+from engine.scheduler import Delivered, PromptChunk, StepPlan
+
+Step = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+Reader = Callable[[list[tuple[torch.Tensor, int, int]], int | None], None]
+
+
+def make_kernels(options: EngineOptions, device: torch.device) -> ops.Ops:
+    """The dispatch points a model on `device` is built with: FastOps when the fast path serves
+    the device, else the reference set."""
+    if options.fast_on(device):
+        from engine.fast.ops_fast import FastOps
+
+        return FastOps(prefix_sdpa=options.prefix_sdpa, half2=options.half2_gemv)
+    return ops.Ops(prefix_sdpa=options.prefix_sdpa)
+
+
+def prefill_chunk_for(device: torch.device) -> int:
+    """The most prompt tokens per forward pass on this device: 4,096 on CUDA (reading a prompt
+    is host-bound below that on a big GPU), 256 elsewhere. Each prompt's real chunk is chosen
+    from the memory left when it is read (engine.memory.plan_prompt), so a small or capped card
+    reads in smaller chunks instead of running out."""
+    return 4096 if device.type == "cuda" else 256
+
+
+@dataclass
+class Launched:
+    """A step on the device whose tokens have not reached the host yet."""
+
+    seqs: list[int]  # the sequence of each row
+    ids: torch.Tensor  # [B] int64 on the device
+    host: torch.Tensor  # [B] int64 (pinned on CUDA), filled when `event` completes
+    event: torch.cuda.Event | None
+    logprobs: StepLogprobs | None  # the rows that asked for them, still on the device
+
+
+@dataclass
+class _Request:
+    """What the runner keeps per running sequence."""
+
+    prompt: torch.Tensor  # its prompt ids on the device
+    sampler: Sampler | None  # None: plain greedy (the batch's one argmax serves it)
+    logprobs: int | None
+
+
+class ModelRunner:
+    def __init__(
+        self, model: Gemma4Model, pool: KVPool, options: EngineOptions, max_batch: int
+    ) -> None:
+        self.model = model
+        self.pool = pool
+        self.device = model.device
+        self.max_batch = max_batch
+        self.batched = False  # the fused batched step runs
+        self.graphs = None
+        self._prefill = None  # the fused reader, when it runs (holds a dequantisation buffer)
+        self._read: Reader = self._reference_read
+        self._step: Step = self._reference_step
+        if options.fast_on(model.device):
+            self._choose_fast(options)
+        if self.batched and options.graphs_on(model.device):
+            from engine.fast.batch_graph import BatchGraphs, buckets_for
+
+            self.graphs = BatchGraphs(
+                self._step, buckets_for(max_batch), model.device, pool.pad_slot
+            )
+        self._requests: dict[int, _Request] = {}
+        self._previous: Launched | None = None
+
+    def _choose_fast(self, options: EngineOptions) -> None:
+        from engine.fast import batch_decode, prefill
+        from engine.fast.fuse import fuse_projections
+        from engine.fast.ops_fast import FastOps
+
+        model, pool = self.model, self.pool
+        fused = fuse_projections(model)
+        kernels = (
+            model.ops if isinstance(model.ops, FastOps) else make_kernels(options, self.device)
+        )
+        if options.fused_prefill and prefill.supported(model, fused):
+            reader = self._prefill = prefill.FusedPrefill(model, fused, kernels)
+            self._read = lambda parts, budget: reader.chunks(  # noqa: E731
+                [(ids, start, pool.view(slot)) for ids, start, slot in parts], budget
+            )
+        if batch_decode.supported(model, fused):
+            decoder = batch_decode.BatchDecoder(model, pool, fused, kernels, self.max_batch)
+            self._step = decoder.step
+            self.batched = True
+
+    def warm_up(self) -> None:
+        """Capture every bucket's graph now (compiling and tuning every kernel on the way), so
+        the first requests do not wait for it."""
+        if self.graphs is not None:
+            self.graphs.capture_all()
+
+    # ---- the reference arrangement: the model's own rows, a batch in the same tensors -----------
+    def _reference_read(
+        self, parts: list[tuple[torch.Tensor, int, int]], budget: int | None
+    ) -> None:
+        self.model.read_chunks(parts, self.pool, budget)
+
+    def _reference_step(
+        self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor
+    ) -> torch.Tensor:
+        return self.model.decode_rows(tokens, positions, self.pool, slots)
+
+    # ---- executing a plan ----------------------------------------------------------------------
+    def execute(self, plan: StepPlan) -> Launched | None:
+        """Run `plan`: bookkeeping, prompt chunks, then launch the decode rows (returned, their
+        tokens not yet read)."""
+        self.pool.apply(plan.opened, plan.grants)
+        for seq in plan.started:
+            p = seq.params
+            sampler = None if p.plain_greedy else Sampler(p, self.device)
+            prompt = torch.tensor(seq.prompt, dtype=torch.int64, device=self.device)
+            self._requests[seq.id] = _Request(prompt, sampler, p.logprobs)
+        for seq_id in plan.ended:
+            self._requests.pop(seq_id, None)
+        if plan.chunks:
+            self._read_chunks(plan.chunks, plan.score_budget)
+        elif self._prefill is not None:
+            self._prefill.release()  # no prompt being read: decode does not need its buffer
+        if not plan.rows:
+            self._previous = None
+            return None
+        launched = self._launch(plan)
+        self._previous = launched
+        return launched
+
+    def _read_chunks(self, chunks: tuple[PromptChunk, ...], budget: int | None) -> None:
+        prompts = {c.seq: self._requests[c.seq].prompt for c in chunks}
+        parts = [(prompts[c.seq][c.start : c.start + c.length], c.start, c.slot) for c in chunks]
+        self._read(parts, budget)
+
+    def _launch(self, plan: StepPlan) -> Launched:
+        rows, previous = plan.rows, self._previous
+        index = {s: r for r, s in enumerate(previous.seqs)} if previous is not None else {}
+        host = torch.tensor(
+            [
+                [index[r.seq] if r.token is None else -1 for r in rows],
+                [0 if r.token is None else r.token for r in rows],
+                [r.position for r in rows],
+                [r.slot for r in rows],
+            ],
+            dtype=torch.int64,
+        )
+        cuda = self.device.type == "cuda"
+        if cuda:  # pinned: the copy queues instead of waiting
+            host = host.pin_memory()
+        staged = host.to(self.device, non_blocking=True)
+        src, fresh, positions, slots = staged[0], staged[1], staged[2], staged[3]
+        if previous is not None:
+            tokens = torch.where(src >= 0, previous.ids[src.clamp(min=0)], fresh)
+        else:
+            tokens = fresh
+        logits = self.step(tokens, positions, slots.to(torch.int32))
+        seqs = [r.seq for r in rows]
+        requests = [self._requests[s] for s in seqs]
+        ids = self._sample(logits, requests)
+        asked = [r for r, q in enumerate(requests) if q.logprobs is not None]
+        # read now: on CUDA `logits` is the graph's output buffer, which the next step rewrites
+        logprobs = (
+            StepLogprobs.compute(logits, ids, asked, [requests[r].logprobs for r in asked])
+            if asked
+            else None
+        )
+        out = torch.empty(len(rows), dtype=torch.int64, pin_memory=cuda)
+        event = None
+        if cuda:
+            out.copy_(ids, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        else:
+            out.copy_(ids)
+        return Launched(seqs, ids, out, event, logprobs)
+
+    def step(
+        self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor
+    ) -> torch.Tensor:
+        """Logits [B, V] of one token per row (on CUDA a view of the graph's output: read it
+        before the next step)."""
+        if self.graphs is not None:
+            return self.graphs.run(tokens, positions, slots)
+        return self._step(tokens, positions, slots)
+
+    @staticmethod
+    def _sample(logits: torch.Tensor, requests: list[_Request]) -> torch.Tensor:
+        """Each row's token: one argmax for the plain greedy rows, the request's own sampler
+        (generator, logit bias) for the others."""
+        ids = logits.argmax(dim=-1)
+        for r, q in enumerate(requests):
+            if q.sampler is not None:
+                ids[r : r + 1] = q.sampler(logits[r])
+        return ids
+
+    @staticmethod
+    def collect(step: Launched) -> Delivered:
+        """The step's (sequence, token, log-probabilities) per row, once they reach the host."""
+        if step.event is not None:
+            step.event.synchronize()
+        values = step.host.tolist()
+        logprobs = step.logprobs.to_host(values) if step.logprobs is not None else {}
+        return [
+            (s, tok, logprobs.get(r))
+            for r, (s, tok) in enumerate(zip(step.seqs, values, strict=True))
+        ]
+
+    def reset(self) -> None:
+        """Forget the launched step (after a failure: its tokens are not delivered)."""
+        self._previous = None
+        self._requests.clear()
