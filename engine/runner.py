@@ -29,7 +29,7 @@ from engine.kv_pool import KVPool
 from engine.logprobs import StepLogprobs
 from engine.model import Gemma4Model
 from engine.options import EngineOptions
-from engine.sampling import Sampler
+from engine.sampler import Sampler
 from engine.scheduler import Delivered, PromptChunk, StepPlan
 
 Step = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
