@@ -84,7 +84,7 @@ class ModelRunner:
         self.max_batch = max_batch
         self.batched = False  # the fused batched step runs
         self.graphs = None
-        self._prefill = None  # the fused reader, when it runs (holds a dequantisation buffer)
+        self.reader = None  # the fused prompt reader, when it runs (holds a dequantisation buffer)
         self._read: Reader = self._reference_read
         self._step: Step = self._reference_step
         if options.fast_on(model.device):
@@ -109,7 +109,7 @@ class ModelRunner:
             model.ops if isinstance(model.ops, FastOps) else make_kernels(options, self.device)
         )
         if options.fused_prefill and prefill.supported(model, fused):
-            reader = self._prefill = prefill.FusedPrefill(model, fused, kernels)
+            reader = self.reader = prefill.FusedPrefill(model, fused, kernels)
             self._read = lambda parts, budget: reader.chunks(  # noqa: E731
                 [(ids, start, pool.view(slot)) for ids, start, slot in parts], budget
             )
@@ -149,8 +149,8 @@ class ModelRunner:
             self._requests.pop(seq_id, None)
         if plan.chunks:
             self._read_chunks(plan.chunks, plan.score_budget)
-        elif self._prefill is not None:
-            self._prefill.release()  # no prompt being read: decode does not need its buffer
+        elif self.reader is not None:
+            self.reader.release()  # no prompt being read: decode does not need its buffer
         if not plan.rows:
             self._previous = None
             return None

@@ -37,16 +37,15 @@ def test_batched_step_equals_the_reference_rows(checkpoint, device):
                       options=EngineOptions(fast="force", cuda_graph=False), max_num_seqs=4,
                       warm_up=False)  # fmt: skip
     try:
-        runner = eng.scheduler.runner
+        runner = eng.runner
         assert runner.batched
-        eng.scheduler.close()  # drive the pool by hand
-        pool, model = eng.pool, eng.model
+        pool, model = eng.pool, eng.model  # the pool driven by hand: no request in the engine
         lengths = [3, 20, 7]  # 20 > the tiny preset's sliding window of 16
         slots = []
         for i, n in enumerate(lengths):
-            slot = pool.open_slot()
+            slot = pool.blocks.open_slot()
             ids = torch.tensor(_prompt(n, i), device=model.device)
-            pool.grow(slot, n + 1)
+            pool.apply((slot,), (pool.blocks.grow(slot, n + 1),))
             model.prefill_chunk(ids[:-1], 0, pool.view(slot), False)
             slots.append(slot)
         tokens = torch.tensor([_prompt(n, i)[-1] for i, n in enumerate(lengths)] + [0],
@@ -54,7 +53,12 @@ def test_batched_step_equals_the_reference_rows(checkpoint, device):
         positions = torch.tensor([n - 1 for n in lengths] + [0], device=model.device)
         slot_t = torch.tensor([*slots, pool.pad_slot], dtype=torch.int32, device=model.device)
         batched = runner.step(tokens, positions, slot_t)[:3].clone()
-        reference = runner._rows_step(tokens[:3], positions[:3], slot_t[:3])
+        reference = torch.cat(
+            [
+                model.decode_step(tokens[b : b + 1], positions[b : b + 1], pool.view(slots[b]))
+                for b in range(3)
+            ]
+        )
         torch.testing.assert_close(batched, reference, rtol=1e-4, atol=1e-4)
         assert torch.equal(batched.argmax(-1), reference.argmax(-1))
     finally:

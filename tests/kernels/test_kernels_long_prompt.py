@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_support import read_prompt, sequence_cache
+from engine_support import reset, sequence_cache
 
 import engine
 from engine import memory
@@ -24,17 +24,28 @@ def test_reading_stays_within_the_plan(tmp_path, monkeypatch, left_mib):
     make_checkpoint(tmp_path, preset="small", seed=1, emb4=True)
     eng = engine.load(tmp_path, device="cuda", max_context=8192)
     prompt = [2] + torch.randint(3, 1000, (5999,)).tolist()
-    step = eng.backend.step()
+    prefill = eng.runner.reader  # the fused prompt reader the engine uses
+    model = eng.model
     monkeypatch.setattr(memory, "available_bytes", lambda device, cap: left_mib * memory.MIB)
-    body = eng.backend.prefill_body
-    read_prompt(
-        eng.model, sequence_cache(eng), prompt, 4096, step, None, body()
-    )  # warm-up: kernels, capture
     plan = memory.plan_prompt(eng.model, len(prompt), 4096, available=left_mib * memory.MIB)
+
+    def read() -> torch.Tensor:
+        """The prompt as the engine reads it: the body in the plan's chunks and score slices
+        through the fused reader, the last token through a decode step."""
+        ids = torch.tensor(prompt, device="cuda")
+        cache, body = sequence_cache(eng), len(prompt) - 1
+        reset(cache)
+        for start in range(0, body, plan.chunk):
+            part = ids[start : min(start + plan.chunk, body)]
+            prefill.chunks([(part, start, cache)], plan.score_budget)
+        pos = torch.tensor([body], device="cuda")
+        return model.decode_step(ids[-1:], pos, cache)[0]
+
+    read()  # warm-up: kernels
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    logits = read_prompt(eng.model, sequence_cache(eng), prompt, 4096, step, None, body())
+    logits = read()
     torch.cuda.synchronize()
     used = torch.cuda.max_memory_allocated() - base
     assert torch.isfinite(logits).all()
