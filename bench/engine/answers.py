@@ -18,46 +18,47 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
+import engine
 from bench.engine.e2e_bench import E2B_DIR, greedy_pair, make, reference_engine
+from bench.engine.rows import held_rows, read_whole, step_fn
 
 PROMPT = [2] + list(range(100, 131))
 
 
 def teacher_forced(eng, prompt: list[int], n: int) -> dict[str, Any]:
     """Both paths read the reference's greedy tokens; per-step agreement, margins, differences."""
-    from engine.generate import prefill
-
     ref_eng = reference_engine(eng)  # the same checkpoint, fast path off
-    model, cache = ref_eng.model, ref_eng.cache
-    logits = prefill(model, cache, prompt, eng.prefill_chunk)
-    for i, layer in cache.layers.items():  # the same prompt state for both paths
-        mine = eng.cache.layers[i]
-        mine.k.copy_(layer.k)
-        mine.v.copy_(layer.v)
-        mine.pos.copy_(layer.pos)
-    fast_step = eng.backend.step()
-    token = logits.reshape(-1).argmax().view(1)
-    pos = torch.tensor([len(prompt)], dtype=torch.int64, device=model.device)
     steps = []
-    with torch.inference_mode():
-        for _ in range(n):
-            ref = model.decode_step(token, pos, cache)[0].float()
-            fast = fast_step(token, pos)[0].float()
-            top2 = ref.topk(2)
-            diff = (fast - ref).abs()
-            steps.append({
-                "agree": bool(fast.argmax() == top2.indices[0]),
-                "reference_margin": float(top2.values[0] - top2.values[1]),
-                "max_abs_logit_diff": float(diff.max()),
-                "logit_scale": float(ref.abs().max()),
-            })  # fmt: skip
-            token = top2.indices[:1].clone()
-            pos = pos + 1
+    with held_rows(ref_eng, 1) as ref_slots, held_rows(eng, 1) as slots:
+        logits = read_whole(ref_eng, prompt, int(ref_slots[0]))
+        for i in ref_eng.pool.k:  # the same prompt state for both paths (the same geometry)
+            eng.pool.k[i].copy_(ref_eng.pool.k[i])
+            eng.pool.v[i].copy_(ref_eng.pool.v[i])
+            eng.pool.pos[i].copy_(ref_eng.pool.pos[i])
+        eng.pool.block_tables.copy_(ref_eng.pool.block_tables)
+        ref_step, fast_step = step_fn(ref_eng, ref_slots), step_fn(eng, slots)
+        token = logits.reshape(-1).argmax().view(1)
+        pos = torch.tensor([len(prompt)], dtype=torch.int64, device=eng.device)
+        with torch.inference_mode():
+            for _ in range(n):
+                ref = ref_step(token, pos)[0].float()
+                fast = fast_step(token, pos)[0].float()
+                top2 = ref.topk(2)
+                diff = (fast - ref).abs()
+                steps.append({
+                    "agree": bool(fast.argmax() == top2.indices[0]),
+                    "reference_margin": float(top2.values[0] - top2.values[1]),
+                    "max_abs_logit_diff": float(diff.max()),
+                    "logit_scale": float(ref.abs().max()),
+                })  # fmt: skip
+                token = top2.indices[:1].clone()
+                pos = pos + 1
     bad = [s for s in steps if not s["agree"]]
     return {
         "steps": n,
@@ -72,24 +73,51 @@ def teacher_forced(eng, prompt: list[int], n: int) -> dict[str, Any]:
     }
 
 
-def main() -> None:
-    import engine
+def presets_identity(presets: list[str], tokens: int, device: str) -> list[dict[str, Any]]:
+    """Free-running greedy identity on small random presets, loaded under the 3,732 MiB cap
+    (the code path a 4 GB card uses): the agreeing prefix per preset and dtype (once
+    bench/engine/greedy_identity.py)."""
+    from engine.checkpoint_maker import make_checkpoint
 
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for preset in presets:
+            ckpt = Path(tmp) / preset
+            make_checkpoint(ckpt, preset=preset, seed=0)
+            for dtype in (torch.float32, torch.bfloat16):
+                eng = engine.load(ckpt, device=device, max_context=2048, dtype=dtype,
+                                  memory_cap_mib=3732 if device != "cpu" else None)  # fmt: skip
+                row = greedy_pair(eng, [2] + list(range(10, 310)), tokens)
+                row.update(preset=preset, dtype=str(dtype).removeprefix("torch."))
+                rows.append({k: v for k, v in row.items() if k not in ("fast", "reference")})
+                print(rows[-1], flush=True)
+                del eng
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--ckpt", default=str(E2B_DIR))
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument(
+        "--presets",
+        default="tiny,small",
+        help="free-running identity on these random presets too ('' for none)",
+    )
+    ap.add_argument("--device", default="cuda", help="cpu: the reference against itself (a check)")
+    ap.add_argument("--preset", default="e2b", help="the --ckpt checkpoint's preset when made")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "answers.json"))
-    args = ap.parse_args()
-    if not torch.cuda.is_available():
+    args = ap.parse_args(argv)
+    if args.device != "cpu" and not torch.cuda.is_available():
         raise SystemExit(
             "bench.engine.answers compares the CUDA fast path: run it on a machine with a GPU"
         )
-    make(Path(args.ckpt))
+    make(Path(args.ckpt), args.preset)
     rows = []
     for name in args.dtypes.split(","):
         dtype = getattr(torch, name)
-        eng = engine.load(Path(args.ckpt), device="cuda", dtype=dtype, max_context=1024)
+        eng = engine.load(Path(args.ckpt), device=args.device, dtype=dtype, max_context=1024)
         free = greedy_pair(eng, PROMPT, args.tokens)
         forced = teacher_forced(eng, PROMPT, args.tokens)
         row = {"dtype": name, "free_running": {k: v for k, v in free.items()
@@ -99,9 +127,11 @@ def main() -> None:
         short = {k: v for k, v in forced.items() if k != "per_step"}
         print(json.dumps({"dtype": name, "free_agreeing": free["agreeing"], **short}), flush=True)
         del eng
-        torch.cuda.empty_cache()
-    out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-           "checkpoint": args.ckpt, "prompt": PROMPT, "rows": rows}  # fmt: skip
+    presets = [p for p in args.presets.split(",") if p]
+    name = torch.cuda.get_device_name() if args.device != "cpu" else "cpu"
+    out = {"device": name, "torch": torch.__version__, "checkpoint": args.ckpt,
+           "prompt": PROMPT, "rows": rows,
+           "presets": presets_identity(presets, 64, args.device)}  # fmt: skip
     Path(args.out).write_text(json.dumps(out, indent=2))
 
 

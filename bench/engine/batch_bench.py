@@ -31,6 +31,8 @@ from typing import Any
 
 import torch
 
+from engine.sampling import SamplingParams
+
 E2B_DIR = Path(os.environ.get("GPURIG_BENCH_CKPT", "/tmp/gpurig_e2b_emb4"))
 
 
@@ -60,7 +62,9 @@ def concurrent(eng, conc: int, input_len: int, output_len: int, salt: int = 0) -
 
     def run(i: int) -> None:
         barrier.wait()
-        gen = eng.stream(prompt(input_len, salt * 100 + i), output_len, stop_ids=[])
+        gen = eng.stream(
+            prompt(input_len, salt * 100 + i), SamplingParams(max_tokens=output_len, stop_ids=())
+        )
         gens[i] = gen
         for _ in gen:
             pass
@@ -92,7 +96,7 @@ def concurrent(eng, conc: int, input_len: int, output_len: int, salt: int = 0) -
 
 def bucket_times(eng, iters: int = 50) -> list[dict[str, Any]]:
     """GPU time of one step per bucket: its graph replayed back to back (padding rows only)."""
-    graphs = eng.scheduler.runner.graphs
+    graphs = eng.runner.graphs
     out = []
     if graphs is None:
         return out
@@ -122,7 +126,7 @@ def join_ttft(eng, decoding: int = 15, input_len: int = 512) -> dict[str, Any]:
     gens = []
 
     def background(i: int) -> None:
-        gen = eng.stream(prompt(64, 500 + i), 4000, stop_ids=[])
+        gen = eng.stream(prompt(64, 500 + i), SamplingParams(max_tokens=4000, stop_ids=()))
         gens.append(gen)
         for _ in gen:
             if stop.is_set():
@@ -138,7 +142,7 @@ def join_ttft(eng, decoding: int = 15, input_len: int = 512) -> dict[str, Any]:
     time.sleep(0.3)  # steady decoding
     samples = []
     for k in range(5):
-        gen = eng.stream(prompt(input_len, 900 + k), 4, stop_ids=[])
+        gen = eng.stream(prompt(input_len, 900 + k), SamplingParams(max_tokens=4, stop_ids=()))
         next(gen)
         samples.append(gen.timings.time_to_first_token * 1000)
         gen.close()
@@ -164,7 +168,7 @@ def identity(ckpt: Path, dtypes=(torch.float32, torch.bfloat16)) -> dict[str, An
     specs = [(17 + 29 * i, 24 + (i % 5) * 8) for i in range(16)]
     for dtype in dtypes:
         single = engine.load(ckpt, device="cuda", max_context=4096, dtype=dtype)
-        alone = [single.generate(prompt(n, 300 + i), m, stop_ids=[]) for i, (n, m) in
+        alone = [single.generate(prompt(n, 300 + i), SamplingParams(max_tokens=m, stop_ids=())) for i, (n, m) in
                  enumerate(specs)]  # fmt: skip
         del single
         torch.cuda.empty_cache()
@@ -173,7 +177,9 @@ def identity(ckpt: Path, dtypes=(torch.float32, torch.bfloat16)) -> dict[str, An
 
         def run(i: int, multi=multi, got=got) -> None:
             time.sleep(0.003 * i)
-            got[i] = multi.generate(prompt(specs[i][0], 300 + i), specs[i][1], stop_ids=[])
+            got[i] = multi.generate(
+                prompt(specs[i][0], 300 + i), SamplingParams(max_tokens=specs[i][1], stop_ids=())
+            )
 
         threads = [threading.Thread(target=run, args=(i,)) for i in range(len(specs))]
         for t in threads:

@@ -6,12 +6,16 @@
             the kernels inside graph launches): per kernel name, how many per token, total and
             mean microseconds; the sum of kernel time against the replay's wall time (the rest
             is gaps between dependent kernels).
+* batch     the same for the decode step of B = 1, 2, 8, 16 rows at depth 600 in an engine of
+            16 sequences (once bench/engine/batch_profile.py): where a batched step's time goes.
+* prompt    reading a prompt (32, 512, 4,096 tokens) under the profiler: wall against kernel
+            time, kernels launched.
 * gemv_hot  each E2B GEMV shape timed with its weights resident in L2 (one copy, replayed) and
             streamed from memory (rotated copies larger than the L2): what is left when the
             bytes cost nothing is the kernel's own fixed cost.
 
 (The L2-prefetch and PDL parts this script once had measured no gain; those switches are gone
-from the engine, their results stay in bench/results/engine/ and bench/NOTES.md.)
+from the engine; bench/NOTES.md cites their results, which git history keeps.)
 """
 
 from __future__ import annotations
@@ -29,7 +33,8 @@ from typing import Any
 import torch
 import triton
 
-from bench.engine.e2e_bench import E2B_DIR, fill_cache, make, read_as_generate
+from bench.engine.e2e_bench import E2B_DIR, make, read_as_generate
+from bench.engine.rows import fill_rows, held_rows, step_fn
 
 
 def _kernels_of_trace(path: str) -> list[dict[str, Any]]:
@@ -44,19 +49,21 @@ def _short(name: str) -> str:
     return name.split("(")[0].split("<")[0][:60]
 
 
-def profile_decode(eng, depth: int, replays: int = 3) -> dict[str, Any]:
-    fill_cache(eng, depth)
-    dec = eng.backend.step()
-    tok = torch.tensor([7], device=eng.device)
-    pos = torch.tensor([depth], device=eng.device)
-    for _ in range(3):
-        dec(tok, pos)
-    torch.cuda.synchronize()
-    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-    with torch.profiler.profile(activities=acts) as prof:
-        for _ in range(replays):
+def profile_decode(eng, depth: int, replays: int = 3, rows: int = 1) -> dict[str, Any]:
+    """The engine's decode step of `rows` rows at `depth` (its CUDA graph where it has one)."""
+    with held_rows(eng, rows, depth + 8) as slots, torch.no_grad():
+        fill_rows(eng, slots, depth)
+        dec = step_fn(eng, slots)
+        tok = torch.full((rows,), 7, dtype=torch.int64, device=eng.device)
+        pos = torch.full((rows,), depth, dtype=torch.int64, device=eng.device)
+        for _ in range(3):
             dec(tok, pos)
         torch.cuda.synchronize()
+        acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        with torch.profiler.profile(activities=acts) as prof:
+            for _ in range(replays):
+                dec(tok, pos)
+            torch.cuda.synchronize()
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         trace = f.name
     prof.export_chrome_trace(trace)
@@ -86,7 +93,7 @@ def profile_decode(eng, depth: int, replays: int = 3) -> dict[str, Any]:
     )  # fmt: skip
     seq = [{"k": _short(e["name"]), "start": round(e["ts"] - step[0]["ts"], 2),
             "dur": round(e["dur"], 2)} for e in step[:60]]  # fmt: skip
-    return {"depth": depth, "kernels_per_token": len(step), "wall_us": wall, "kernel_us": busy,
+    return {"depth": depth, "rows": rows, "kernels_per_token": len(step), "wall_us": wall, "kernel_us": busy,
             "covered_us": covered, "gap_us": wall - covered, "by_kernel": table,
             "first_60": seq}  # fmt: skip
 
@@ -150,7 +157,7 @@ def gemv_hot_cold() -> list[dict[str, Any]]:
     return out
 
 
-PARTS = ("gemv_hot", "profile", "prompt")
+PARTS = ("gemv_hot", "profile", "batch", "prompt")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -190,6 +197,18 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"   {row['kernel']:<40} x{row['count']:<4} "
                       f"{row['total_us']:8.1f} us  mean {row['mean_us']:6.2f}")  # fmt: skip
             save()
+    if "batch" in parts:  # one step of B rows at depth 600 (an engine of 16 sequences)
+        import engine
+
+        make(Path(args.ckpt))
+        eng = engine.load(Path(args.ckpt), device="cuda", max_context=4096, max_num_seqs=16)
+        res["batch"] = {}
+        for rows in (1, 2, 8, 16):
+            r = profile_decode(eng, 600, rows=rows)
+            res["batch"][f"rows_{rows}"] = {k: v for k, v in r.items() if k != "first_60"}
+            print(f"rows {rows}", {k: v for k, v in r.items() if k.endswith("us")}, flush=True)
+            save()
+        del eng
     if "prompt" in parts:
         import engine
 

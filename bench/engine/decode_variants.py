@@ -2,8 +2,8 @@
 
     python3 -m bench.engine.decode_variants --ckpt /tmp/gpurig_e2b_emb4 --out $OUT/variants.json
 
-The same weights, cache and tuned tiles; each variant is a Backend over the engine's model and
-cache with some EngineOptions changed (its own decoder and captured CUDA graph), so the
+The same weights, cache and tuned tiles; each variant is a ModelRunner over the engine's model and
+pool with some EngineOptions changed (its own decoder and captured CUDA graphs), so the
 differences are what those options buy. Also reports whether each variant's logits are
 bit-identical to the first variant's. The launch switches this script once compared (PDL, L2
 prefetch, GEMV epilogue and prologue arrangements, q/k/v work in the attention) measured no
@@ -23,7 +23,8 @@ from typing import Any
 
 import torch
 
-from bench.engine.e2e_bench import E2B_DIR, decode_rate, fill_cache, greedy_pair, make, with_options
+from bench.engine.e2e_bench import E2B_DIR, decode_rate, greedy_pair, make, with_options
+from bench.engine.rows import fill_rows, held_rows, step_fn
 
 VARIANTS: dict[str, dict[str, Any]] = {  # option changes against the engine's own
     "default": {},
@@ -32,11 +33,12 @@ VARIANTS: dict[str, dict[str, Any]] = {  # option changes against the engine's o
 }
 
 
-def logits_of(backend, eng, depth: int = 100) -> torch.Tensor:
-    fill_cache(eng, depth)
-    dec = backend.step()
-    return dec(torch.tensor([7], device=eng.device), torch.tensor([depth], device=eng.device)
-               ).clone()  # fmt: skip
+def logits_of(runner, eng, depth: int = 100) -> torch.Tensor:
+    with held_rows(eng, 1) as slots, torch.no_grad():
+        fill_rows(eng, slots, depth)
+        dec = step_fn(eng, slots, runner)
+        dev = eng.device
+        return dec(torch.tensor([7], device=dev), torch.tensor([depth], device=dev)).clone()
 
 
 def run(ckpt: Path, depths: list[int], names: list[str], greedy: int = 0) -> dict[str, Any]:
@@ -46,19 +48,18 @@ def run(ckpt: Path, depths: list[int], names: list[str], greedy: int = 0) -> dic
     t0 = time.time()
     eng = engine.load(ckpt, device="cuda")
     res: dict[str, Any] = {"load_s": round(time.time() - t0, 1), "rows": []}
-    backends = {name: with_options(eng, **VARIANTS[name]) for name in names}
-    base = logits_of(backends[names[0]], eng)
+    runners = {name: with_options(eng, **VARIANTS[name]) for name in names}
+    base = logits_of(runners[names[0]], eng)
     for name in names:
-        logits = logits_of(backends[name], eng)
+        logits = logits_of(runners[name], eng)
         same = torch.equal(base, logits)
         for depth in depths:
-            r = decode_rate(eng, depth, backend=backends[name])
+            r = decode_rate(eng, depth, runner=runners[name])
             r.update(variant=name, logits_identical_to_plain=same,
                      logits_max_abs_diff=float((base - logits).abs().max()))  # fmt: skip
             res["rows"].append(r)
             print(json.dumps(r), flush=True)
     if greedy:  # the default arrangement's greedy tokens against the reference path's
-        fill_cache(eng, 0)
         res["e2b_greedy"] = greedy_pair(eng, [2] + list(range(100, 131)), greedy)
         print(json.dumps({k: v for k, v in res["e2b_greedy"].items()
                           if k not in ("fast", "reference")}), flush=True)  # fmt: skip

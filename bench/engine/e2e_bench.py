@@ -24,7 +24,6 @@ What it measures, on the e2b preset's random weights (4-bit linears and 4-bit em
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import subprocess
@@ -36,7 +35,9 @@ from typing import Any
 
 import torch
 
+from bench.engine.rows import fill_rows, held_rows, read_prompt, read_whole, step_fn, variant_runner
 from engine.options import EngineOptions
+from engine.sampling import SamplingParams
 
 E2B_DIR = Path(os.environ.get("GPURIG_BENCH_CKPT", "/tmp/gpurig_e2b_emb4"))
 TINY_DIR = Path("/tmp/gpurig_tiny_emb4")
@@ -45,7 +46,8 @@ DEPTHS = (0, 4096, 32768, 131072)
 
 
 def _sync() -> None:
-    torch.cuda.synchronize()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 def make(ckpt: Path, preset: str = "e2b") -> dict[str, Any]:
@@ -62,7 +64,7 @@ def make(ckpt: Path, preset: str = "e2b") -> dict[str, Any]:
 def reference_engine(eng):
     """The same checkpoint loaded again with the fast path off (reference ops, the model's own
     step): what the fast path is compared against. A second engine, not a switch: the
-    backend is chosen once at load."""
+    runner is chosen once at load."""
     import engine
 
     return engine.load(eng.model_dir, device=eng.device, dtype=eng.dtype,
@@ -70,34 +72,29 @@ def reference_engine(eng):
 
 
 def with_options(eng, **changes):
-    """A Backend over `eng`'s model and cache with some options changed (a variant of the decode
-    step or the prompt reading in the same process; its own decoder and fused weights)."""
-    from engine.backend import Backend
-
-    return Backend(eng.model, eng.cache, dataclasses.replace(eng.options, **changes))
+    """A runner over `eng`'s model and pool with some options changed (bench.engine.rows)."""
+    return variant_runner(eng, **changes)
 
 
-def read_as_generate(eng, prompt: list[int], backend=None, whole: bool = False):
-    """The prompt's last-token logits as `generate` reads it (fast path: chunks + the decode
-    step) or, with `whole`, every token through `prefill`'s chunks."""
-    from engine.generate import prefill, read_prompt
-
-    backend = backend or eng.backend
-    if whole or not backend.last_token_by_step:
-        return prefill(eng.model, eng.cache, prompt, eng.prefill_chunk)
-    return read_prompt(eng.model, eng.cache, prompt, eng.prefill_chunk, backend.step(), None,
-                       backend.prefill_body())  # fmt: skip
+def read_as_generate(eng, prompt: list[int], runner=None, whole: bool = False):
+    """The prompt's last-token logits as the engine reads it (chunks, then the last token by
+    the decode step) or, with `whole`, every token through the model's own chunks."""
+    with held_rows(eng, 1, len(prompt) + 1) as slots:
+        if whole:
+            return read_whole(eng, prompt, int(slots[0]))
+        return read_prompt(eng, prompt, int(slots[0]), runner)
 
 
 def greedy_pair(eng, prompt: list[int], n: int) -> dict[str, Any]:
     """Greedy tokens with the fast path (`eng`) and with the reference path (the same
     checkpoint loaded with the fast path off), from the same prompt."""
+    params = SamplingParams(max_tokens=n, stop_ids=())
     t0 = time.time()
-    fast = eng.generate(prompt, n, stop_ids=[])
+    fast = eng.generate(prompt, params)
     t_fast = time.time() - t0
     ref_eng = reference_engine(eng)
     t0 = time.time()
-    ref = ref_eng.generate(prompt, n, stop_ids=[])
+    ref = ref_eng.generate(prompt, params)
     t_ref = time.time() - t0
     del ref_eng
     same = sum(1 for a, b in zip(fast, ref, strict=False) if a == b)
@@ -107,76 +104,52 @@ def greedy_pair(eng, prompt: list[int], n: int) -> dict[str, Any]:
             "seconds_fast": round(t_fast, 2), "seconds_reference": round(t_ref, 2)}  # fmt: skip
 
 
-def fill_cache(eng, depth: int) -> None:
-    """Make the cache look as if `depth` positions (0..depth-1) had been read."""
-    cache = eng.cache
-    gen = torch.Generator(device=eng.device).manual_seed(depth)
-    for layer in cache.layers.values():
-        layer.pos.fill_(-1)
-        if depth == 0:
-            continue
-        if layer.window is None:
-            n = min(depth, layer.slots)
-            positions = torch.arange(n, device=eng.device)
-            slots = positions
-        else:
-            positions = torch.arange(max(0, depth - layer.slots), depth, device=eng.device)
-            slots = positions % layer.slots
-        for i in range(0, positions.numel(), 8192):  # in pieces: little extra memory (the cap)
-            sl, ps = slots[i : i + 8192], positions[i : i + 8192]
-            shape = (ps.numel(), *layer.k.shape[1:])
-            layer.k[sl] = torch.randn(shape, device=eng.device, generator=gen).to(layer.k.dtype)
-            layer.v[sl] = torch.randn(shape, device=eng.device, generator=gen).to(layer.v.dtype)
-            layer.pos[sl] = ps
-
-
-def decode_rate(eng, depth: int, steps: int = 64, backend=None) -> dict[str, Any]:
+def decode_rate(eng, depth: int, steps: int = 64, runner=None) -> dict[str, Any]:
     """GPU time per decode step (graph replays back to back, argmax on the device) and the rate
-    with a host round trip per token (what generate() does), at `depth` cached positions.
-    `backend`: a variant (with_options); default the engine's own."""
+    with a host round trip per token (what a request's loop does), at `depth` cached positions
+    of one pool slot. `runner`: a variant (with_options); default the engine's own."""
     depth = min(depth, eng.max_context - steps - 8)  # every decoded position must fit
-    fill_cache(eng, depth)
-    dec = (backend or eng.backend).step()
-    tok = torch.tensor([7], device=eng.device)
-    pos = torch.tensor([depth], device=eng.device)
-    for _ in range(3):
-        tok = dec(tok, pos)[0].argmax(-1, keepdim=True)
-        pos += 1
-    _sync()
-    fill_cache(eng, depth)
-    pos.fill_(depth)
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(steps):
-        tok = dec(tok, pos)[0].argmax(-1, keepdim=True)
-        pos += 1
-    b.record()
-    b.synchronize()
-    gpu_ms = a.elapsed_time(b) / steps
-    fill_cache(eng, depth)
-    pos.fill_(depth)
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        tok = dec(tok, pos)[0].argmax(-1, keepdim=True)
-        int(tok.item())
-        pos += 1
-    host_ms = (time.perf_counter() - t0) * 1000 / steps
+    with held_rows(eng, 1) as slots:
+        dec = step_fn(eng, slots, runner)
+        fill_rows(eng, slots, depth)
+        tok = torch.tensor([7], device=eng.device)
+        pos = torch.tensor([depth], device=eng.device)
+        for _ in range(3):
+            tok = dec(tok, pos).argmax(-1)
+            pos += 1
+        _sync()
+        pos.fill_(depth)
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(steps):
+            tok = dec(tok, pos).argmax(-1)
+            pos += 1
+        b.record()
+        b.synchronize()
+        gpu_ms = a.elapsed_time(b) / steps
+        pos.fill_(depth)
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            tok = dec(tok, pos).argmax(-1)
+            int(tok.item())
+            pos += 1
+        host_ms = (time.perf_counter() - t0) * 1000 / steps
     return {"depth": depth, "steps": steps, "ms_per_token_gpu": gpu_ms,
             "tok_per_s_gpu": 1000 / gpu_ms, "ms_per_token_with_sync": host_ms,
             "tok_per_s_with_sync": 1000 / host_ms}  # fmt: skip
 
 
 def prefill_rate(eng, n: int, repeats: int = 3, whole: bool = False,
-                 backend=None) -> dict[str, Any]:  # fmt: skip
-    """Seconds from a prompt to its last token's logits, as `generate` reads it (the last token
-    through the decode step) or, with `whole`, every token through `prefill`'s chunks."""
+                 runner=None) -> dict[str, Any]:  # fmt: skip
+    """Seconds from a prompt to its last token's logits, as the engine reads it (the last
+    token through the decode step) or, with `whole`, every token through the model's chunks."""
     prompt = [int(t) for t in torch.randint(3, eng.config.vocab_size, (n,))]
-    read_as_generate(eng, prompt, backend, whole)  # warm-up (tuning, cuBLAS plans)
+    read_as_generate(eng, prompt, runner, whole)  # warm-up (tuning, cuBLAS plans)
     _sync()
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        read_as_generate(eng, prompt, backend, whole)
+        read_as_generate(eng, prompt, runner, whole)
         _sync()
         times.append(time.perf_counter() - t0)
     best = min(times)
@@ -195,15 +168,15 @@ def prompt_rates(eng, lengths=(32, 512, 4096)) -> dict[str, Any]:
     """Prompt to first logits for each length and mode, and how far the modes' logits are
     apart (the same prompt; bf16 rounding and matmul order differ, the function does not)."""
     out: dict[str, Any] = {}
-    backends = {mode: with_options(eng, **changes) if changes else eng.backend
-                for mode, (changes, _) in PROMPT_MODES.items()}  # fmt: skip
+    runners = {mode: with_options(eng, **changes) if changes else eng.runner
+               for mode, (changes, _) in PROMPT_MODES.items()}  # fmt: skip
     for n in lengths:
         logits = {}
         for mode, (_, whole) in PROMPT_MODES.items():
-            out[f"{n}_{mode}"] = prefill_rate(eng, n, whole=whole, backend=backends[mode])
+            out[f"{n}_{mode}"] = prefill_rate(eng, n, whole=whole, runner=runners[mode])
             torch.manual_seed(n)
             prompt = [int(t) for t in torch.randint(3, eng.config.vocab_size, (n,))]
-            logits[mode] = read_as_generate(eng, prompt, backends[mode], whole).float()
+            logits[mode] = read_as_generate(eng, prompt, runners[mode], whole).float()
         ref = logits["whole"]
         for mode in ("fused", "unfused"):
             out[f"{n}_{mode}"]["max_abs_logit_diff_vs_whole"] = float(
@@ -215,9 +188,9 @@ def prompt_rates(eng, lengths=(32, 512, 4096)) -> dict[str, Any]:
 
 def generate_rate(eng, prompt_len: int = 32, new: int = 128) -> dict[str, Any]:
     prompt = [2] + [int(t) for t in torch.randint(3, eng.config.vocab_size, (prompt_len - 1,))]
-    eng.generate(prompt, 8, stop_ids=[])  # warm-up: capture
+    eng.generate(prompt, SamplingParams(max_tokens=8, stop_ids=()))  # warm-up
     t0 = time.perf_counter()
-    out = eng.generate(prompt, new, stop_ids=[])
+    out = eng.generate(prompt, SamplingParams(max_tokens=new, stop_ids=()))
     dt = time.perf_counter() - t0
     return {"prompt": prompt_len, "new_tokens": len(out), "seconds": dt,
             "tok_per_s_including_prefill": len(out) / dt}  # fmt: skip
@@ -237,7 +210,9 @@ def run_capped(ckpt: Path) -> dict[str, Any]:
         res["prefill_chunk"] = eng.prefill_chunk
         res["loaded_mib"] = torch.cuda.memory_allocated() / 2**20
         warm = [2] + list(range(100, 2147))
-        eng.generate(warm, 4, stop_ids=[])  # compile, tune, capture: not part of the figure
+        eng.generate(
+            warm, SamplingParams(max_tokens=4, stop_ids=())
+        )  # compile, tune, capture: not part of the figure
         res["prompt_131000"] = r = request(eng, 131000, CAP_MIB)
         res["decode_tok_per_s"] = r["decode_tok_per_s"]  # Engine.stream's rate, host in the loop
         res["prompt_tok_per_s"] = r["prompt_tok_per_s"]
@@ -391,7 +366,7 @@ def run_all(read_bps: float, save_cb=None, partial: dict | None = None,
         ("decode_without_cuda_graph", {"cuda_graph": False}),
     ):
         try:
-            res[name] = decode_rate(eng, 0, backend=with_options(eng, **changes))
+            res[name] = decode_rate(eng, 0, runner=with_options(eng, **changes))
         except Exception as exc:  # noqa: BLE001
             res[name] = {"error": repr(exc)[:800]}
     step("generate_short", generate_rate, eng)

@@ -30,7 +30,9 @@ import torch
 
 from bench.engine.e2e_bench import CAP_MIB, E2B_DIR, make
 from bench.engine.prompt_request import mib, random_prompt, request
+from bench.engine.rows import held_rows, read_prompt, read_whole, step_fn
 from engine.options import EngineOptions
+from engine.sampling import SamplingParams
 
 LENGTHS = (8192, 32768, 131000)
 CHECK_NEW = 16
@@ -38,27 +40,26 @@ CHECK_NEW = 16
 
 def check(eng, n: int, cap: int) -> dict[str, Any]:
     """Logits and greedy continuations: one whole reference pass against the chunked reads."""
-    from engine.generate import prefill, read_prompt
-
-    model, cache = eng.model, eng.cache
     prompt = random_prompt(n, eng.config.vocab_size)
-    step = eng.backend.step()
+    with held_rows(eng, 1, n + CHECK_NEW + 1) as slots:
+        step = step_fn(eng, slots)
+        slot = int(slots[0])
 
-    def continue_from(logits) -> list[int]:
-        out, tok = [], logits.argmax().view(1)
-        pos = torch.tensor([n], device=eng.device)
-        for _ in range(CHECK_NEW):
-            out.append(int(tok))
-            tok = step(tok, pos)[0].argmax().view(1)
-            pos += 1
-        return out
+        def continue_from(logits) -> list[int]:
+            out, tok = [], logits.argmax().view(1)
+            pos = torch.tensor([n], device=eng.device)
+            with torch.no_grad():
+                for _ in range(CHECK_NEW):
+                    out.append(int(tok))
+                    tok = step(tok, pos)[0].argmax().view(1)
+                    pos += 1
+            return out
 
-    whole = prefill(model, cache, prompt, n, score_budget=1 << 60).float().clone()
-    runs = {"whole": (whole, continue_from(whole))}
-    for name, c in (("capped_plan", cap), ("uncapped_plan", None)):
-        logits = read_prompt(model, cache, prompt, eng.prefill_chunk, step, c,
-                             eng.backend.prefill_body()).float().clone()  # fmt: skip
-        runs[name] = (logits, continue_from(logits))
+        whole = read_whole(eng, prompt, slot, n, score_budget=1 << 60).float().clone()
+        runs = {"whole": (whole, continue_from(whole))}
+        for name, c in (("capped_plan", cap), ("uncapped_plan", None)):
+            logits = read_prompt(eng, prompt, slot, cap=c).float().clone()
+            runs[name] = (logits, continue_from(logits))
     res: dict[str, Any] = {"tokens": n, "whole_tokens": runs["whole"][1]}
     for name in ("capped_plan", "uncapped_plan"):
         logits, toks = runs[name]
@@ -98,7 +99,9 @@ def run(cap: int | None, lengths=LENGTHS, checks: bool = False, save=None) -> di
     res["expandable_segments"] = eng.options.expandable_segments
     res["prefix_sdpa_runs"] = _sdpa_probe()
     try:
-        eng.generate(random_prompt(2048, eng.config.vocab_size), 4, stop_ids=[])  # compile, capture
+        eng.generate(
+            random_prompt(2048, eng.config.vocab_size), SamplingParams(max_tokens=4, stop_ids=())
+        )  # compile, capture
     except Exception as exc:  # noqa: BLE001
         res["warm_up_error"] = repr(exc)[:800]
     res["warm_mib"] = mib(torch.cuda.memory_allocated())

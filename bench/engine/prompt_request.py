@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from engine.sampling import SamplingParams
+
 NEW = 128  # tokens decoded after the prompt
 
 
@@ -29,7 +31,7 @@ def request(eng, n: int, cap: int | None) -> dict[str, Any]:
     plan = plan_prompt(eng.model, n, eng.prefill_chunk, cap)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
-    with eng.stream(prompt, NEW, stop_ids=[]) as gen:
+    with eng.stream(prompt, SamplingParams(max_tokens=NEW, stop_ids=())) as gen:
         tokens = list(gen)
     t = gen.timings  # the engine's own clock: stream() to first token, then to the synced end
     return {"tokens": n, "chunk": plan.chunk, "score_budget": plan.score_budget,
