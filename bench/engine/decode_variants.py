@@ -7,8 +7,8 @@ pool with some EngineOptions changed (its own decoder and captured CUDA graphs),
 differences are what those options buy. Also reports whether each variant's logits are
 bit-identical to the first variant's. The launch switches this script once compared (PDL, L2
 prefetch, GEMV epilogue and prologue arrangements, q/k/v work in the attention) measured no
-gain and are gone from the engine; their results stay in bench/results/engine/ and
-bench/NOTES.md.
+gain and are gone from the engine; bench/NOTES.md cites their results (git history keeps
+the files).
 """
 
 from __future__ import annotations
