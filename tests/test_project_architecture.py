@@ -25,17 +25,6 @@ MODULES = {
     for p in sorted((ROOT / package).rglob("*.py"))
 }
 
-# To be removed: cases in files other engineers are rewriting now (the engine core, bench/sweep*).
-# Each is tolerated, not required: the rewrite deletes its entries here when it lands.
-LAYER_CASES_TO_BE_REMOVED = {
-    ("bench.sweep_e2b", "mcp_server.cli_sweep"),  # the sweep's own fix moves what it needs down
-}
-PRIVATE_CASES_TO_BE_REMOVED = {
-    ("engine.server.tokenize", "engine.server.schemas._Request"),  # server rewrite, in progress
-    ("bench.sweep.telemetry", "tools.gpu_nvml._nvml_error_text"),  # now nvml_error_text
-    ("bench.sweep.compare", "bench.sweep.run._find_dir"),  # the sweep's rewrite
-}
-
 
 def _nodes(tree: ast.Module):
     """Every node of the module but those under `if TYPE_CHECKING:` (never run)."""
@@ -163,12 +152,12 @@ def test_dependencies_point_down() -> None:
         for dep in deps
         if _package(dep) in above.get(_package(name), set())
     }
-    assert wrong - LAYER_CASES_TO_BE_REMOVED == set()
+    assert wrong == set()
 
 
 def test_no_private_name_imported_across_modules() -> None:
     found = {(name, p) for name, (_, private) in SCANS.items() for p in private}
-    assert found - PRIVATE_CASES_TO_BE_REMOVED == set()
+    assert found == set()
 
 
 def test_the_engine_serve_options_are_defined_once() -> None:

@@ -313,18 +313,16 @@ def test_store_cuts_a_torn_line_and_appends_after_it(tmp_path: Path) -> None:
 
 def test_metrics_parsed_from_engine_and_vllm_pages() -> None:
     engine = Metrics("m")
-    engine.set_queue(3, True)
     got = parse_metrics(engine.prometheus())
-    assert got["requests_waiting"] == 3 and got["generation_tokens"] == 0
-    assert got["requests_running"] == 1
+    assert got["requests_waiting"] == 0 and got["generation_tokens"] == 0
 
-    class Stats:  # what engine.scheduler.Scheduler.stats() reports
-        running, waiting, max_num_seqs, kv_usage, kv_tokens = 5, 1, 16, 0.25, 4096
+    class Stats:  # what engine.scheduler.Scheduler.stats() reports: the one waiting line
+        running, waiting, max_num_seqs, kv_usage, kv_tokens = 5, 3, 16, 0.25, 4096
         steps, step_rows, last_step_rows = 10, 42, 5
 
     engine.scheduler_stats = Stats
     got = parse_metrics(engine.prometheus())
-    assert got["requests_running"] == 5 and got["requests_waiting"] == 1 + 3
+    assert got["requests_running"] == 5 and got["requests_waiting"] == 3
     assert got["kv_cache_usage"] == 0.25
     assert (got["decode_steps"], got["decode_step_rows"]) == (10, 42)
     vllm = "\n".join(

@@ -135,7 +135,6 @@ def nvml_error_text(exc: Exception) -> str:
 
 # the old private name, still imported by bench/sweep/telemetry.py (to be removed with it: the
 # architecture test allow-lists that import)
-_nvml_error_text = nvml_error_text
 
 
 def nvml_gpu_count(timeout_s: float = 0.5) -> int | None:

@@ -167,11 +167,11 @@ def compare_sweeps(sweeps: list[str], out_dir: str | None = None) -> CompareResu
     """Compare two or more sweeps (directories or ids); the first is the baseline. Writes
     COMPARE.md, compare.json and overlay plots to `out_dir` (default: a new directory beside
     the sweeps)."""
-    from bench.sweep.run import _find_dir, sweeps_dir
+    from bench.sweep.run import find_sweep_dir, sweeps_dir
 
     if len(sweeps) < 2:
         raise InvalidInputError("compare needs two or more sweeps", "pass A B [C ...]")
-    stores = [SweepStore(_find_dir(s)) for s in sweeps]
+    stores = [SweepStore(find_sweep_dir(s)) for s in sweeps]
     labels = _labels(stores)
     per_sweep = [_cells_of(s) for s in stores]
     rows = compare_rows(labels, per_sweep)

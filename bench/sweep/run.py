@@ -415,7 +415,7 @@ def run_sweep(
     resume=DIR continues a sweep from its files (the other arguments are ignored).
     """
     if resume:
-        store = SweepStore(_find_dir(resume))
+        store = SweepStore(find_sweep_dir(resume))
         store.load_config()
     else:
         if not targets:
@@ -472,7 +472,7 @@ def _spawn_worker(store: SweepStore) -> int:
     return proc.pid
 
 
-def _find_dir(ref: str) -> Path:
+def find_sweep_dir(ref: str) -> Path:
     """A sweep directory from a path or a sweep id (under the state directory)."""
     path = Path(ref).expanduser()
     if (path / "sweep.json").is_file():
@@ -488,7 +488,7 @@ def _find_dir(ref: str) -> Path:
 
 def sweep_status(sweep: str) -> SweepStatus:
     """Cells done, the current cell and the time left, read from the sweep's files."""
-    store = SweepStore(_find_dir(sweep))
+    store = SweepStore(find_sweep_dir(sweep))
     config = store.load_config()
     cells = store.load_cells()
     keys = config.cell_keys()
@@ -539,7 +539,7 @@ def sweep_status(sweep: str) -> SweepStatus:
 
 def sweep_report(sweep: str) -> SweepResult:
     """Rebuild REPORT.md, results.json, results.csv and the plots from a sweep's files."""
-    store = SweepStore(_find_dir(sweep))
+    store = SweepStore(find_sweep_dir(sweep))
     return _result(store, sweep_status(str(store.dir)).state)
 
 

@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 
 from bench.sweep.models import CellTelemetry, GpuTelemetry
-from tools.gpu_nvml import _nvml_error_text, throttle_names
+from tools.gpu_nvml import nvml_error_text, throttle_names
 
 SAMPLE_INTERVAL_S = 0.25
 # /metrics during a cell: a first look, then one every POLL_INTERVAL_S. Not more often: the
@@ -103,7 +103,7 @@ class NvmlSampler:
 
             pynvml.nvmlInit()
         except Exception as exc:  # no library, no driver, no permission
-            self.missing = _nvml_error_text(exc) if not isinstance(exc, ImportError) else str(exc)
+            self.missing = nvml_error_text(exc) if not isinstance(exc, ImportError) else str(exc)
             return
         try:
             self._handle = pynvml.nvmlDeviceGetHandleByIndex(self.index)

@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt
 
 
-class _Request(BaseModel):
+class RequestModel(BaseModel):
     # Unknown OpenAI fields are accepted and ignored; NaN/inf are refused. Numbers and flags are
     # strict (as OpenAI's API is): `true` is not a token count, "0.5" not a temperature.
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
@@ -52,23 +52,23 @@ class ErrorResponse(BaseModel):
 # ---- chat requests -----------------------------------------------------------------------------
 
 
-class ContentPart(_Request):
+class ContentPart(RequestModel):
     type: str
     text: str | None = None
 
 
-class FunctionCall(_Request):
+class FunctionCall(RequestModel):
     name: str
     arguments: str | dict[str, Any] = "{}"
 
 
-class ToolCallIn(_Request):
+class ToolCallIn(RequestModel):
     id: str | None = None
     type: Literal["function"] = "function"
     function: FunctionCall
 
 
-class ChatMessage(_Request):
+class ChatMessage(RequestModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
@@ -77,36 +77,36 @@ class ChatMessage(_Request):
     reasoning_content: str | None = None
 
 
-class FunctionDef(_Request):
+class FunctionDef(RequestModel):
     name: str = Field(min_length=1, max_length=128)
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
 
 
-class ToolDef(_Request):
+class ToolDef(RequestModel):
     type: Literal["function"] = "function"
     function: FunctionDef
 
 
-class NamedFunction(_Request):
+class NamedFunction(RequestModel):
     name: str
 
 
-class NamedToolChoice(_Request):
+class NamedToolChoice(RequestModel):
     type: Literal["function"] = "function"
     function: NamedFunction
 
 
-class StreamOptions(_Request):
+class StreamOptions(RequestModel):
     include_usage: StrictBool = False
 
 
-class ChatTemplateKwargs(_Request):
+class ChatTemplateKwargs(RequestModel):
     enable_thinking: StrictBool | None = None
 
 
-class _SamplingFields(_Request):
+class _SamplingFields(RequestModel):
     model: str | None = None
     temperature: StrictFloat | None = Field(None, ge=0.0, le=2.0)
     top_p: StrictFloat | None = Field(None, gt=0.0, le=1.0)

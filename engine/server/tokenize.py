@@ -25,11 +25,11 @@ from starlette.responses import JSONResponse, Response
 from engine.chat.render import ChatTemplateError
 from engine.server.body import parse_request, read_body
 from engine.server.errors import ApiError
-from engine.server.schemas import ChatMessage, _Request
+from engine.server.schemas import ChatMessage, RequestModel
 from engine.server.state import ServerState
 
 
-class TokenizeRequest(_Request):
+class TokenizeRequest(RequestModel):
     """vLLM's TokenizeCompletionRequest and TokenizeChatRequest in one model: `prompt` (text)
     or `messages` (a chat, rendered by the template), exactly one of them."""
 
@@ -50,14 +50,14 @@ class TokenizeRequest(_Request):
         return None
 
 
-class TokenizeResponse(_Request):
+class TokenizeResponse(RequestModel):
     count: int
     max_model_len: int
     tokens: list[int]
     token_strs: list[str] | None = None
 
 
-class DetokenizeRequest(_Request):
+class DetokenizeRequest(RequestModel):
     model: str | None = None
     tokens: list[StrictInt] = Field(max_length=1_048_576)
 
@@ -69,7 +69,7 @@ class DetokenizeRequest(_Request):
         return None
 
 
-class DetokenizeResponse(_Request):
+class DetokenizeResponse(RequestModel):
     prompt: str
 
 
