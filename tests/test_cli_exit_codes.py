@@ -58,12 +58,20 @@ F_SETPIPE_SZ = 1031
 PIPE_BYTES = 4096
 
 
+def _default_sigint() -> None:
+    """In the child, before exec: SIGINT's default action, whatever this process inherited."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_exits_130_without_a_traceback(tmp_path: Path, gpurig_bin) -> None:
     """A generation that cannot finish before the signal: --ignore-eos with as many tokens as
     the context holds, and a stdout pipe of one page that this test stops reading after the
     first piece, so the CLI blocks writing its reply until it is interrupted. The signal is sent
     only once tokens stream. (Before: greedy on random weights met an eos token within a few
-    hundred tokens, and on a fast run the command exited 0 before the SIGINT landed.)"""
+    hundred tokens, and on a fast run the command exited 0 before the SIGINT landed.) The child
+    gets SIGINT's default action back: a test run started in the background by a
+    non-interactive shell (`.ci/run &`) inherits SIGINT ignored, and Python then installs no
+    KeyboardInterrupt handler, so the signal did nothing and the generation ran to its end."""
     example = documented_codes()[130]
     assert "Ctrl-C during `gpurig engine generate`" in example
     from engine.checkpoint_maker import make_checkpoint
@@ -78,6 +86,7 @@ def test_ctrl_c_exits_130_without_a_traceback(tmp_path: Path, gpurig_bin) -> Non
         stdout=write_fd,
         stderr=subprocess.PIPE,
         stdin=subprocess.DEVNULL,
+        preexec_fn=_default_sigint,
     )  # fmt: skip
     os.close(write_fd)
     try:
