@@ -66,13 +66,17 @@ def make_scripted_checkpoint(
     tok = json.loads(tok_path.read_text())
     vocab: dict[str, int] = tok["model"]["vocab"]
     free = iter(sorted((i, t) for t, i in vocab.items() if t.startswith("<unused_")))
+    # how the vocabulary spells a piece: Gemma's byte-fallback BPE marks spaces with "▁"
+    spell = (
+        (lambda t: t.replace(" ", "\u2581")) if tok["model"].get("byte_fallback") else _byte_level
+    )
     piece_ids: dict[str, int] = {}
     for chain in chains:
         for item in chain:
             if isinstance(item, str) and item not in piece_ids:
                 i, placeholder = next(free)
                 del vocab[placeholder]
-                vocab[_byte_level(item)] = i
+                vocab[spell(item)] = i
                 piece_ids[item] = i
     tok_path.write_text(json.dumps(tok, ensure_ascii=False))
 

@@ -20,7 +20,7 @@ from engine.generation import Generation
 from engine.sampling import SamplingParams
 from engine.sequence import Output, Sequence
 from engine.textgen import GenerationResult
-from engine.tokenizer_synth import build_tokenizer
+from engine.tokenizer_synth import build_byte_level_tokenizer, build_tokenizer, byte_token_ids
 
 PROMPT = [2] + list(range(40, 70))
 
@@ -151,8 +151,14 @@ def test_generation_timings_follow_its_phases():
 
 
 def _byte_token_ids(tokenizer) -> list[int]:
-    """The ids of the one-byte tokens for bytes 0..255 (GPT-2's byte-to-character map, which
-    the synthetic byte-level tokenizer uses)."""
+    """The ids of the byte tokens <0x00>..<0xFF> (the synthetic tokenizer is a byte-fallback
+    BPE, as Gemma 4's)."""
+    return byte_token_ids(tokenizer)
+
+
+def _byte_level_ids(tokenizer) -> list[int]:
+    """The ids of the one-byte tokens for bytes 0..255 of the byte-level tokenizer that older
+    checkpoints ship (GPT-2's byte-to-character map)."""
     printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
     chars, extra = {}, 0
     for b in range(256):
@@ -164,9 +170,12 @@ def _byte_token_ids(tokenizer) -> list[int]:
     return [tokenizer.token_to_id(chars[b]) for b in range(256)]
 
 
-def test_detokeniser_matches_decode_over_random_byte_tokens(tokenizer):
+def test_detokeniser_matches_decode_over_random_byte_tokens():
+    """Byte-level BPE (older checkpoints): decode is a lossy UTF-8 decode of all the bytes, so
+    the pieces joined equal it even over broken UTF-8."""
+    tokenizer = build_byte_level_tokenizer(512)
     rng = random.Random(7)
-    bytes_ = _byte_token_ids(tokenizer)
+    bytes_ = _byte_level_ids(tokenizer)
     high = bytes_[0x80:]
     specials = [1, 2, 48, 105, 106]
     for trial in range(600):
@@ -181,12 +190,31 @@ def test_detokeniser_matches_decode_over_random_byte_tokens(tokenizer):
             assert "".join(pieces) == tokenizer.decode(seq, skip_special_tokens=skip), seq
 
 
-def test_detokeniser_releases_whole_characters_only(tokenizer):
-    text = 'Grüße aus 東京 🙂 <|"|> {"a": [1, 2]}'
-    d = Detokenizer(tokenizer)
-    pieces = [d.push(i) for i in tokenizer.encode(text, add_special_tokens=False).ids]
-    assert "".join(pieces) + d.flush() == text and "\ufffd" not in "".join(pieces)
-    assert "東" in pieces and "🙂" in pieces  # one piece when its last byte arrives
+def test_detokeniser_matches_decode_over_random_byte_fallback_text(tokenizer):
+    """Byte-fallback BPE (Gemma 4's kind): merged pieces, `▁` word starts, characters spelled as
+    byte tokens and specials, mixed at random; the pieces joined equal decode and hold whole
+    characters only. (Over broken UTF-8, ByteFallback turns a whole run of byte tokens into one
+    U+FFFD per byte, even a valid character inside it, which no streaming decoder can know in
+    advance; the detokeniser releases such a character as it completes.)"""
+    rng = random.Random(7)
+    words = tokenizer.encode('the model is thinking {"a": 1}\n', add_special_tokens=False).ids
+    chars = ["é", "東", "🙂", "€", "ß"]
+    specials = [1, 2, 48, 105, 106]
+    for _ in range(300):
+        seq: list[int] = []
+        for _ in range(rng.randint(0, 30)):
+            r = rng.random()
+            if r < 0.1:
+                seq.append(rng.choice(specials))
+            elif r < 0.5:
+                seq += [tokenizer.token_to_id(f"<0x{b:02X}>") for b in rng.choice(chars).encode()]
+            else:
+                seq.append(rng.choice(words))
+        for skip in (False, True):
+            d = Detokenizer(tokenizer, skip)
+            pieces = [d.push(i) for i in seq] + [d.flush()]
+            assert "".join(pieces) == tokenizer.decode(seq, skip_special_tokens=skip), seq
+            assert not any("\ufffd" in p for p in pieces)
 
 
 class _CountingTokenizer:
@@ -256,7 +284,11 @@ def test_generation_result_of_a_text_stream(eng):
     )
     pieces = [p for p in stream if p]
     result = GenerationResult.of(stream)
-    assert result.text == "".join(pieces) == eng.tokenizer.decode(stream.generation.tokens)
+    # a random model's ids: its text is the streaming decode of them (over a broken run of byte
+    # tokens ByteFallback's one-shot decode differs, see the byte-fallback detokeniser test)
+    d = Detokenizer(eng.tokenizer, True)
+    streamed = "".join(d.push(i) for i in stream.generation.tokens) + d.flush()
+    assert result.text == "".join(pieces) == streamed
     assert result.finish_reason == "length" and result.new_tokens == 9
     assert result.prompt_tokens == len(PROMPT) and result.decode_tokens == 8
     assert result.decode_tokens_per_s and result.decode_tokens_per_s > 0
