@@ -1,4 +1,4 @@
-"""`gpurig engine make-checkpoint | quantize | generate | memory`: the engine core's CLI face.
+"""`gpurig engine make-checkpoint | quantize | generate | export-gguf | memory`: the engine core's CLI face.
 
 Thin: each command calls one engine function and prints its pydantic result (table or --json).
 Nothing heavy at import time, and every path is checked before torch is imported (2 s on a cold
@@ -68,6 +68,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     _add_load_args(p)
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(func=_run_generate)
+
+    p = subparsers.add_parser(
+        "export-gguf",
+        help="write a 16-bit checkpoint as a GGUF file for llama.cpp (f16 | bf16 | q4_0)",
+        description="Through llama.cpp's own convert_hf_to_gguf.py from gpurig's llama.cpp build "
+        "(.ci/llama-cpp-build); q4_0 converts to f16, then runs llama-quantize. Serve the file "
+        "with: gpurig serve start FILE.gguf --backend llamacpp",
+    )
+    p.add_argument("model", help="16-bit checkpoint directory (make-checkpoint --unquantized)")
+    p.add_argument("--out", required=True, help="the .gguf file to write")
+    p.add_argument("--outtype", choices=["f16", "bf16", "q4_0"], default="f16")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.set_defaults(func=_run_export_gguf)
 
     p = subparsers.add_parser(
         "memory",
@@ -284,6 +298,27 @@ def _run_quantize(args: argparse.Namespace) -> int:
 
     info = quantize_checkpoint(args.in_dir, args.out, emb4=args.emb4)
     print_result(info, args.json, _render_info)
+    return 0
+
+
+def _run_export_gguf(args: argparse.Namespace) -> int:
+    from tools.llamacpp import export_gguf
+
+    _check_model_dir(args.model, "MODEL", "`gpurig engine make-checkpoint --unquantized --out DIR`")
+    result = export_gguf(args.model, args.out, outtype=args.outtype, overwrite=args.overwrite)
+    print_result(
+        result,
+        args.json,
+        lambda r: kv_table(
+            [
+                ("file", r.path),
+                ("type", r.outtype),
+                ("bytes", f"{r.bytes:,}"),
+                ("seconds", r.seconds),
+                ("converter", r.converter),
+            ]
+        ),  # fmt: skip
+    )
     return 0
 
 

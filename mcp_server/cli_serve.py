@@ -31,7 +31,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("start", help="start a server and wait until it serves")
     p.add_argument("model", help="checkpoint directory or Hugging Face id (org/name)")
-    p.add_argument("--backend", choices=["vllm", "engine"], default="vllm")
+    p.add_argument("--backend", choices=["vllm", "engine", "llamacpp"], default="vllm")
     p.add_argument("--name", help="a name for the server (default: BACKEND-PORT)")
     p.add_argument("--python", dest="python_bin", help="serving interpreter (GPURIG_PYTHON)")
     p.add_argument("--host", default="127.0.0.1")
@@ -52,6 +52,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="vLLM's CPU build: its KV cache in GiB (VLLM_CPU_KVCACHE_SPACE; default a quarter "
         "of free RAM, at most 8), checked against the RAM available",
     )
+    p.add_argument(
+        "--server-bin",
+        help="llamacpp only: the llama-server binary (default: GPURIG_LLAMA_SERVER, gpurig's "
+        "build from .ci/llama-cpp-build, or PATH)",
+    )
+    p.add_argument("--gpu-layers", type=int, help="llamacpp only: layers on the GPU (-ngl)")
     p.add_argument(
         "--env", action="append", default=[], metavar="NAME=VALUE", help="set for the server"
     )
@@ -163,7 +169,8 @@ def _start(args: argparse.Namespace) -> int:
         max_num_seqs=args.max_num_seqs, attention_backend=args.attention_backend,
         extra_args=[a for text in args.extra_args for a in shlex.split(text)], env=_env(args.env), timeout_s=args.timeout,
         wait=not args.no_wait, progress=live, device=args.device,
-        cpu_kv_cache_gib=args.cpu_kv_cache_gib,
+        cpu_kv_cache_gib=args.cpu_kv_cache_gib, server_bin=args.server_bin,
+        gpu_layers=args.gpu_layers,
     )  # fmt: skip
     if live and live.tty and record.state != "ready":
         sys.stderr.write("\n")

@@ -63,7 +63,7 @@ def register(mcp: MCPServer) -> None:
             str, Field(min_length=1, description="a checkpoint directory or a hub id (org/name)")
         ],
         ctx: Context,
-        backend: Literal["vllm", "engine"] = "vllm",
+        backend: Literal["vllm", "engine", "llamacpp"] = "vllm",
         name: Name = None,
         python_bin: PythonBin = None,
         host: str = "127.0.0.1",
@@ -89,9 +89,20 @@ def register(mcp: MCPServer) -> None:
                 "default a quarter of free RAM, at most 8), checked against the RAM available",
             ),
         ] = None,
+        server_bin: Annotated[
+            str | None,
+            Field(
+                description="llamacpp only: the llama-server binary (default: "
+                "GPURIG_LLAMA_SERVER, gpurig's build from .ci/llama-cpp-build, or PATH)"
+            ),
+        ] = None,
+        gpu_layers: Annotated[
+            int | None, Field(ge=0, description="llamacpp only: layers on the GPU (-ngl)")
+        ] = None,
     ) -> ServerRecord:
-        """Start an OpenAI-compatible server (vLLM, or gpurig's engine) detached, and wait until
-        it serves (GET /health 200 and the model in /v1/models).
+        """Start an OpenAI-compatible server (vLLM, gpurig's engine, or llama.cpp's
+        llama-server) detached, and wait until it serves (GET /health 200 and the model in
+        /v1/models).
 
         Refuses in seconds, each with the fixing command: a GPU below capability 8 without the
         Turing patch (apply_turing_patch), the port taken, a server of that name running, a
@@ -107,6 +118,10 @@ def register(mcp: MCPServer) -> None:
         by cpu_kv_cache_gib. Ready also means one real 1-token completion answered: a CPU build
         reports /health 200 on a head size its attention cannot run, then dies at the first
         request (failure cpu_attention_unsupported).
+        backend="llamacpp" serves a GGUF file (export_gguf writes one) with llama-server:
+        max_num_seqs is its slots (-np, default 4), max_model_len the context per slot, with
+        --metrics on; refusals: a hub id, a missing or non-GGUF file, flags its --help does not
+        list; failures: unknown architecture, unreadable GGUF, bad flag, port taken.
         """
 
         def progress(done: float, total: float | None, message: str) -> None:
@@ -121,6 +136,7 @@ def register(mcp: MCPServer) -> None:
             max_num_seqs=max_num_seqs, attention_backend=attention_backend,
             extra_args=extra_args or [], env=env or {}, timeout_s=timeout_s, wait=wait,
             progress=progress, device=device, cpu_kv_cache_gib=cpu_kv_cache_gib,
+            server_bin=server_bin, gpu_layers=gpu_layers,
         )  # fmt: skip
 
     @mcp.tool(annotations=DESTRUCTIVE)

@@ -21,7 +21,15 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a file by `mcp dev mcp_server/server.py`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from mcp_server import mcp_compare, mcp_host, mcp_patch, mcp_resources, mcp_serve, mcp_sweep
+from mcp_server import (
+    mcp_compare,
+    mcp_host,
+    mcp_llamacpp,
+    mcp_patch,
+    mcp_resources,
+    mcp_serve,
+    mcp_sweep,
+)
 from mcp_server.mcp_base import GpurigMCP
 
 log = logging.getLogger("gpurig.mcp")
@@ -39,6 +47,7 @@ TOOL_MODULES = [
     mcp_serve,
     mcp_sweep,
     mcp_compare,
+    mcp_llamacpp,
     mcp_resources,  # resources (server logs), not tools
 ]
 

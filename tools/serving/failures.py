@@ -102,6 +102,45 @@ def _cpu_kv(ctx: dict) -> str:
 
 
 CAUSES: list[Cause] = [
+    # llama.cpp's llama-server (backend="llamacpp")
+    Cause(
+        "llamacpp_unknown_architecture",
+        "this llama.cpp does not know the GGUF's model architecture",
+        re.compile(r"unknown model architecture: '?[\w.-]+'?"),
+        _fixed(
+            "use a llama.cpp new enough for the model (gpurig's build, .ci/llama-cpp-build, has "
+            "Gemma 4), or serve the checkpoint with backend='engine' or 'vllm'"
+        ),
+    ),
+    Cause(
+        "llamacpp_not_gguf",
+        "llama-server could not read the model as a GGUF file",
+        re.compile(
+            r"(gguf_init_from_file\w*: (?:invalid magic|failed to open|failed to read)[^\n]*|"
+            r"failed to load model, '[^']*'|error loading model: [^\n]*)"
+        ),
+        _fixed(
+            "pass a complete GGUF file; export one from a checkpoint directory: gpurig engine "
+            "export-gguf DIR --out model.gguf (MCP: export_gguf)"
+        ),
+    ),
+    Cause(
+        "llamacpp_bad_flag",
+        "llama-server refused a command-line argument",
+        re.compile(
+            r"error: (?:invalid argument|unknown argument|error while handling argument)[^\n]*"
+        ),
+        _fixed("fix or remove it in extra_args; the accepted flags: `llama-server --help`"),
+    ),
+    Cause(
+        "address_in_use",
+        "the port was taken when llama-server tried to listen",
+        re.compile(r"couldn't bind HTTP server socket[^\n]*"),
+        _fixed(
+            "use a free port (--port / port=), or stop what listens there (gpurig serve status; "
+            "ss -ltnp)"
+        ),
+    ),
     Cause(
         "cpu_attention_unsupported",
         "vLLM's CPU attention cannot run this checkpoint's head size",

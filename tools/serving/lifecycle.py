@@ -20,9 +20,10 @@ from typing import Literal
 from engine import serve_options
 from tools.errors import InvalidInputError
 from tools.host import MemoryReport
+from tools.llamacpp import find_binary
 from tools.serving import command as cmd
 from tools.serving import flags as flagmod
-from tools.serving import observe, preflight, process, state
+from tools.serving import llamacpp_backend, observe, preflight, process, state
 from tools.serving.control import (
     get_server_logs,
     query_model,
@@ -45,6 +46,8 @@ POLL_S = 0.25
 
 
 def _served_name(model: str, backend: str, local: str | None) -> str:
+    if backend == "llamacpp" and local:
+        return Path(local).stem  # its --alias: what /v1/models lists
     if backend == "engine" and local:
         p = Path(local)
         hub = p.parent.parent.name
@@ -98,13 +101,19 @@ def _refuse_unknown(unknown: list[str], known: list[str], what: str, version: st
     raise InvalidInputError(
         f"{what} does not accept {', '.join(hints)}",
         remedy="fix or remove them in extra_args; the accepted flags: "
-        + ("`vllm serve --help=all`" if what.startswith("vLLM") else "gpurig engine serve --help"),
+        + (
+            "`vllm serve --help=all`"
+            if what.startswith("vLLM")
+            else "`llama-server --help`"
+            if what.startswith("llama-server")
+            else "gpurig engine serve --help"
+        ),
     )
 
 
 def start_vllm_server(
     model: str,
-    backend: Literal["vllm", "engine"] = "vllm",
+    backend: Literal["vllm", "engine", "llamacpp"] = "vllm",
     name: str | None = None,
     python_bin: str | None = None,
     host: str = "127.0.0.1",
@@ -126,17 +135,28 @@ def start_vllm_server(
     cpu_kv_cache_gib: int | None = None,
     gpus: preflight.GpuFacts | None = None,
     memory: MemoryReport | None = None,
+    server_bin: str | None = None,
+    gpu_layers: int | None = None,
 ) -> ServerRecord:
     """Start a server detached and (by default) wait until it serves; see the module docstring.
 
     `device` is the engine's (cuda, cuda:1, cpu). `cpu_kv_cache_gib` is the KV cache of vLLM's
     CPU build (VLLM_CPU_KVCACHE_SPACE, whole GiB; default a quarter of free RAM, at most 8),
     checked against the RAM available. `gpus` and `memory` replace the measured GPU facts and
-    host memory (tests replay recorded hosts with them)."""
+    host memory (tests replay recorded hosts with them). backend="llamacpp" serves a GGUF file
+    with `server_bin` (llama-server: given, GPURIG_LLAMA_SERVER, gpurig's build or PATH);
+    `gpu_layers` is its -ngl, max_num_seqs its slots (-np)."""
     extra_args = list(extra_args or [])
     env = {str(k): str(v) for k, v in (env or {}).items()}
-    if backend not in ("vllm", "engine"):
-        raise InvalidInputError(f"backend {backend!r} is unknown", remedy="use vllm or engine")
+    if backend not in ("vllm", "engine", "llamacpp"):
+        raise InvalidInputError(
+            f"backend {backend!r} is unknown", remedy="use vllm, engine or llamacpp"
+        )
+    if backend != "llamacpp" and (server_bin is not None or gpu_layers is not None):
+        raise InvalidInputError(
+            "server_bin and gpu_layers are llama.cpp's (backend='llamacpp')",
+            remedy="leave them out for vllm and engine",
+        )
     _check_inputs(
         port,
         tensor_parallel_size,
@@ -149,6 +169,8 @@ def start_vllm_server(
     name = state.check_name(name or f"{backend}-{port}")
     full_env = {**os.environ, **env, "PYTHONUNBUFFERED": "1"}
     local = preflight.check_model(model, backend)
+    if backend == "llamacpp":
+        local = llamacpp_backend.check_gguf(local, model)
     weights = preflight.weights_gib(local, model)
     vllm_version: str | None = None
     install: cmd.VllmInstall | None = None
@@ -204,6 +226,28 @@ def start_vllm_server(
                 accepted.flags,
                 f"vLLM {install.version}",
                 install.version,
+            )
+        elif backend == "llamacpp":
+            binary = str(find_binary("llama-server", server_bin))
+            python = binary
+            preflight.check_memory(weights, memory)
+            command, ours = llamacpp_backend.llama_server_command(
+                binary,
+                str(local),
+                _served_name(model, backend, local),
+                host,
+                port,
+                max_model_len,
+                max_num_seqs,
+                gpu_layers,
+                extra_args,
+            )
+            known = llamacpp_backend.accepted_flags(binary)
+            _refuse_unknown(
+                llamacpp_backend.unknown_flags(ours + extra_args, known),
+                known,
+                "llama-server",
+                "llama.cpp",
             )
         else:
             python = resolve_python(python_bin) if python_bin else cmd.engine_python()
@@ -328,6 +372,8 @@ def wait_ready(
                 first = record.startup_facts.first_request_seconds
                 record.startup_facts = parse_startup_facts(read_log_lines(record.log_path))
                 record.startup_facts.first_request_seconds = first
+                if record.backend == "llamacpp":  # its log gives no load time: start to ready
+                    record.startup_facts.load_seconds = record.ready_seconds
                 state.write_record(record)
                 _report(progress, round(time.monotonic() - t0, 1), timeout_s, "ready")
                 return record

@@ -10,7 +10,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
-Backend = Literal["vllm", "engine"]
+Backend = Literal["vllm", "engine", "llamacpp"]
 ServerState = Literal["starting", "ready", "dead", "stopped"]
 
 
@@ -37,6 +37,9 @@ class StartupFacts(BaseModel):
     engine_init_seconds: float | None = Field(
         None, description="'init engine (profile, create kv cache, warmup model) took X s'"
     )
+    architecture: str | None = Field(None, description="llama.cpp: the GGUF's architecture")
+    slots: int | None = Field(None, description="llama.cpp: its parallel slots (n_seq_max)")
+    llamacpp_build: str | None = Field(None, description="llama.cpp: 'build: N (commit)'")
     first_request_seconds: float | None = Field(
         None, description="the 1-token request sent after /health, before calling it ready"
     )

@@ -108,7 +108,10 @@ def check_model(model: str, backend: str) -> str | None:
         if not path.exists():
             raise NotFoundError(
                 f"the model path {path} does not exist",
-                remedy="pass an existing checkpoint directory"
+                remedy="pass an existing GGUF file (make one: gpurig engine export-gguf DIR "
+                "--out model.gguf)"
+                if backend == "llamacpp"
+                else "pass an existing checkpoint directory"
                 + (
                     ", e.g. make one: gpurig engine make-checkpoint --preset tiny --out DIR"
                     if backend == "engine"
@@ -147,7 +150,7 @@ def weights_gib(model_path: str | None, model: str | None = None) -> float | Non
         model_path = str(snapshot)
     path = Path(model_path)
     files = [path] if path.is_file() else list(path.glob("*.safetensors"))
-    total = sum(f.stat().st_size for f in files if f.suffix == ".safetensors")
+    total = sum(f.stat().st_size for f in files if f.suffix in (".safetensors", ".gguf"))
     return round(total / GIB, 2) if total else None
 
 

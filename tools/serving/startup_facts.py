@@ -2,7 +2,8 @@
 which kernels were picked. Every log format vLLM has printed (0.26-0.27: KV size and concurrency
 on two lines; 0.28-0.29: on one; 0.30+: "%s KV cache size" with a device prefix), the CPU build's ("CPU KV cache size",
 "Loading weights took", "Explicitly set (1.0/16.84) GiB for KV cache", "init engine (...) took"),
-plus the engine's own "gpurig engine:" lines. Numbers carry thousands separators ("519,568 tokens").
+plus the engine's own "gpurig engine:" lines and llama-server's (build, architecture, slots,
+context per slot, KV cache size, device). Numbers carry thousands separators ("519,568 tokens").
 """
 
 from __future__ import annotations
@@ -45,6 +46,14 @@ _PATTERNS: list[tuple[str, re.Pattern[str]]] = [
         "engine_init",
         re.compile(rf"init engine \(profile, create kv cache, warmup model\) took {NUM} s"),
     ),
+    # llama.cpp's llama-server
+    ("ll_build", re.compile(r"^build: (\d+ \(\w+\))")),
+    ("ll_arch", re.compile(r"(?:print_info: arch|general\.architecture(?: str)?)\s+=\s+(\w+)")),
+    ("ll_slots", re.compile(r"n_seq_max\s+=\s+(\d+)")),
+    ("ll_ctx", re.compile(r"n_ctx_(?:seq|per_seq)\s+=\s+(\d+)")),
+    ("ll_kv", re.compile(rf"llama_kv_cache\w*: +size = +{NUM} MiB")),
+    ("ll_device", re.compile(r"load_tensors: +(\w+?)(?:_Mapped)? model buffer size")),
+    ("ll_url", re.compile(r"server is listening on (\S+)")),
     (
         "engine_serving",
         re.compile(r"gpurig engine: serving '([^']*)' on (\S+) \(device ([^,]+), context (\d+)"),
@@ -60,6 +69,7 @@ def parse_startup_facts(lines: Iterable[str]) -> StartupFacts:
     """Every fact found in `lines`; the last occurrence wins (a restart in the same log)."""
     facts = StartupFacts()
     weights_load: float | None = None
+    kv_mib = 0.0
     for line in lines:
         for key, pattern in _PATTERNS:
             m = pattern.search(line)
@@ -96,6 +106,21 @@ def parse_startup_facts(lines: Iterable[str]) -> StartupFacts:
                 facts.engine_init_seconds = _num(m.group(1))
             elif key == "warmup":
                 facts.warmup_seconds = _num(m.group(1))
+            elif key == "ll_build":
+                facts.llamacpp_build = m.group(1)
+            elif key == "ll_arch":
+                facts.architecture = m.group(1)
+            elif key == "ll_slots":
+                facts.slots = int(m.group(1))
+            elif key == "ll_ctx":
+                facts.max_context = int(m.group(1))
+            elif key == "ll_kv":  # one line per cache (a sliding-window model has two)
+                kv_mib += _num(m.group(1))
+                facts.kv_cache_memory_gib = round(kv_mib / 1024, 4)
+            elif key == "ll_device":
+                facts.device = m.group(1)
+            elif key == "ll_url":
+                facts.serving_url = m.group(1)
             elif key == "engine_serving":
                 facts.serving_url = m.group(2)
                 facts.device = m.group(3).strip()

@@ -1,0 +1,268 @@
+"""llama.cpp as a third peer (issue 27): the Gemma-style synthetic tokenizer, GGUF export through
+llama.cpp's own converter, and llama-server under the serving lifecycle through MCP.
+
+The llama.cpp build (llama-server, llama-quantize, the source tree with convert_hf_to_gguf.py)
+is `.ci/llama-cpp-build`'s, made once per machine outside the clone; tests that need it skip with
+the reason where it is absent. One llama-server (2 slots, tiny bf16 checkpoint exported as f16)
+is shared by the module's real tests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+from mcp import Client, StdioServerParameters
+from server_support import free_port
+
+from engine.checkpoint_maker import make_checkpoint
+from engine.errors import InvalidInputError, NotFoundError, RefusedError
+from engine.tokenizer_synth import (
+    BOS_ID,
+    SPECIAL_TOKENS,
+    build_byte_level_tokenizer,
+    build_tokenizer,
+    byte_token_ids,
+)
+from tools import llamacpp
+from tools.serving import LogsResult, QueryResult, ServerRecord, StatusReport, StopResult
+from tools.serving.failures import diagnose
+from tools.serving.llamacpp_backend import check_gguf, slots_and_context, unknown_flags
+from tools.serving.startup_facts import parse_startup_facts
+
+REPO = Path(__file__).resolve().parents[1]
+GPURIG = [sys.executable, "-m", "mcp_server.cli"]  # this checkout's, whatever `gpurig` is on PATH
+ENV = {**os.environ, "PYTHONPATH": str(REPO)}
+PROMPT = [BOS_ID, 105, 40, 41, 42, 43, 44, 45, 46]
+NEW_TOKENS = 12
+
+
+# ---- the tokenizer ----------------------------------------------------------------------------
+
+
+def test_synthetic_tokenizer_is_structurally_gemma4s():
+    tok = build_tokenizer(512)
+    spec = json.loads(tok.to_str())
+    model = spec["model"]
+    assert model["type"] == "BPE" and model["byte_fallback"] and model["merges"]
+    assert spec["normalizer"] == {"type": "Replace", "pattern": {"String": " "}, "content": "▁"}
+    assert [d["type"] for d in spec["decoder"]["decoders"]] == ["Replace", "ByteFallback", "Fuse"]
+    assert tok.get_vocab_size() == 512
+    assert all(tok.token_to_id(t) == i for i, t in SPECIAL_TOKENS.items())
+    assert len(set(byte_token_ids(tok))) == 256
+    text = 'Hello world, the model answered: 東京 🙂 {"a": [1, 2]}\n'
+    enc = tok.encode(text, add_special_tokens=False)
+    assert "▁the" in enc.tokens and "<0xE6>" in enc.tokens  # a word start; a byte fallback
+    assert len(enc.ids) < len(text.encode())  # merges, not one token per byte
+    assert tok.decode(enc.ids) == text
+    assert tok.decode([tok.token_to_id("▁the")]) == " the"
+
+
+def test_a_checkpoint_with_the_older_byte_level_tokenizer_still_loads(tmp_path):
+    import engine
+
+    make_checkpoint(tmp_path / "old", preset="tiny", seed=0, quantized=False)
+    (tmp_path / "old" / "tokenizer.json").write_text(build_byte_level_tokenizer(512).to_str())
+    eng = engine.load(tmp_path / "old", device="cpu", max_context=64)
+    ids = eng.tokenizer.encode("Hi there", add_special_tokens=False).ids
+    assert len(ids) == len("Hi there") and eng.tokenizer.decode(ids) == "Hi there"
+    with pytest.raises(RefusedError, match="byte-fallback"):  # llama.cpp could not read it
+        llamacpp.export_gguf(tmp_path / "old", tmp_path / "old.gguf")
+
+
+# ---- refusals, facts and failures (no llama.cpp needed) --------------------------------------
+
+
+def test_export_refuses_what_the_converter_cannot_take(tmp_path):
+    make_checkpoint(tmp_path / "w4", preset="tiny", seed=0, quantized=True)
+    with pytest.raises(RefusedError, match="W4A16"):
+        llamacpp.export_gguf(tmp_path / "w4", tmp_path / "w4.gguf")
+    with pytest.raises(InvalidInputError, match="outtype"):
+        llamacpp.export_gguf(tmp_path / "w4", tmp_path / "w4.gguf", outtype="q8")
+    with pytest.raises(NotFoundError, match="does not exist"):
+        llamacpp.export_gguf(tmp_path / "nope", tmp_path / "x.gguf")
+
+
+def test_serving_refuses_a_model_llamacpp_cannot_serve(tmp_path):
+    with pytest.raises(InvalidInputError, match="local GGUF"):
+        check_gguf(None, "google/gemma-4-E2B-it")
+    (tmp_path / "x.gguf").write_bytes(b"\x00" * 64)
+    with pytest.raises(InvalidInputError, match="not a GGUF file"):
+        check_gguf(str(tmp_path / "x.gguf"), "x.gguf")
+    (tmp_path / "d").mkdir()
+    with pytest.raises(InvalidInputError, match="export-gguf"):
+        check_gguf(str(tmp_path / "d"), "d")
+    (tmp_path / "ok.gguf").write_bytes(b"GGUF" + b"\x00" * 60)
+    assert check_gguf(str(tmp_path / "ok.gguf"), "ok.gguf").endswith("ok.gguf")
+    assert unknown_flags(["--ctx-sizee", "8", "-t", "2", "-1"], ["-t", "--ctx-size"]) == [
+        "--ctx-sizee"
+    ]
+    assert slots_and_context(512, 2) == (2, 1024)
+
+
+LOG = """\
+build: 1 (0c1e570) with cc (Debian 12.2.0-14) 12.2.0 for x86_64-linux-gnu
+llama_model_loader: - kv   0:                       general.architecture str              = gemma4
+print_info: arch                  = gemma4
+load_tensors:   CPU_Mapped model buffer size =     0.89 MiB
+llama_context: n_seq_max     = 2
+llama_context: n_ctx_seq     = 512
+llama_kv_cache: size =    0.50 MiB (  1024 cells,   2 layers,  2/2 seqs), K (f16):    0.25 MiB
+llama_kv_cache_iswa: creating SWA KV cache, size = 1024 cells
+llama_kv_cache: size =    1.50 MiB (  1024 cells,   6 layers,  2/2 seqs), K (f16):    0.75 MiB
+main: server is listening on http://127.0.0.1:8080 - starting the main loop
+"""
+
+
+def test_startup_facts_from_a_llama_server_log():
+    facts = parse_startup_facts(LOG.splitlines())
+    assert facts.architecture == "gemma4" and facts.slots == 2 and facts.max_context == 512
+    assert facts.kv_cache_memory_gib == round(2.0 / 1024, 4) and facts.device == "CPU"
+    assert facts.llamacpp_build == "1 (0c1e570)"
+    assert facts.serving_url == "http://127.0.0.1:8080"
+
+
+@pytest.mark.parametrize(
+    ("line", "cause"),
+    [
+        (
+            "llama_model_load: error loading model: error loading model architecture: unknown "
+            "model architecture: 'gemma9'",
+            "llamacpp_unknown_architecture",
+        ),
+        (
+            "gguf_init_from_file_impl: invalid magic characters: 'PK\x03\x04', expected 'GGUF'",
+            "llamacpp_not_gguf",
+        ),
+        ("error: invalid argument: --ctx-sizee", "llamacpp_bad_flag"),
+        (
+            "start: couldn't bind HTTP server socket, hostname: 127.0.0.1, port: 8080",
+            "address_in_use",
+        ),
+    ],
+)
+def test_llama_server_failures_are_named(line, cause):
+    failure = diagnose(["build: 1 (0c1e570)", line], {"returncode": 1})
+    assert failure.cause == cause and failure.remedy
+
+
+# ---- the real llama.cpp ------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def converter() -> Path:
+    try:
+        return llamacpp.find_converter()
+    except NotFoundError as exc:
+        pytest.skip(f"{exc.message}: {exc.remedy}")
+
+
+@pytest.fixture(scope="module")
+def server_bin() -> Path:
+    try:
+        return llamacpp.find_binary("llama-server")
+    except NotFoundError as exc:
+        pytest.skip(f"{exc.message}: {exc.remedy}")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("llamacpp")
+    make_checkpoint(root / "tiny", preset="tiny", seed=0, quantized=False)  # bf16
+    return root / "tiny"
+
+
+@pytest.fixture(scope="module")
+def gguf(tiny: Path, converter: Path) -> Path:
+    result = llamacpp.export_gguf(tiny, tiny.parent / "tiny.gguf", outtype="f16")
+    assert result.converter == str(converter)
+    return Path(result.path)
+
+
+def test_export_through_llamacpps_converter(gguf: Path, tiny: Path):
+    assert llamacpp.is_gguf(gguf) and gguf.stat().st_size > 100_000
+    again = subprocess.run(
+        [*GPURIG, "engine", "export-gguf", str(tiny), "--out", str(gguf)],
+        capture_output=True, text=True, cwd=REPO, env=ENV, timeout=60, check=False,
+    )  # fmt: skip
+    assert again.returncode == 2 and "already exists" in again.stderr  # no silent overwrite
+
+
+async def _call(client: Client, name: str, args: dict):
+    result = await client.call_tool(name, args)
+    assert not result.is_error, result.content
+    return result.structured_content
+
+
+async def _lifecycle(params: StdioServerParameters, gguf: Path, port: int) -> tuple:
+    async with Client(params, read_timeout_seconds=120) as client:
+        args = {"model": str(gguf), "backend": "llamacpp", "name": "llama", "port": port,
+                "max_num_seqs": 2, "max_model_len": 512, "timeout_s": 90}  # fmt: skip
+        record = ServerRecord.model_validate(await _call(client, "start_vllm_server", args))
+        status = StatusReport.model_validate(await _call(client, "server_status", {}))
+        query = QueryResult.model_validate(
+            await _call(client, "query_model", {"prompt": "Hi", "max_tokens": 4})
+        )
+        logs = LogsResult.model_validate(await _call(client, "get_server_logs", {"lines": 400}))
+        return record, status, query, logs
+
+
+@pytest.fixture(scope="module")
+def llama(gguf: Path, server_bin: Path, tmp_path_factory):
+    """One llama-server started through a `gpurig mcp` process, shared by the module's tests,
+    stopped through MCP after them."""
+    home = tmp_path_factory.mktemp("llama-home")
+    env = {**ENV, "GPURIG_HOME": str(home), "GPURIG_LLAMA_SERVER": str(server_bin)}
+    params = StdioServerParameters(command=GPURIG[0], args=[*GPURIG[1:], "mcp"], env=env,
+                                   cwd=str(REPO))  # fmt: skip
+    port = free_port()
+    started = asyncio.run(asyncio.wait_for(_lifecycle(params, gguf, port), timeout=180))
+    yield started
+    asyncio.run(asyncio.wait_for(_stop(params), timeout=60))
+
+
+async def _stop(params: StdioServerParameters) -> StopResult:
+    async with Client(params, read_timeout_seconds=60) as client:
+        return StopResult.model_validate(await _call(client, "stop_vllm_server", {"name": "llama"}))
+
+
+def test_llama_server_lifecycle_through_mcp(llama):
+    record, status, query, logs = llama
+    assert record.state == "ready", record.failure
+    assert record.backend == "llamacpp" and record.served_model_name == "tiny"
+    assert {"-np", "--metrics", "--alias"} <= set(record.command)
+    facts = record.startup_facts
+    assert facts.architecture == "gemma4" and facts.slots == 2 and facts.max_context == 512
+    assert facts.load_seconds and facts.load_seconds > 0
+    (server,) = status.servers
+    assert (server.state, server.health) == ("ready", "ok")
+    assert query.completion_tokens >= 1
+    assert logs.lines
+
+
+def test_llama_server_greedy_tokens_match_the_engine(llama, tiny: Path):
+    """Token ids in, token ids out (native /completion with return_tokens and n_probs): the f16
+    GGUF of a bf16 checkpoint and the engine agree greedily."""
+    import engine
+    from engine.sampling import SamplingParams
+
+    record = llama[0]
+    root = record.base_url.removesuffix("/v1")
+    body = {"prompt": PROMPT, "n_predict": NEW_TOKENS, "temperature": 0, "return_tokens": True,
+            "n_probs": 3, "cache_prompt": False, "ignore_eos": True}  # fmt: skip
+    answer = httpx.post(f"{root}/completion", json=body, timeout=60).json()
+    theirs = answer["tokens"]
+    eng = engine.load(tiny, device="cpu", max_context=256)
+    ours = eng.generate(PROMPT, SamplingParams(max_tokens=NEW_TOKENS, stop_ids=()))
+    assert theirs == ours
+    assert len(answer["completion_probabilities"]) == NEW_TOKENS
+    vocab = httpx.post(f"{root}/tokenize", json={"content": "Hello world"}, timeout=10).json()
+    assert vocab["tokens"] == eng.tokenizer.encode("Hello world", add_special_tokens=False).ids
+    metrics = httpx.get(f"{root}/metrics", timeout=10).text
+    assert "llamacpp:tokens_predicted_total" in metrics
