@@ -61,11 +61,22 @@ def vllm_cpu_python() -> str:
     return python
 
 
-@pytest.fixture(scope="module")
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The tests that use the shared vLLM server run last, one module after another, so the
+    one server (a minute to start) serves them all and is stopped at once after them: an idle
+    vLLM CPU build keeps its OpenMP threads spinning on its core, which would slow every test
+    that ran while it waited."""
+    shared = [i for i in items if "vllm_cpu_server" in getattr(i, "fixturenames", ())]
+    if shared:
+        rest = [i for i in items if "vllm_cpu_server" not in getattr(i, "fixturenames", ())]
+        items[:] = rest + shared
+
+
+@pytest.fixture(scope="session")
 def vllm_cpu_server(vllm_cpu_python: str, tmp_path_factory: pytest.TempPathFactory):
     """One real vLLM (CPU build, float32, eager: no compile warm-up) serving the tiny
-    checkpoint, shared by a module's tests and stopped after them (an idle vLLM CPU build keeps
-    its OpenMP threads spinning on its core, which would slow every later test): a
+    checkpoint, shared by every test that asks for it (they run last: see
+    pytest_collection_modifyitems) and stopped after them: a
     `VllmCpuServer` with `.base`, `.model` (the checkpoint directory) and `.log_path`. The
     checkpoint is W4A16 where this CPU can run vLLM's int4 product, else the same weights
     unquantized (`vllm_cpu_support.cpu_runs_w4a16`)."""

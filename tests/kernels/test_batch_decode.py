@@ -8,8 +8,6 @@ scheduler run on the fast path gives every request the tokens it gets alone.
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
 
@@ -66,29 +64,25 @@ def test_batched_step_equals_the_reference_rows(checkpoint, device):
 
 
 def test_fast_scheduler_tokens_equal_alone(checkpoint, device):
-    opts = EngineOptions(fast="force")
-    single = engine.load(checkpoint, device=device, max_context=CTX, dtype=torch.float32,
-                         options=opts)  # fmt: skip
+    """Three requests decoding together on the fast path each get the tokens they get alone
+    on the reference path (fp32: the fused step equals the reference step, tested above, so
+    "alone" is read where it is cheap on the CPU interpreter)."""
+    reference = engine.load(checkpoint, device=device, max_context=CTX, dtype=torch.float32,
+                            options=EngineOptions(fast="off"))  # fmt: skip
     multi = engine.load(checkpoint, device=device, max_context=CTX, dtype=torch.float32,
-                        options=opts, max_num_seqs=4)  # fmt: skip
+                        options=EngineOptions(fast="force"), max_num_seqs=4)  # fmt: skip
     try:
-        specs = [(4, 4), (20, 3), (9, 5)]
+        specs = [(4, 3), (20, 2), (9, 3)]
         prompts = [_prompt(n, 10 + i) for i, (n, _) in enumerate(specs)]
         alone = [
-            single.generate(p, SamplingParams(max_tokens=m, stop_ids=()))
+            reference.generate(p, SamplingParams(max_tokens=m, stop_ids=()))
             for p, (_, m) in zip(prompts, specs, strict=True)
         ]
-        got: dict[int, list[int]] = {}
-
-        def run(i: int) -> None:
-            got[i] = multi.generate(prompts[i], SamplingParams(max_tokens=specs[i][1], stop_ids=()))
-
-        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(specs))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(600)
-        assert [got[i] for i in range(len(specs))] == alone
+        gens = [
+            multi.stream(p, SamplingParams(max_tokens=m, stop_ids=()))
+            for p, (_, m) in zip(prompts, specs, strict=True)
+        ]
+        assert [list(g) for g in gens] == alone
         st = multi.scheduler.stats()
         assert st.step_rows > st.steps  # some steps carried several rows
     finally:

@@ -69,7 +69,7 @@ def test_fused_decode_step_matches_the_reference_step(tiny_engine):
     decoder = _decoder(model, fused_cache)
     tok_ref = tok_fast = logits.argmax().view(1)
     pos = torch.tensor([len(prompt)], device=model.device)
-    for _ in range(8):
+    for _ in range(4):
         ref = model.decode_step(tok_ref, pos, sequence_cache(eng))[0]
         fast = decoder.step(tok_fast, pos)[0]
         assert (ref - fast).abs().max().item() < 1e-4
@@ -182,7 +182,7 @@ def test_engine_picks_the_fast_path_once_at_load(tmp_path, monkeypatch) -> None:
                            options=FORCE, warm_up=False)  # fmt: skip
     assert type(ref_eng.model.ops) is ops.Ops and isinstance(fast_eng.model.ops, FastOps)
     prompt = [2] + list(range(10, 50))
-    ref = ref_eng.generate(prompt, SamplingParams(max_tokens=10, stop_ids=()))
+    ref = ref_eng.generate(prompt, SamplingParams(max_tokens=4, stop_ids=()))
     calls = {"gemv": 0}
     original = ops_fast.w4_gemv
 
@@ -192,7 +192,7 @@ def test_engine_picks_the_fast_path_once_at_load(tmp_path, monkeypatch) -> None:
 
     monkeypatch.setattr(ops_fast, "w4_gemv", counting)
     monkeypatch.setenv("GPURIG_FAST", "0")  # read by no one after load
-    fast = fast_eng.generate(prompt, SamplingParams(max_tokens=10, stop_ids=()))
+    fast = fast_eng.generate(prompt, SamplingParams(max_tokens=4, stop_ids=()))
     assert calls["gemv"] > 0  # the dispatch really went through the Triton branches
     assert fast == ref
     assert fast_eng.runner.batched  # the fused step of a batch, one row here
@@ -295,11 +295,11 @@ def test_generate_reads_prompts_through_the_fused_prefill(tmp_path, monkeypatch)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     prompt = [2] + list(range(30, 70))
     ref_eng = engine.load(tmp_path, device=dev, dtype=torch.float32, max_context=256, options=OFF)
-    ref = ref_eng.generate(prompt, SamplingParams(max_tokens=6, stop_ids=()))
+    ref = ref_eng.generate(prompt, SamplingParams(max_tokens=2, stop_ids=()))
     fast_eng = engine.load(tmp_path, device=dev, dtype=torch.float32, max_context=256,
                            options=FORCE)  # fmt: skip
     monkeypatch.setattr(fast_prefill.FusedPrefill, "chunks", counted)
-    fast = fast_eng.generate(prompt, SamplingParams(max_tokens=6, stop_ids=()))
+    fast = fast_eng.generate(prompt, SamplingParams(max_tokens=2, stop_ids=()))
     assert calls["chunks"] == -(-(len(prompt) - 1) // fast_eng.prefill_chunk)
     assert fast == ref
 
