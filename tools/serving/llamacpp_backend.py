@@ -116,5 +116,7 @@ def llama_server_command(
     flags = ["--host", host, "--port", str(port), "-c", str(context), "-np", str(slots)]
     if gpu_layers is not None:
         flags += ["-ngl", str(gpu_layers)]
-    flags += ["--metrics", "--alias", alias]
+    # -lv 4: the model's facts (architecture, slots, context, KV buffers) reach the log, which
+    # the start-up facts are read from; at the default level it prints none of them
+    flags += ["--metrics", "--alias", alias, "-lv", "4"]
     return [binary, "-m", gguf, *flags, *extra_args], flags

@@ -47,13 +47,13 @@ _PATTERNS: list[tuple[str, re.Pattern[str]]] = [
         re.compile(rf"init engine \(profile, create kv cache, warmup model\) took {NUM} s"),
     ),
     # llama.cpp's llama-server
-    ("ll_build", re.compile(r"^build: (\d+ \(\w+\))")),
+    ("ll_build", re.compile(r"(?:^build: |common_params_print_info: build )(\d+ \(\w+\))")),
     ("ll_arch", re.compile(r"(?:print_info: arch|general\.architecture(?: str)?)\s+=\s+(\w+)")),
-    ("ll_slots", re.compile(r"n_seq_max\s+=\s+(\d+)")),
-    ("ll_ctx", re.compile(r"n_ctx_(?:seq|per_seq)\s+=\s+(\d+)")),
-    ("ll_kv", re.compile(rf"llama_kv_cache\w*: +size = +{NUM} MiB")),
+    ("ll_slots", re.compile(r"(?:n_seq_max\s+=\s+|n_slots = )(\d+)")),
+    ("ll_ctx", re.compile(r"(?:n_ctx_(?:seq|per_seq)\s+=\s+|n_ctx_slot = )(\d+)")),
+    ("ll_kv", re.compile(rf"llama_kv_cache\w*: +(?:\w+ KV buffer )?size = +{NUM} MiB")),
     ("ll_device", re.compile(r"load_tensors: +(\w+?)(?:_Mapped)? model buffer size")),
-    ("ll_url", re.compile(r"server is listening on (\S+)")),
+    ("ll_url", re.compile(r"(?:server is )?listening on (http\S+)")),
     (
         "engine_serving",
         re.compile(r"gpurig engine: serving '([^']*)' on (\S+) \(device ([^,]+), context (\d+)"),
