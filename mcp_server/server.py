@@ -29,6 +29,7 @@ from mcp_server import (
     mcp_resources,
     mcp_serve,
     mcp_sweep,
+    mcp_up,
 )
 from mcp_server.mcp_base import GpurigMCP
 
@@ -48,6 +49,7 @@ TOOL_MODULES = [
     mcp_sweep,
     mcp_compare,
     mcp_llamacpp,
+    mcp_up,
     mcp_resources,  # resources (server logs), not tools
 ]
 
