@@ -23,6 +23,7 @@ if __package__ in (None, ""):  # run as a file by `mcp dev mcp_server/server.py`
 
 from mcp_server import (
     mcp_compare,
+    mcp_eval,
     mcp_host,
     mcp_llamacpp,
     mcp_patch,
@@ -48,6 +49,7 @@ TOOL_MODULES = [
     mcp_serve,
     mcp_sweep,
     mcp_compare,
+    mcp_eval,
     mcp_llamacpp,
     mcp_up,
     mcp_resources,  # resources (server logs), not tools

@@ -1,0 +1,167 @@
+"""The evaluation's pydantic models: what goes in (the servers, the suite, the decoding), one
+question and its answers as stored line by line, and what comes back (totals, the paired table).
+
+Everything written to a run's directory is one of these dumped as JSON, so a resumed run reads
+exactly what the killed one wrote and a report can be rebuilt from the files alone.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from tools.errors import InvalidInputError, arg, either
+
+Suite = Literal["bfcl", "jsonl", "recall"]
+Scoring = Literal["exact", "last_number", "bfcl"]
+BfclCategory = Literal["simple_python", "live_simple"]
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
+
+
+class ServerSpec(BaseModel):
+    """One OpenAI-compatible server: its base URL (with or without /v1), a label, its model."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    base_url: str = Field(min_length=1, description="e.g. http://127.0.0.1:8000/v1")
+    name: str | None = Field(None, pattern=NAME_PATTERN, description="label; default a / b")
+    model: str | None = Field(None, description="served model id; default: /v1/models' first")
+
+    @field_validator("base_url")
+    @classmethod
+    def _url(cls, v: str) -> str:
+        v = v.strip().rstrip("/")
+        if not v.startswith(("http://", "https://")):
+            raise ValueError(f"base_url {v!r} must start with http:// or https://")
+        return v if v.endswith("/v1") else v + "/v1"
+
+
+class EvalRequest(BaseModel):
+    """What to ask, whom, and how. Greedy (temperature 0) with a fixed seed unless told."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    servers: list[ServerSpec] = Field(default_factory=list, max_length=2)
+    suite: Suite = "jsonl"
+    path: str | None = Field(None, description="jsonl suite: the file of {id, prompt, answer}")
+    scoring: Literal["exact", "last_number"] | None = Field(
+        None,
+        description="jsonl suite; default: last_number where answers hold '#### N' or a number",
+    )
+    bfcl_category: BfclCategory = "simple_python"
+    recall_tokens: int = Field(1024, ge=64, le=1_000_000, description="recall prompt size")
+    limit: int | None = Field(None, ge=1, description="the first N questions only")
+    max_tokens: int = Field(256, ge=1, le=65536)
+    temperature: float = Field(0.0, ge=0, le=2)
+    seed: int = Field(0, ge=0, lt=2**31)
+    concurrency: int = Field(4, ge=1, le=256)
+    timeout_s: float = Field(300.0, gt=0, le=3600)
+    out_dir: str | None = Field(None, description="default: GPURIG_HOME/evals/<run id>")
+    resume: str | None = Field(None, description="a run's directory or id to continue")
+
+    @model_validator(mode="after")
+    def _check(self) -> EvalRequest:
+        if not self.resume and not self.servers:
+            raise ValueError("give one or two servers (or resume a run)")
+        if not self.resume and self.suite == "jsonl" and not self.path:
+            raise ValueError("the jsonl suite needs path (a JSONL file of {id, prompt, answer})")
+        names = [s.name for s in self.servers if s.name]
+        if len(set(names)) != len(names):
+            raise ValueError("the two servers need different names")
+        return self
+
+
+class Question(BaseModel):
+    """One question as both servers get it: chat messages, tools for BFCL, the expected answer
+    (text, or BFCL's possible answers with the function's schema) and how it is scored."""
+
+    id: str
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None = None
+    answer: Any
+    scoring: Scoring
+    function: dict[str, Any] | None = None  # bfcl: the function's own (BFCL-typed) schema
+
+
+class Answer(BaseModel):
+    """One server's reply to one question and its verdict."""
+
+    text: str | None = None
+    tool_calls: list[dict[str, Any]] = Field(default_factory=list)
+    error: str | None = None
+    right: bool
+    why: str = ""
+    seconds: float = 0.0
+    prompt_tokens: int | None = None
+
+
+class Row(BaseModel):
+    """One line of answers.jsonl: a question's id and each server's answer (name -> Answer)."""
+
+    id: str
+    answers: dict[str, Answer]
+
+
+class RunConfig(BaseModel):
+    """run.json: the request as it ran (servers resolved to their models), written once."""
+
+    run_id: str
+    request: EvalRequest
+    servers: list[ServerSpec]
+    questions: int
+
+
+class Total(BaseModel):
+    server: str
+    base_url: str
+    model: str
+    right: int
+    answered: int
+    errors: int
+    rate: float
+    ci95: tuple[float, float] = Field(description="Wilson score interval of the rate")
+
+
+class Paired(BaseModel):
+    """Question by question: both right, only a, only b, both wrong, McNemar's exact p."""
+
+    both_right: int
+    only_a: int
+    only_b: int
+    both_wrong: int
+    same_answer: int = Field(description="questions where both servers said the same thing")
+    mcnemar_p: float = Field(description="exact two-sided binomial test on only_a vs only_b")
+    only_a_ids: list[str]
+    only_b_ids: list[str]
+    differing_ids: list[str] = Field(description="questions whose answers differ, right or not")
+
+
+class EvalResult(BaseModel):
+    run_id: str
+    out_dir: str
+    suite: Suite
+    questions: int
+    asked_now: int = Field(description="questions asked in this call (the rest were on disk)")
+    totals: list[Total]
+    paired: Paired | None = None
+    answers_path: str
+    report: str
+    seconds: float
+    notes: list[str] = Field(default_factory=list)
+
+
+def build_request(**fields: Any) -> EvalRequest:
+    """An EvalRequest from the front doors' fields, its refusal in plain words (which field,
+    why) as an InvalidInputError rather than pydantic's report."""
+    try:
+        return EvalRequest(**fields)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        what = first["msg"].removeprefix("Value error, ")
+        raise InvalidInputError(
+            f"{where}: {what}" if where else what,
+            f"give {either(cli='URL_A [URL_B]', mcp='a (and b)')} as server URLs, "
+            f"{arg('path')} for the jsonl suite, or {arg('resume')} with a run's directory",
+        ) from None
