@@ -39,6 +39,9 @@ NOT_RUN_HERE: dict[str, str] = {
     "tests/test_server_hardening.py start it on a free port",
     "gpurig demo": "starts two engine servers and sweeps them (75 s); its function runs on a "
     "smaller plan in tests/test_sweep_e2e.py::test_demo_starts_and_stops_its_servers",
+    "gpurig up": "starts a server that outlives the command (vLLM on a GPU, or the engine); "
+    "tests/test_bring_up.py::test_the_cli_with_the_short_sweep runs `gpurig up --backend engine "
+    "--sweep` on a tiny checkpoint and reuses the server the module brought up",
     "gpurig sweep run --target": "needs servers on ports 8000/8100 and /models/e2b-w4a16; "
     "tests/test_sweep_e2e.py::test_two_engines_same_prompts_every_cell sweeps real servers",
     "gpurig sweep run --serve": "starts vLLM (a GPU) on /models checkpoints; the engine-served "
@@ -51,6 +54,10 @@ NOT_RUN_HERE: dict[str, str] = {
     "tests/test_sweep_load_e2e.py::test_compare_two_sweeps_through_the_cli compares two",
     "gpurig sweep report": "DIR stands for a finished sweep's directory; "
     "tests/test_sweep_e2e.py::test_resume_after_killing_the_sweep_process rebuilds one",
+    "gpurig eval": "needs servers on ports 8000/8100 (and a GSM8K file); "
+    "tests/test_eval_e2e.py::test_the_engine_twice_gives_the_same_answers runs real servers",
+    "gpurig eval --resume": "needs an interrupted run; "
+    "tests/test_eval_e2e.py::test_resume_asks_only_what_a_kill_lost",
 }
 # The first line of a README ```python block -> why this file does not run it.
 PYTHON_NOT_RUN_HERE: dict[str, str] = {}

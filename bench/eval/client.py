@@ -81,6 +81,9 @@ class ChatClient:
             "max_tokens": request.max_tokens,
             "temperature": float(request.temperature),
             "seed": request.seed,
+            # vLLM's (and the engine's): the answer's token ids, so that "the same answer" is
+            # judged on tokens, not on how each side renders a broken UTF-8 byte run
+            "return_token_ids": True,
         }
         if q.tools:
             body["tools"] = q.tools
@@ -102,7 +105,8 @@ class ChatClient:
             if isinstance(detail, dict):
                 detail = detail.get("message", detail)
             return Answer(right=False, error=f"HTTP {r.status_code}: {detail}", seconds=took), []
-        message = data["choices"][0].get("message") or {}
+        choice = data["choices"][0]
+        message = choice.get("message") or {}
         calls = [_call(tc) for tc in message.get("tool_calls") or []]
         usage = data.get("usage") or {}
         answer = Answer(
@@ -111,6 +115,7 @@ class ChatClient:
             right=False,
             seconds=took,
             prompt_tokens=usage.get("prompt_tokens"),
+            token_ids=choice.get("token_ids"),
         )
         return answer, calls
 

@@ -94,6 +94,7 @@ class Answer(BaseModel):
     why: str = ""
     seconds: float = 0.0
     prompt_tokens: int | None = None
+    token_ids: list[int] | None = Field(None, description="where the server returns them")
 
 
 class Row(BaseModel):

@@ -11,10 +11,14 @@ from bench.eval.models import Answer, EvalResult, Paired, Row, ServerSpec, Total
 from bench.eval.stats import mcnemar_exact, wilson
 
 
-def said(answer: Answer) -> str:
-    """What a server said, as one comparable string: its text and its calls (or its error)."""
+def said(answer: Answer, by_tokens: bool = False) -> str:
+    """What a server said, as one comparable string: its token ids where both servers gave
+    them (text differs over a broken byte run each side renders its own way), else its text and
+    calls (or its error)."""
     if answer.error:
         return f"error: {answer.error}"
+    if by_tokens:
+        return json.dumps(answer.token_ids)
     calls = [json.dumps(c, sort_keys=True) for c in answer.tool_calls]
     return json.dumps([answer.text or "", calls])
 
@@ -54,7 +58,8 @@ def paired(rows: list[Row], a: str, b: str) -> Paired:
             only_a.append(r.id)
         elif y.right and not x.right:
             only_b.append(r.id)
-        if said(x) == said(y):
+        tokens = x.token_ids is not None and y.token_ids is not None
+        if said(x, tokens) == said(y, tokens):
             same += 1
         else:
             differ.append(r.id)
