@@ -51,6 +51,9 @@ CHAT_TEMPLATE = Path(__file__).resolve().parent / "chat" / "gemma4_chat_template
 
 _S, _F = SLIDING, FULL
 
+# The last layer owning a KV cache is full and the one before it sliding, as in the real E2B
+# (layers 14 and 13): llama.cpp's Gemma 4 takes a KV-shared layer's cache from exactly those two
+# (tools/llamacpp.py refuses other orders), so every preset exports to a GGUF it can load.
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": {
         "vocab_size": 512,
@@ -64,7 +67,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "sliding_window": 16,
         "num_kv_shared_layers": 2,
         "hidden_size_per_layer_input": 32,
-        "layer_types": [_S, _S, _F, _S, _S, _F],
+        "layer_types": [_S, _S, _S, _F, _S, _F],
         "max_position_embeddings": 4096,
     },
     "small": {
@@ -79,7 +82,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "sliding_window": 64,
         "num_kv_shared_layers": 3,
         "hidden_size_per_layer_input": 64,
-        "layer_types": [_S, _S, _S, _F, _S, _S, _S, _F],
+        "layer_types": [_S, _S, _S, _S, _F, _S, _S, _F],
         "max_position_embeddings": 8192,
     },
     "e2b": {

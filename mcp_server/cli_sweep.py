@@ -1,7 +1,7 @@
 """`gpurig sweep run|status|report`: the CLI faces of bench.sweep (the same functions as MCP).
 
 Targets on the command line: `--target LABEL=URL` for a running server (URL ending in /v1),
-`--serve LABEL=BACKEND:MODEL` for one the sweep starts and stops (backend engine or vllm), or
+`--serve LABEL=BACKEND:MODEL` for one the sweep starts and stops (backend engine, vllm or llamacpp), or
 `--targets-file FILE` (a JSON list of target objects, as the MCP tool takes them);
 `--model-dir LABEL=DIR` names a running target's checkpoint (tokenizer, roofline). Nothing heavy
 is imported until a command runs.
@@ -28,10 +28,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     sweep.set_defaults(func=lambda _a: (sweep.print_help(), 2)[1])
 
     p = sub.add_parser("run", help="run a sweep (a progress bar on stderr)")
-    p.add_argument("--target", action="append", default=[], metavar="LABEL=URL")
-    p.add_argument("--serve", action="append", default=[], metavar="LABEL=BACKEND:MODEL")
+    p.add_argument("--target", action="append", default=[], metavar="LABEL=URL",
+                   help="a running server, e.g. vllm=http://127.0.0.1:8000/v1 (repeatable)")  # fmt: skip
+    p.add_argument("--serve", action="append", default=[], metavar="LABEL=BACKEND:MODEL",
+                   help="a server the sweep starts and stops: backend engine, vllm or llamacpp "
+                   "(a GGUF), e.g. a=engine:/ckpt (repeatable)")  # fmt: skip
     p.add_argument("--targets-file", metavar="FILE", help="JSON list of target objects")
-    p.add_argument("--model-dir", action="append", default=[], metavar="LABEL=DIR")
+    p.add_argument("--model-dir", action="append", default=[], metavar="LABEL=DIR",
+                   help="a target's checkpoint directory (its tokenizer; the roofline)")  # fmt: skip
     p.add_argument("--input-lens", type=int_list, default=[512, 4096], metavar="N,N")
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument(
@@ -110,9 +114,10 @@ def parse_targets(args: argparse.Namespace) -> list[dict]:
     for text in args.serve:
         label, spec = _pair(text, "--serve")
         backend, sep, model = spec.partition(":")
-        if not sep or backend not in ("engine", "vllm"):
+        if not sep or backend not in ("engine", "vllm", "llamacpp"):
             raise InvalidInputError(
-                f"--serve {text!r} is not LABEL=BACKEND:MODEL", "e.g. --serve a=engine:/ckpt"
+                f"--serve {text!r} is not LABEL=BACKEND:MODEL (backend engine, vllm or llamacpp)",
+                "e.g. --serve a=engine:/ckpt or --serve b=llamacpp:/ckpt.gguf",
             )
         targets.append({"label": label, "server": {"backend": backend, "model": model}})
     dirs = dict(_pair(t, "--model-dir") for t in args.model_dir)

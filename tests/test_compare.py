@@ -18,22 +18,15 @@ from mcp import Client, StdioServerParameters
 from server_support import ServerProcess, free_port
 
 from engine.checkpoint_maker import make_checkpoint
-from tools.compare import (
-    CompareError,
-    CompareRequest,
-    CompareResult,
-    ServerTarget,
-    _Output,
-    compare_outputs,
-    compare_pair,
-)
+from tools.compare import CompareRequest, CompareResult, ServerTarget, compare_outputs, compare_pair
+from tools.compare_client import CompareError, Output
 from tools.errors import InvalidInputError, NotFoundError
 
 # ---- the rules -------------------------------------------------------------------------------
 
 
 def _out(tokens, own, top):
-    return _Output(tokens, own, top)
+    return Output(tokens, own, top)
 
 
 def test_identical_outputs_have_no_difference():

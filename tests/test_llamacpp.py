@@ -89,6 +89,19 @@ def test_export_refuses_what_the_converter_cannot_take(tmp_path):
         llamacpp.export_gguf(tmp_path / "nope", tmp_path / "x.gguf")
 
 
+def test_export_refuses_a_layer_order_llamacpps_loader_misreads(tmp_path):
+    """llama.cpp gives a KV-shared full layer the cache of own layer n-1 and a sliding one that
+    of n-2; the order the tiny preset had before (... full, sliding | sliding, full) made its
+    loader abort, so it is refused before converting, with the rule."""
+    order = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention",
+             "sliding_attention", "full_attention"]  # fmt: skip
+    make_checkpoint(tmp_path / "old", preset="tiny", seed=0, quantized=False,
+                    overrides={"layer_types": order})  # fmt: skip
+    with pytest.raises(RefusedError, match="layer 3 and a sliding one that of layer 2") as err:
+        llamacpp.export_gguf(tmp_path / "old", tmp_path / "old.gguf")
+    assert "real E2B" in err.value.remedy and not (tmp_path / "old.gguf").exists()
+
+
 def test_serving_refuses_a_model_llamacpp_cannot_serve(tmp_path):
     with pytest.raises(InvalidInputError, match="local GGUF"):
         check_gguf(None, "google/gemma-4-E2B-it")
@@ -152,6 +165,48 @@ def test_llama_server_failures_are_named(line, cause):
     assert failure.cause == cause and failure.remedy
 
 
+# The /metrics page of llama-server (0.3.36's llama.cpp) after two requests of one 20-token
+# prompt, the second from its slot cache (19 of 20 tokens reused), as it printed it.
+METRICS = """\
+# HELP llamacpp:prompt_tokens_total Number of prompt tokens processed.
+# TYPE llamacpp:prompt_tokens_total counter
+llamacpp:prompt_tokens_total 25
+llamacpp:prompt_tokens_cached_total 19
+llamacpp:prompt_seconds_total 0.001149
+llamacpp:tokens_predicted_total 11
+llamacpp:n_decode_total 11
+llamacpp:requests_processing 1
+llamacpp:requests_deferred 2
+llamacpp:n_busy_slots_per_decode 1
+"""
+
+
+def test_llamacpp_counters_read_as_the_sweeps_telemetry():
+    from bench.sweep.telemetry import parse_metrics
+
+    kept = parse_metrics(METRICS)
+    # its prompt counter is the tokens it computed: the cached ones are counted apart
+    assert kept["prompt_tokens"] == kept["prefix_cache_queries"] == 44
+    assert kept["prefix_cache_hits"] == 19 and kept["generation_tokens"] == 11
+    assert (kept["requests_running"], kept["requests_waiting"]) == (1, 2)
+
+
+def test_llamacpp_probability_entries_land_on_their_tokens():
+    """One entry per text piece: the byte tokens of an incomplete character are folded into
+    the entry completing it, so position 1 (byte 0xCF) has none; the rest keep theirs."""
+    from tools.compare_client import llamacpp_output
+
+    def entry(tid: int, lp: float, *alts: tuple[int, float]) -> dict:
+        top = [{"id": tid, "logprob": lp}] + [{"id": a, "logprob": v} for a, v in alts]
+        return {"id": tid, "token": "?", "logprob": lp, "top_logprobs": top}
+
+    out = llamacpp_output([51, 207, 130, 507], [entry(51, -3.9, (298, -4.2)), entry(130, -3.0),
+                                                entry(507, -3.5, (337, -4.1))])  # fmt: skip
+    assert out.logprobs == [-3.9, None, -3.0, -3.5]
+    assert out.top[0] == {51: -3.9, 298: -4.2} and out.top[1] == {} and out.top[3][337] == -4.1
+    assert llamacpp_output([5, 6], None).logprobs == [None, None]  # no entries: nothing invented
+
+
 # ---- the real llama.cpp ------------------------------------------------------------------------
 
 
@@ -174,15 +229,7 @@ def server_bin() -> Path:
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("llamacpp")
-    # bf16; the last layer before the KV-shared ones full, as in the real E2B (layer 14 of 15):
-    # llama.cpp's Gemma 4 picks the layer a shared one reuses by that order, and on the tiny
-    # preset's (... full, sliding | shared) it aborts loading (GGML_ASSERT in llama-kv-cache.cpp)
-    overrides = {
-        "layer_types": ["sliding_attention"] * 3 + ["full_attention", "sliding_attention",
-                                                     "full_attention"],
-        "per_layer_config": {"3": {"head_dim": 64}, "5": {"head_dim": 64}},
-    }  # fmt: skip
-    make_checkpoint(root / "tiny", preset="tiny", seed=0, quantized=False, overrides=overrides)
+    make_checkpoint(root / "tiny", preset="tiny", seed=0, quantized=False)  # bf16
     return root / "tiny"
 
 
@@ -279,3 +326,21 @@ def test_llama_server_greedy_tokens_match_the_engine(llama, tiny: Path):
     assert vocab["tokens"] == eng.tokenizer.encode("Hello world", add_special_tokens=False).ids
     metrics = httpx.get(f"{root}/metrics", timeout=10).text
     assert "llamacpp:tokens_predicted_total" in metrics
+
+
+def test_a_sweep_by_url_alone_gets_llamacpps_vocabulary(llama, tmp_path):
+    """llama-server known only by its URL: its /tokenize and /detokenize (llama.cpp's shapes)
+    give the prompt vocabulary, so the prompts are exact token ids, and its counters the
+    telemetry."""
+    from bench.sweep import run_sweep
+    from bench.sweep.store import SweepStore
+
+    result = run_sweep(
+        targets=[{"label": "llama", "base_url": llama[0].base_url}], input_lens=[24],
+        output_len=4, concurrency=[2], repeats=1, prompts_per_cell=4, out_dir=str(tmp_path / "s"),
+    )  # fmt: skip
+    store = SweepStore(result.out_dir)
+    (cell,) = store.load_cells()
+    assert store.load_config().prompt_source == "server" and cell.status == "ok", cell.reason
+    assert {r.prompt_tokens for r in cell.requests} == {24}
+    assert cell.telemetry.metrics_after["generation_tokens"] >= 16

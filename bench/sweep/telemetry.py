@@ -6,7 +6,9 @@
   seconds over the cell's wall time, in cores.
 - The server's Prometheus /metrics before and after the cell: vLLM's prefix-cache queries and
   hits (a hit rate over the cell), KV cache usage, requests running and waiting (peaks); the
-  engine's gauges, and its sequences per decode step over the cell (how well it batched).
+  engine's gauges, and its sequences per decode step over the cell (how well it batched);
+  llama-server's `llamacpp:` counters under the same names (its slot-cache reuse as the
+  prefix-cache hit rate).
 """
 
 from __future__ import annotations
@@ -47,10 +49,25 @@ KEPT = {
     "gpurig_engine_decode_step_rows_total": "decode_step_rows",
     "gpurig_engine_completion_tokens_total": "generation_tokens",
     "gpurig_engine_prompt_tokens_total": "prompt_tokens",
+    "llamacpp:requests_processing": "requests_running",
+    "llamacpp:requests_deferred": "requests_waiting",
+    "llamacpp:tokens_predicted_total": "generation_tokens",
+    "llamacpp:kv_cache_usage_ratio": "kv_cache_usage",
+}
+# llama-server counts the prompt tokens it computed and those its slot cache held apart; vLLM's
+# prefix-cache queries and prompt tokens are both, its hits the cached ones
+KEPT_UNDER_MORE: dict[str, tuple[str, ...]] = {
+    "llamacpp:prompt_tokens_total": ("prompt_tokens", "prefix_cache_queries"),
+    "llamacpp:prompt_tokens_cached_total": (
+        "prompt_tokens",
+        "prefix_cache_queries",
+        "prefix_cache_hits",
+    ),
 }
 
 
-_KEPT_PREFIXES = tuple(sorted({name.split("{")[0][:12] for name in KEPT}))
+_KEYS = {name: (key,) for name, key in KEPT.items()} | KEPT_UNDER_MORE
+_KEPT_PREFIXES = tuple(sorted({name[:12] for name in _KEYS}))
 
 
 def parse_metrics(text: str) -> dict[str, float]:
@@ -61,14 +78,14 @@ def parse_metrics(text: str) -> dict[str, float]:
         if not line.startswith(_KEPT_PREFIXES) or "_bucket" in line:
             continue
         m = _LINE.match(line)
-        if not m or m.group(1) not in KEPT:
+        if not m or m.group(1) not in _KEYS:
             continue
         try:
             value = float(m.group(3))
         except ValueError:
             continue
-        key = KEPT[m.group(1)]
-        out[key] = out.get(key, 0.0) + value
+        for key in _KEYS[m.group(1)]:
+            out[key] = out.get(key, 0.0) + value
     return out
 
 

@@ -217,29 +217,46 @@ class LocalCodec:
 
 
 class ServerCodec:
-    """A server's POST /tokenize and /detokenize (at its root, beside /v1) as a Codec."""
+    """A server's POST /tokenize and /detokenize (at its root, beside /v1) as a Codec, in
+    vLLM's shapes (`prompt` in, `prompt` out; the engine server's too) or llama-server's
+    (`content` in and out). The first call finds which: llama-server ignores a `prompt` field
+    and tokenises its empty `content`, so an empty answer to a non-empty text means its shape."""
 
     def __init__(self, root_url: str, model: str | None = None) -> None:
         self.root_url = root_url.rstrip("/")
         self.model = model
+        self.shape: str | None = None  # "vllm" or "llamacpp", once known
 
     def _post(self, path: str, body: dict) -> dict:
-        if self.model:
+        if self.model and self.shape != "llamacpp":
             body = {**body, "model": self.model}
         resp = httpx.post(self.root_url + path, json=body, timeout=TIMEOUT_S)
         resp.raise_for_status()
         return resp.json()
 
+    def _tokenize(self, text: str, shape: str) -> list[int]:
+        if shape == "llamacpp":
+            body = {"content": text, "add_special": False, "parse_special": False}
+        else:
+            body = {"prompt": text, "add_special_tokens": False}
+        return [int(i) for i in self._post("/tokenize", body)["tokens"]]
+
     def ids(self, text: str) -> list[int]:
-        return [
-            int(i)
-            for i in self._post("/tokenize", {"prompt": text, "add_special_tokens": False})[
-                "tokens"
-            ]
-        ]
+        if self.shape is not None:
+            return self._tokenize(text, self.shape)
+        try:
+            ids = self._tokenize(text, "vllm")
+        except httpx.HTTPStatusError:
+            ids = []
+        if ids or not text:
+            self.shape = "vllm"
+            return ids
+        self.shape = "llamacpp"
+        return self._tokenize(text, "llamacpp")
 
     def text(self, ids: list[int]) -> str:
-        return str(self._post("/detokenize", {"tokens": list(ids)})["prompt"])
+        answer = self._post("/detokenize", {"tokens": list(ids)})
+        return str(answer["content"] if self.shape == "llamacpp" else answer["prompt"])
 
 
 def corpus(n_words: int = 4000, seed: int = 0) -> str:
