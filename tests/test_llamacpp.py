@@ -249,6 +249,28 @@ def test_export_through_llamacpps_converter(gguf: Path, tiny: Path):
     assert again.returncode == 2 and "already exists" in again.stderr  # no silent overwrite
 
 
+def test_q4_0_export_through_llama_quantize(gguf: Path, tiny: Path):
+    """q4_0: the f16 GGUF, then llama.cpp's own llama-quantize; its own gguf-py reads the
+    result as MOSTLY_Q4_0 (file type 2) with Q4_0 tensors, and the f16 intermediate is gone."""
+    try:
+        llamacpp.find_binary("llama-quantize")
+    except NotFoundError as exc:
+        pytest.skip(f"{exc.message}: {exc.remedy}")
+    out = tiny.parent / "tiny-q4_0.gguf"
+    result = llamacpp.export_gguf(tiny, out, outtype="q4_0")
+    assert result.quantizer and llamacpp.is_gguf(out) and result.bytes < gguf.stat().st_size
+    assert sorted(p.name for p in tiny.parent.glob("*.gguf")) == ["tiny-q4_0.gguf", "tiny.gguf"]
+    sys.path.insert(0, str(llamacpp.llama_cpp_dir() / "src" / "gguf-py"))
+    try:
+        from gguf import GGUFReader
+    finally:
+        sys.path.pop(0)
+    reader = GGUFReader(str(out))
+    field = reader.fields["general.file_type"]
+    assert int(field.parts[field.data[0]][0]) == 2
+    assert sum(t.tensor_type.name == "Q4_0" for t in reader.tensors) >= 30
+
+
 async def _call(client: Client, name: str, args: dict):
     result = await client.call_tool(name, args)
     assert not result.is_error, result.content
