@@ -12,10 +12,13 @@ import argparse
 import shlex
 import shutil
 import sys
+import textwrap
 import time
 
 from mcp_server.output import grid, print_result
 from mcp_server.wording import cli_flag
+
+FOUND_WIDTH = 84
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -104,16 +107,27 @@ def _pairs(args: argparse.Namespace) -> tuple[dict[str, str], list[dict[str, str
     return env, checks
 
 
+def wrap_found(found: list[str], width: int = FOUND_WIDTH) -> list[str]:
+    """The found column, folded so the table fits a terminal (continuations indented)."""
+    wrap = textwrap.TextWrapper(
+        width, subsequent_indent="  ", break_long_words=False, break_on_hyphens=False
+    )
+    return [part for fact in found for part in wrap.wrap(fact)]
+
+
 def render(report) -> str:
     rows = [
         [s.status.upper() if s.status == "failed" else s.status, s.name, f"{s.seconds:.1f}",
-         "\n".join(s.found)]
+         "\n".join(wrap_found(s.found))]
         for s in report.steps
     ]  # fmt: skip
     out = grid(rows, ["status", "step", "s", "found"])
     todo = [(s.name, s.next) for s in report.steps if s.next and s.status != "failed"]
     if report.failed_step:
-        out += f"\n\nstopped at: {report.failed_step}\nwhat to do: {report.next}"
+        todo_text = textwrap.fill(
+            f"what to do: {report.next}", 100, subsequent_indent="    ", break_long_words=False
+        )
+        out += f"\n\nstopped at: {report.failed_step}\n{todo_text}"
     else:
         out += "\n\n" + "\n".join(f"{name}: {text}" for name, text in todo)
         out += f"\nnext: {report.next}"

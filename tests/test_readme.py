@@ -42,6 +42,9 @@ NOT_RUN_HERE: dict[str, str] = {
     "gpurig up": "starts a server that outlives the command (vLLM on a GPU, or the engine); "
     "tests/test_bring_up.py::test_the_cli_with_the_short_sweep runs `gpurig up --backend engine "
     "--sweep` on a tiny checkpoint and reuses the server the module brought up",
+    "gpurig up": "starts a server that outlives the command (vLLM on a GPU, or the engine); "
+    "tests/test_bring_up.py::test_the_cli_with_the_short_sweep runs `gpurig up --backend engine "
+    "--sweep` on a tiny checkpoint and reuses the server the module brought up",
     "gpurig sweep run --target": "needs servers on ports 8000/8100 and /models/e2b-w4a16; "
     "tests/test_sweep_e2e.py::test_two_engines_same_prompts_every_cell sweeps real servers",
     "gpurig sweep run --serve": "starts vLLM (a GPU) on /models checkpoints; the engine-served "

@@ -99,6 +99,12 @@ def _short(text: str) -> str:
     return text if len(text) <= FACT_CHARS else text[: FACT_CHARS - 3] + "..."
 
 
+def _clip(text: str, chars: int = 40) -> str:
+    """An answer, on one line and short: the whole of it is in the report's spot_check."""
+    text = " ".join(text.split())
+    return text if len(text) <= chars else text[: chars - 3] + "..."
+
+
 def _num(value: float | None) -> str:
     return "?" if value is None else f"{value:.1f}"
 
@@ -155,7 +161,7 @@ def step_doctor(run: Run) -> Outcome:
     if run.reuse:
         return Outcome(
             "skipped",
-            [f"{run.name} is running: it was checked when it started (gpurig doctor for now)"],
+            [f"{run.name} is running: checked when it started (gpurig doctor checks again)"],
         )
     python = req.python_bin or (cmd.engine_python() if req.backend == "engine" else None)
     weights = preflight.weights_gib(run.local, req.model)
@@ -310,7 +316,7 @@ def step_spot_check(run: Run) -> Outcome:
     )
     run.spot = result
     found = [
-        _short(f"{'PASS' if c.passed else 'FAIL'} {c.expect}: {c.answer!r} ({c.prompt})")
+        f"{'PASS' if c.passed else 'FAIL'} {c.expect}: answered {_clip(c.answer)!r}"
         for c in result.checks
     ]
     found.insert(0, f"{result.passed}/{len(result.checks)} passed")
@@ -357,7 +363,8 @@ def step_sweep(run: Run) -> Outcome:
             f"read {summary.report or summary.out_dir} and the server's log "
             f"(gpurig serve logs {run.record.name}); the server is kept running",
         )
-    return Outcome("ok", found, "more loads and repeats: gpurig sweep run (MCP: run_sweep)")
+    more = either(cli="gpurig sweep run", mcp="run_sweep")
+    return Outcome("ok", found, f"more loads and repeats: {more}")
 
 
 STEP_FUNCS: dict[StepName, Callable[[Run], Outcome]] = {
