@@ -33,9 +33,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--backend", choices=["vllm", "engine", "llamacpp"], default="vllm")
     p.add_argument("--name", help="the server's name (default: BACKEND-PORT)")
     p.add_argument("--python", dest="python_bin", help="serving interpreter (GPURIG_PYTHON)")
+    p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--dtype", default="auto", help="auto: float16 below capability 8")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("-tp", "--tensor-parallel-size", type=int, default=1)
     p.add_argument("--max-model-len", type=int, help="context length (engine: --max-ctx)")
     p.add_argument("--max-num-seqs", type=int)
     p.add_argument("--device", help="engine only: cuda, cuda:1 or cpu")
@@ -146,7 +148,9 @@ def _up(args: argparse.Namespace) -> int:
     try:
         request = BringUpRequest(
             model=args.model, backend=args.backend, name=args.name, python_bin=args.python_bin,
-            port=args.port, dtype=args.dtype, gpu_memory_utilization=args.gpu_memory_utilization,
+            host=args.host, port=args.port, dtype=args.dtype,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            tensor_parallel_size=args.tensor_parallel_size,
             max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, device=args.device,
             cpu_kv_cache_gib=args.cpu_kv_cache_gib, env=env,
             extra_args=[a for text in args.extra_args for a in shlex.split(text)],

@@ -32,9 +32,11 @@ def register(mcp: MCPServer) -> None:
             str | None, Field(min_length=1, max_length=64, description="default BACKEND-PORT")
         ] = None,
         python_bin: PythonBin = None,
+        host: str = "127.0.0.1",
         port: Annotated[int, Field(ge=1, le=65535)] = 8000,
         dtype: str = "auto",
         gpu_memory_utilization: Annotated[float, Field(gt=0, le=1)] = 0.9,
+        tensor_parallel_size: Annotated[int, Field(ge=1)] = 1,
         max_model_len: Annotated[int | None, Field(ge=1)] = None,
         max_num_seqs: Annotated[int | None, Field(ge=1)] = None,
         device: Annotated[str | None, Field(description="engine only: cuda, cuda:1 or cpu")] = None,
@@ -78,8 +80,9 @@ def register(mcp: MCPServer) -> None:
                 anyio.from_thread.run(ctx.report_progress, done, total, message)
 
         request = BringUpRequest(
-            model=model, backend=backend, name=name, python_bin=python_bin, port=port,
-            dtype=dtype, gpu_memory_utilization=gpu_memory_utilization,
+            model=model, backend=backend, name=name, python_bin=python_bin, host=host,
+            port=port, dtype=dtype, gpu_memory_utilization=gpu_memory_utilization,
+            tensor_parallel_size=tensor_parallel_size,
             max_model_len=max_model_len, max_num_seqs=max_num_seqs, device=device,
             cpu_kv_cache_gib=cpu_kv_cache_gib, extra_args=extra_args or [], env=env or {},
             timeout_s=timeout_s, apply_patch=apply_patch, checks=checks or [],

@@ -25,6 +25,7 @@ from pathlib import Path
 import psutil
 import pytest
 from mcp import Client, StdioServerParameters
+from pydantic import ValidationError
 from serve_support import T4, free_port, install_fake_vllm, scenario_env
 from server_support import make_scripted_checkpoint
 
@@ -32,6 +33,7 @@ from bench.bring_up_sweep import short_sweep
 from mcp_server.wording import render_for
 from tools.bring_up import bring_up
 from tools.bring_up_models import STEPS, BringUpReport, BringUpRequest
+from tools.errors import InvalidInputError
 from tools.serving import ServerRecord, stop_vllm_server
 from tools.serving import state as st
 from tools.serving.control import refresh
@@ -174,6 +176,20 @@ def test_a_failing_spot_check_stops_and_keeps_the_server(served, scripted: Path)
     cli = render_for("cli", report.next)
     assert "kept running" in cli and f"gpurig serve stop {report.server.name}" in cli
     assert refresh(report.server).state == "ready"  # kept, as documented
+
+
+def test_bad_input_is_refused_before_any_step(home, capsys: pytest.CaptureFixture[str]) -> None:
+    from mcp_server.cli import main
+
+    before = st.list_records()
+    assert main(["up", "ckpt", "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "--port: Input should be greater than or equal to 1" in err and "what to do" in err
+    with pytest.raises(InvalidInputError, match="no sweep runner"):
+        bring_up(BringUpRequest(model="ckpt", sweep=True))  # measure is the caller's to give
+    with pytest.raises(ValidationError):
+        BringUpRequest(model="ckpt", sweep_prompts=0)
+    assert st.list_records() == before
 
 
 def test_a_missing_model_path_stops_at_inputs(home: Path, tmp_path: Path) -> None:

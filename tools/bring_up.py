@@ -287,7 +287,8 @@ def step_start(run: Run) -> Outcome:
     record = start_vllm_server(
         req.model, backend=req.backend, name=run.name, python_bin=req.python_bin,
         host=req.host, port=req.port, dtype=req.dtype,
-        gpu_memory_utilization=req.gpu_memory_utilization, max_model_len=req.max_model_len,
+        gpu_memory_utilization=req.gpu_memory_utilization,
+        tensor_parallel_size=req.tensor_parallel_size, max_model_len=req.max_model_len,
         max_num_seqs=req.max_num_seqs, extra_args=list(req.extra_args), env=dict(req.env),
         timeout_s=req.timeout_s, progress=_start_progress(run), device=req.device,
         cpu_kv_cache_gib=req.cpu_kv_cache_gib, gpus=run.gpus,

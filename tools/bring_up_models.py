@@ -43,6 +43,7 @@ class BringUpRequest(BaseModel):
     port: int = Field(8000, ge=1, le=65535)
     dtype: str = Field("auto", description="auto: float16 below capability 8")
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
+    tensor_parallel_size: int = Field(1, ge=1, description="vLLM: GPUs to split the model over")
     max_model_len: int | None = Field(None, ge=1, description="context length (engine: max_ctx)")
     max_num_seqs: int | None = Field(None, ge=1)
     device: str | None = Field(None, description="engine only: cuda, cuda:1 or cpu")
