@@ -264,6 +264,7 @@ def test_an_unpatched_t4_stops_at_the_patch(home, scripted: Path, t4_vllm: str) 
     assert render_for("cli", report.next).startswith(
         f"apply it: gpurig patch apply --python {t4_vllm}"
     )
+    assert render_for("cli", report.next).endswith("or run without --no-patch")
     assert "apply_turing_patch(python_bin=" in render_for("mcp", report.next)
     assert verify_turing_patch(t4_vllm).state_after == "stock"  # nothing changed
     assert report.server is None

@@ -205,7 +205,7 @@ def step_patch(run: Run) -> Outcome:
                 cli=f"gpurig patch apply --python {run.python}",
                 mcp=f"call apply_turing_patch(python_bin='{run.python}')",
             )
-            + f", or leave {arg('apply_patch')} on",
+            + either(cli=", or run without --no-patch", mcp=", or pass apply_patch=true"),
         )
     applied = apply_turing_patch(run.python)  # refuses a modified file, with the reinstall
     check = verify_turing_patch(run.python)
