@@ -27,8 +27,16 @@ from mcp_server.output import report_error
 from tools.errors import GpurigError
 
 # Each module has `register(subparsers)` adding its subcommands.
-TOP_LEVEL_MODULES = [cli_host, cli_patch, cli_serve, cli_sweep, cli_demo, cli_compare, cli_eval]
-TOP_LEVEL_MODULES += [cli_up]  # gpurig up
+TOP_LEVEL_MODULES = [
+    cli_host,
+    cli_patch,
+    cli_serve,
+    cli_up,
+    cli_sweep,
+    cli_demo,
+    cli_compare,
+    cli_eval,
+]
 # Modules adding subcommands under `gpurig engine ...`.
 ENGINE_MODULES = [cli_engine, cli_engine_serve]
 

