@@ -19,6 +19,8 @@ import torch
 
 from engine.checkpoint import CheckpointReader
 from engine.checkpoint_maker import make_checkpoint
+from engine.config import FULL as _F
+from engine.config import SLIDING as _S
 from engine.config import load_config
 from engine.kv_pool import KVPool, plan_geometry
 from engine.model import Gemma4Model
@@ -27,8 +29,9 @@ from engine.paged_attention_ref import segment
 CTX = 128
 BLOCK = 8  # small blocks: sequences span several, some of them not consecutive
 CASES = {
-    "tiny": {},  # layers 4 (sliding) and 5 (full) read layers 3 and 2's K/V
-    "shared3": {"num_kv_shared_layers": 3},  # three KV-shared layers with double-wide MLPs
+    "tiny": {},  # layers 4 (sliding) and 5 (full) read layers 2 and 3's K/V
+    # three KV-shared layers with double-wide MLPs: 3 and 4 (sliding) read layer 1, 5 reads 2
+    "shared3": {"num_kv_shared_layers": 3, "layer_types": [_S, _S, _F, _S, _S, _F]},
 }
 
 
