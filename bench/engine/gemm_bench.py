@@ -37,9 +37,7 @@ SHAPES = [  # (name, N, K) of every matrix a batched E2B decode step multiplies
 ]  # fmt: skip
 SMOKE_SHAPES = [("smoke_a", 64, 128), ("smoke_b", 96, 256)]
 PEAK_GBPS = 4800.0
-METHODS = ("w4_gemm", "w4_gemm_v1", "w4_gemv", "cublas_bf16", "tinygemm", "gemlite")
-# the table of the kernel before the weights-left path (issue 26): the "before" column
-V1_TABLE = Path(__file__).parents[2] / "engine/kernels/configs/w4gemm_NVIDIA_H200_v1.json"
+METHODS = ("w4_gemm", "w4_gemv", "cublas_bf16", "tinygemm", "gemlite")
 
 
 def _copies(nbytes: int, device: torch.device) -> int:
@@ -95,21 +93,6 @@ def calls_w4_gemm(sh: Shape, m: int):
     from engine.kernels.w4gemm import w4_gemm
 
     fns = [lambda p=p, s=s: w4_gemm(sh.x[:m], p, s, out=sh.y[:m]) for p, s in sh.sets]
-    return fns, sh.bytes_int4(m)
-
-
-def calls_w4_gemm_v1(sh: Shape, m: int):
-    """The product without the weights-left kernel (issue 26): the tuned config where it is
-    not a weights-left one, else the default tiling; the "before" column beside w4_gemm."""
-    from engine.kernels.w4gemm import w4_gemm
-    from engine.kernels.w4gemm_kernel import default_config
-    from engine.kernels.w4gemm_tune import config_for, path_for
-
-    cfg = config_for(sh.n, sh.k, sh.dtype, m, sh.device)
-    if cfg.get("WL"):
-        cfg = default_config(sh.n, sh.k, m, path_for(sh.device))
-    fns = [lambda p=p, s=s: w4_gemm(sh.x[:m], p, s, out=sh.y[:m], config=cfg)
-           for p, s in sh.sets]  # fmt: skip
     return fns, sh.bytes_int4(m)
 
 
@@ -174,8 +157,7 @@ def calls_gemlite(sh: Shape, m: int):
     return fns, sh.bytes_int4(m)
 
 
-CALLS = {"w4_gemm": calls_w4_gemm, "w4_gemm_v1": calls_w4_gemm_v1, "w4_gemv": calls_w4_gemv,
-         "cublas_bf16": calls_cublas,
+CALLS = {"w4_gemm": calls_w4_gemm, "w4_gemv": calls_w4_gemv, "cublas_bf16": calls_cublas,
          "tinygemm": calls_tinygemm, "gemlite": calls_gemlite}  # fmt: skip
 
 

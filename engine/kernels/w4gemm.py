@@ -24,13 +24,7 @@ from typing import Any
 import torch
 import triton
 
-from engine.kernels.w4gemm_kernel import (
-    default_config,
-    launch,
-    split_plan,
-    wl_applies,
-    workspace,
-)
+from engine.kernels.w4gemm_kernel import launch, split_plan, workspace
 from engine.kernels.w4gemm_tune import bucket, config_for
 from engine.kernels.w4gemv import dequantize_reference
 from engine.kernels.w4gemv_kernel import launch as gemv_launch
@@ -85,8 +79,6 @@ def w4_gemm(
         _gemv(x, packed, scales, out, epi, aux)
         return out
     cfg = config or config_for(n, k, x.dtype, m, x.device)
-    if config is None and cfg.get("WL") and not wl_applies(x, scales, cfg):
-        cfg = default_config(n, k, m, bool(cfg.get("TC", True)))  # e.g. scales not contiguous
     ws = tk = None
     split, _ = split_plan(k, cfg)
     if split > 1:

@@ -21,11 +21,6 @@ here one program owns BLOCK_N weight rows and ALL the activation rows, so a deco
   unpacked fp32 tile times every activation row, broadcast over a [rows, BLOCK_N, BLOCK_K]
   accumulator that is summed over K once, at the end.
 
-* WL (weights left, sm_80 on, bf16, K a multiple of 256): Y^T = W X^T with each dot's A
-  operand an elementwise function of loaded words and scale words, so Triton builds it in the
-  operand's registers (no shared-memory round trip of the weights); see _w4_gemm_wl_kernel.
-  It is a tuning candidate beside the others (bench/NOTES.md, v12, says how it fares).
-
 Split-K (narrow N, long K: N=1536 with K=6144 has few tiles for 132 SMs): program (n, s) sums
 its K slice into an fp32 workspace [SPLIT, M, N]; the reduction is deterministic either way:
 the last program of an N tile to finish (a ticket counter; no value is ever added atomically)
@@ -317,135 +312,6 @@ def _w4_gemm_slab_kernel(
 
 
 @triton.jit
-def _wl_field(w, P: tl.constexpr, ASM: tl.constexpr):
-    """2^23 + 16^P * (nibble P of w), as fp32: the field masked in place and OR'd into the
-    mantissa of 2^23 (ASM: in one lop3; a pure one-operand asm keeps the operand hoisting)."""
-    if ASM:
-        bits = tl.inline_asm_elementwise(
-            f"lop3.b32 $0, $1, {15 << (4 * P)}, 1258291200, 0xEA;", "=r,r", [w],
-            dtype=tl.int32, is_pure=True, pack=1,
-        )  # fmt: skip
-    else:
-        bits = (w & (15 << (4 * P))) | 0x4B000000
-    return bits.to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _wl_slab(acc, w, s, c, x, P: tl.constexpr, IEEE: tl.constexpr):
-    """One nibble position of a [BLOCK_N, BKW] word tile (the field at bits 4P..4P+3, P 1..4)
-    against its activations x [BM, BKW], which carry the 16^-P (exact: a power of two).
-
-    The weight, 16^P (code - 8) * s rounded to bf16, is the reference's rounded dequantised
-    weight times 16^P. On the GPU it is ONE fma, field * s + c with c = -(2^23 + 8 * 16^P) * s
-    (made once per tile and P), exact because c is exact in fp32 for P >= 1 (its bits span at
-    most 24 places) and the fma rounds once; under the interpreter (no fma contraction) the
-    subtraction comes first, also exact."""
-    f = _wl_field(w, P, not IEEE)
-    if IEEE:  # the interpreter's fp32 -> bf16 truncates: round to nearest even by hand first
-        b = ((f - (8388608.0 + 8.0 * (16.0**P))) * s).to(tl.int32, bitcast=True)
-        b = (b + (32767 + ((b >> 16) & 1))) & -65536
-        v = b.to(tl.float32, bitcast=True).to(tl.bfloat16)
-    else:
-        v = (f * s + c).to(tl.bfloat16)
-    return _dot_acc(acc, v, x, True, IEEE)
-
-
-@triton.jit
-def _wl_x(x_ptrs, J: tl.constexpr, xm):
-    """The activations of nibble J of a word tile, times 16^-P of that nibble's field."""
-    P: tl.constexpr = 1 if J == 0 else (J if J <= 4 else J - 4)
-    x = tl.load(x_ptrs + J, mask=xm, other=0.0)
-    return (x.to(tl.float32) * (1.0 / 16.0**P)).to(x.dtype)
-
-
-@triton.jit
-def _wl_xs(x_ptrs, xm):
-    """A word tile's 8 activation slabs (requested together, one step ahead of their use)."""
-    return (_wl_x(x_ptrs, 0, xm), _wl_x(x_ptrs, 1, xm), _wl_x(x_ptrs, 2, xm),
-            _wl_x(x_ptrs, 3, xm), _wl_x(x_ptrs, 4, xm), _wl_x(x_ptrs, 5, xm),
-            _wl_x(x_ptrs, 6, xm), _wl_x(x_ptrs, 7, xm))  # fmt: skip
-
-
-@triton.jit
-def _wl_tile(acc, w, s, xs, IEEE: tl.constexpr):
-    """The 8 nibbles of a [BLOCK_N, BKW] word tile: nibble 0 shifted up one place, nibbles 1-4
-    in place, 5-7 from the word shifted down 16 bits (fields at P 1..4 only)."""
-    x0, x1, x2, x3, x4, x5, x6, x7 = xs
-    lo = w << 4
-    hi = w >> 16
-    c1 = s * -8388736.0  # -(2^23 + 8 * 16^P) * s for P = 1..4
-    c2 = s * -8390656.0
-    c3 = s * -8421376.0
-    c4 = s * -8912896.0
-    acc = _wl_slab(acc, lo, s, c1, x0, 1, IEEE)
-    acc = _wl_slab(acc, w, s, c1, x1, 1, IEEE)
-    acc = _wl_slab(acc, w, s, c2, x2, 2, IEEE)
-    acc = _wl_slab(acc, w, s, c3, x3, 3, IEEE)
-    acc = _wl_slab(acc, w, s, c4, x4, 4, IEEE)
-    acc = _wl_slab(acc, hi, s, c1, x5, 1, IEEE)
-    acc = _wl_slab(acc, hi, s, c2, x6, 2, IEEE)
-    acc = _wl_slab(acc, hi, s, c3, x7, 3, IEEE)
-    return acc
-
-
-@triton.jit
-def _w4_gemm_wl_kernel(
-    x_ptr, w_ptr, s32_ptr, y_ptr, ws_ptr, tk_ptr, aux_ptr,
-    M, N, KW, G2, stride_xm, stride_ym, stride_am, chunk_kw,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr, IEEE: tl.constexpr,
-    SPLIT: tl.constexpr, FUSED: tl.constexpr, EPI: tl.constexpr,
-):  # fmt: skip
-    """Y^T = W X^T with the weights as the dot's LEFT operand, built so that Triton feeds
-    Hopper's wgmma from registers, never staging 16-bit weights in shared memory: each dot's
-    A operand is an elementwise function of loaded words and loaded scale words, which lets
-    Triton load them straight in the operand's register layout (its MMAv3 hoisting accepts
-    only loads and constants at the chain's ends, and no 16-bit loads).
-
-    A K step is BLOCK_KW (32 or 64) words of each of BLOCK_N rows, as two [BLOCK_N, BLOCK_KW/2]
-    word tiles: E holds the words of the even groups (0, 2, 4, ...), O those of the odd ones. The bf16 scales are read as int32 words (groups 2q and 2q+1 in one word), so
-    every column of E takes the low half of its scale word and every column of O the high
-    half: no per-column selection. Nibble j of tile E (O) against the activations at
-    k = 8 * word + j: 16 dots of K=BLOCK_KW/2 per step, summing exactly the products of the plain
-    form. Needs K % (8 * BLOCK_KW) == 0 and bf16 activations and scales.
-
-    Grid and epilogue as _w4_gemm_kernel (split-K over whole steps, the same tickets)."""
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rm = tl.arange(0, BLOCK_M)
-    m_mask = rm < M
-    c = tl.arange(0, BLOCK_KW // 2)
-    col_e = 8 * (c // 4) + c % 4  # word of column c of tile E within the step; O: + 4
-    rn_safe = tl.where(rn < N, rn, 0).to(tl.int64)
-    w_ptrs = w_ptr + rn_safe[:, None] * KW + col_e[None, :]
-    s_ptrs = s32_ptr + rn_safe[:, None] * G2 + (c // 4)[None, :]
-    x_ptrs = x_ptr + rm[:, None] * stride_xm + (8 * col_e)[None, :]
-    k0 = pid_k * chunk_kw
-    k1 = tl.minimum(k0 + chunk_kw, KW)
-    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    xm = m_mask[:, None]
-    # the activations are gathered 2 bytes at a time (too narrow for the async copies that
-    # stage the words), so each step's 16 slabs are requested one step ahead, in registers
-    xsE = _wl_xs(x_ptrs + k0 * 8, xm)
-    xsO = _wl_xs(x_ptrs + (k0 * 8 + 32), xm)
-    for kw in range(k0, k1, BLOCK_KW):
-        xn = xm & (kw + BLOCK_KW < k1)
-        nE = _wl_xs(x_ptrs + (kw + BLOCK_KW) * 8, xn)
-        nO = _wl_xs(x_ptrs + ((kw + BLOCK_KW) * 8 + 32), xn)
-        wE = tl.load(w_ptrs + kw)
-        wO = tl.load(w_ptrs + (kw + 4))
-        s32 = tl.load(s_ptrs + kw // 8)
-        sE = (s32 << 16).to(tl.float32, bitcast=True)  # bf16 -> fp32 is a 16-bit shift
-        sO = (s32 & -65536).to(tl.float32, bitcast=True)
-        acc = _wl_tile(acc, wE, sE, xsE, IEEE)
-        acc = _wl_tile(acc, wO, sO, xsO, IEEE)
-        xsE = nE
-        xsO = nO
-    _finish(tl.trans(acc), rm, m_mask, rn, pid_n, pid_k, M, N, y_ptr, stride_ym, ws_ptr, tk_ptr,
-            aux_ptr, stride_am, BLOCK_M, BLOCK_N, SPLIT, FUSED, EPI)  # fmt: skip
-
-
-@triton.jit
 def _w4_gemm_reduce_kernel(ws_ptr, y_ptr, aux_ptr, M, N, stride_ym, stride_am,
                            SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                            EPI: tl.constexpr):  # fmt: skip
@@ -467,14 +333,6 @@ def split_plan(k: int, cfg: dict[str, Any]) -> tuple[int, int]:
     split = max(1, min(int(cfg.get("SPLIT", 1)), steps))
     per = triton.cdiv(steps, split)
     return triton.cdiv(steps, per), per * cfg["BLOCK_KW"]
-
-
-def wl_applies(x2: torch.Tensor, scales: torch.Tensor, cfg: dict[str, Any]) -> bool:
-    """Whether the weights-left kernel can run these operands: bf16 activations and scales
-    (the scales read as int32 pairs, so contiguous), K in whole 8 * BLOCK_KW steps."""
-    k = x2.shape[1]
-    return (x2.dtype == torch.bfloat16 and scales.dtype == torch.bfloat16
-            and scales.is_contiguous() and k % (8 * cfg["BLOCK_KW"]) == 0)  # fmt: skip
 
 
 def block_m(m: int, tc: bool) -> int:
@@ -503,18 +361,7 @@ def launch(x2, packed, scales, y, cfg: dict[str, Any], epi: int = 0, aux=None,
     stride_am = aux.stride(0) if aux is not None else 0
     ieee = x2.dtype == torch.float32 or triton_interpreted()
     even_k = (k // 8) % cfg["BLOCK_KW"] == 0
-    if cfg.get("WL", False):
-        if not wl_applies(x2, scales, cfg):
-            raise ValueError("w4gemm launch: the weights-left kernel needs bf16 activations "
-                             "and contiguous bf16 scales, and K a multiple of 8 * BLOCK_KW")  # fmt: skip
-        _w4_gemm_wl_kernel[grid](
-            x2, packed, scales.view(torch.int32), y, ws, tickets, aux_t,
-            m, n, k // 8, k // 64, x2.stride(0), y.stride(0), stride_am, chunk,
-            BLOCK_M=bm, BLOCK_N=cfg["BLOCK_N"], BLOCK_KW=cfg["BLOCK_KW"], IEEE=triton_interpreted(),
-            SPLIT=split, FUSED=fused, EPI=epi, num_warps=cfg["num_warps"],
-            num_stages=cfg["num_stages"],
-        )  # fmt: skip
-    elif cfg.get("SLAB", False):
+    if cfg.get("SLAB", False):
         _w4_gemm_slab_kernel[grid](
             x2, packed, scales, y, ws, tickets, aux_t,
             m, n, k // 8, k // 32, x2.stride(0), y.stride(0), stride_am, chunk,

@@ -62,10 +62,6 @@ _TC_TILES = [
     (128, 16, 4, True, True, False),
     (128, 16, 8, True, True, False),
 ]
-# weights-left tilings (BLOCK_N, BLOCK_KW, num_warps, num_stages): every dot's A operand made in
-# registers from loaded words (engine/kernels/w4gemm_kernel.py, _w4_gemm_wl_kernel); bf16 only
-_WL_TILES = [(64, 32, 4, 3), (128, 32, 4, 3), (128, 32, 4, 4), (128, 64, 4, 2), (128, 32, 8, 3),
-             (256, 32, 8, 3), (64, 64, 4, 3), (256, 64, 8, 2)]  # fmt: skip
 # multiply-and-sum tilings (BLOCK_N, BLOCK_KW, num_warps, SLAB): Turing, and few rows anywhere;
 # SLAB: the [rows, BLOCK_N, BLOCK_KW] accumulator takes one nibble position at a time
 _FMA_TILES = [(4, 8, 4, False), (8, 16, 4, True), (16, 16, 4, True), (4, 32, 4, True),
@@ -99,16 +95,11 @@ def _sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def candidate_configs(n: int, k: int, m: int, tc: bool, epi: int = 0,
-                      dtype: torch.dtype = torch.bfloat16) -> list[dict[str, Any]]:  # fmt: skip
+def candidate_configs(n: int, k: int, m: int, tc: bool, epi: int = 0) -> list[dict[str, Any]]:
     """The tilings worth timing for one shape and row bucket: the tensor-core ones where the
-    GPU has them (the weights-left ones for bf16 where K allows), the multiply-and-sum ones
-    (alone below sm_80; beside them up to 8 rows)."""
+    GPU has them, the multiply-and-sum ones (alone below sm_80; beside them up to 8 rows)."""
     kw = k // 8
     tiles = []
-    if tc and dtype == torch.bfloat16:
-        tiles += [dict(TC=True, WL=True, BLOCK_N=bn, BLOCK_KW=bkw, num_warps=w, num_stages=st)
-                  for bn, bkw, w, st in _WL_TILES if kw % bkw == 0]  # fmt: skip
     if tc:
         tiles += [dict(TC=True, BLOCK_N=bn, BLOCK_KW=bkw, num_warps=w, SWAP=sw, SLAB=sl, PIPE=pp)
                   for bn, bkw, w, sw, sl, pp in _TC_TILES]  # fmt: skip
@@ -124,7 +115,7 @@ def candidate_configs(n: int, k: int, m: int, tc: bool, epi: int = 0,
         for split in (1, 2, 4, 8):
             if split > 1 and (n_tiles >= 2 * 132 or kw // split < 2 * t["BLOCK_KW"]):
                 continue  # split-K only where N gives few tiles
-            out.append(dict({"num_stages": 2, **t}, SPLIT=split, FUSED=True))
+            out.append(dict(t, num_stages=2, SPLIT=split, FUSED=True))
     return out
 
 
@@ -153,7 +144,7 @@ def tune(n: int, k: int, dtype: torch.dtype, m: int, device: torch.device, epi: 
     sets = sets or random_sets(n, k, dtype, m, device, epi)
     sets = [(x[:m], p, s, y[:m]) for x, p, s, y in sets]
     aux = torch.rand(m, n, device=device).to(dtype) if epi == 2 else None
-    candidates = candidates or candidate_configs(n, k, m, tc, epi, dtype)
+    candidates = candidates or candidate_configs(n, k, m, tc, epi)
     ws, tk = workspace(device, 8 * m * n, triton.cdiv(n, 2))
 
     def make_calls(cfg):
