@@ -362,6 +362,9 @@ def launch(x2, packed, scales, y, cfg: dict[str, Any], epi: int = 0, aux=None,
     ieee = x2.dtype == torch.float32 or triton_interpreted()
     even_k = (k // 8) % cfg["BLOCK_KW"] == 0
     if cfg.get("SLAB", False):
+        if tc and cfg["BLOCK_KW"] < 16 and not triton_interpreted():  # one dot per nibble: K=BKW
+            raise ValueError("w4gemm launch: a tensor-core slab step needs BLOCK_KW >= 16 "
+                             "(each of its dots takes K = BLOCK_KW; Triton's minimum is 16)")  # fmt: skip
         _w4_gemm_slab_kernel[grid](
             x2, packed, scales, y, ws, tickets, aux_t,
             m, n, k // 8, k // 32, x2.stride(0), y.stride(0), stride_am, chunk,

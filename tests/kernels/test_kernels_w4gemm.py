@@ -100,8 +100,21 @@ def test_multiply_and_sum_path_forced(device, m, slab) -> None:
     ],
 )
 def test_split_k_and_tilings_compute_the_same_function(device, cfg) -> None:
+    if device.type == "cuda" and cfg.get("SLAB") and cfg["TC"]:
+        # the interpreter's small steps; compiled, a slab dot needs K = BLOCK_KW >= 16 (the
+        # launcher refuses less: test_a_slab_step_below_the_dot_minimum_is_refused)
+        cfg = {**cfg, "BLOCK_KW": 16}
     for dtype, epi, m in ((torch.float32, 0, 3), (torch.bfloat16, 1, 16), (torch.float16, 2, 7)):
         _check(device, m, 72, 96, dtype, epi, config=cfg, seed=epi)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+def test_a_slab_step_below_the_dot_minimum_is_refused() -> None:
+    packed, scales = _layer(64, 128, torch.bfloat16, torch.device("cuda"), 0)
+    x = torch.randn(4, 128, device="cuda").bfloat16()
+    with pytest.raises(ValueError, match="BLOCK_KW >= 16"):
+        w4_gemm(x, packed, scales, config=_cfg(SLAB=True))
 
 
 def test_split_k_is_deterministic_and_leaves_its_tickets_at_zero(device) -> None:
