@@ -410,8 +410,9 @@ def test_disconnect_mid_stream_cancels_generation(server):
         t0 = time.monotonic()
         health = httpx.get(server.base + "/health", timeout=5).json()
         assert time.monotonic() - t0 < 5.0 and health["busy"] is True  # the loop is not blocked
-    # the client is gone: the engine must be free again soon, far short of 3000 tokens
-    deadline = time.monotonic() + 10
+    # the client is gone: the engine must be free again soon, far short of 3000 tokens (30 s:
+    # the other test worker's vLLM start-ups can starve this server for seconds at a time)
+    deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         after = server.metrics()
         if after["cancelled_total"] > before["cancelled_total"] and not after["busy"]:

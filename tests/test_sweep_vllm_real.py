@@ -29,9 +29,11 @@ pytestmark = pytest.mark.slow
 # would fail without anything wrong; the gate is the distance a gross error (gaps per request
 # instead of per chunk, a TPOT or TTFT over the whole stream) would exceed at once. Since the
 # suite runs on two pytest-xdist workers, the other worker's tests share the 2 cores while the
-# two drivers take their turns: TPOT means 12.3 against 8.9 ms (39%) with nothing wrong.
+# two drivers take their turns: TPOT means 12.3 against 8.9 ms (39%), and in another run
+# output tok/s 53% apart, with nothing wrong. So the gate is a ratio: the larger figure at most
+# AGREE_RATIO times the smaller; the gross errors are off by the stream's length (about 30x).
 AGREE_GOAL = 0.15
-AGREE = 0.50
+AGREE_RATIO = 3.0
 PLAN = {
     "input_lens": [64],
     "output_len": 32,
@@ -209,7 +211,7 @@ TTFT_FLOOR_MS = 100.0
 
 @pytest.mark.parametrize("concurrency", PLAN["concurrency"])
 def test_the_builtin_driver_agrees_with_vllm_bench_serve(sweeps, concurrency, record_property):
-    """Output tok/s, median TTFT, and TPOT and ITL by their means, within AGREE; the medians of
+    """Output tok/s, median TTFT, and TPOT and ITL by their means, within AGREE_RATIO; the medians of
     TPOT and ITL are recorded beside them, and each figure's distance from the 15% goal is
     printed (bench/NOTES.md says when and why they part)."""
     ours = _pooled(sweeps["builtin"], concurrency)
@@ -221,12 +223,13 @@ def test_the_builtin_driver_agrees_with_vllm_bench_serve(sweeps, concurrency, re
     print(
         {m: f"{v:.1%}" + (" (over the 15% goal)" if v > AGREE_GOAL else "") for m, v in off.items()}
     )
+    ratio = {m: max(a, b) / max(min(a, b), 1e-9) for m, (a, b) in pairs.items() if m in ASSERTED}
     a, b = pairs["ttft_p50_ms"]
     if abs(a - b) <= TTFT_FLOOR_MS:
-        off["ttft_p50_ms"] = 0.0  # within the jitter floor
-    assert all(v <= AGREE for v in off.values()), {m: f"{v:.1%}" for m, v in off.items()} | {
-        "values (builtin, vllm bench)": pairs
-    }
+        ratio["ttft_p50_ms"] = 1.0  # within the jitter floor
+    assert all(v <= AGREE_RATIO for v in ratio.values()), {
+        m: f"{v:.2f}x" for m, v in ratio.items()
+    } | {"values (builtin, vllm bench)": pairs}
 
 
 def test_shared_prefixes_by_url_alone_hit_vllms_prefix_cache(vllm_cpu_server, tmp_path):
