@@ -37,7 +37,7 @@ SHAPES = [  # (name, N, K) of every matrix a batched E2B decode step multiplies
 ]  # fmt: skip
 SMOKE_SHAPES = [("smoke_a", 64, 128), ("smoke_b", 96, 256)]
 PEAK_GBPS = 4800.0
-METHODS = ("w4_gemm", "w4_gemv", "cublas_bf16", "tinygemm", "gemlite")
+METHODS = ("w4_mma", "w4_gemm", "w4_gemv", "cublas_bf16", "tinygemm", "gemlite")
 
 
 def _copies(nbytes: int, device: torch.device) -> int:
@@ -157,7 +157,29 @@ def calls_gemlite(sh: Shape, m: int):
     return fns, sh.bytes_int4(m)
 
 
-CALLS = {"w4_gemm": calls_w4_gemm, "w4_gemv": calls_w4_gemv, "cublas_bf16": calls_cublas,
+def calls_w4_mma(sh: Shape, m: int):
+    """The warp-level mma kernel at its fastest (NWN, NWK) for this shape and row count, timed
+    here over every candidate (the choice goes into the cell)."""
+    from engine.kernels import w4mma_kernel as mk
+    from engine.kernels.w4mma_tune import default_config
+
+    x, y = sh.x[:m], sh.y[:m]
+    if not mk.mma_ok(x, *sh.sets[0]):
+        raise RuntimeError("w4mma does not take these operands")
+    best = None
+    cands = mk.candidate_configs(sh.n, sh.k) if sh.device.type == "cuda" else []
+    for cfg in cands or [default_config(sh.n, sh.k, m)]:  # the interpreter: the default only
+        fns = [lambda p=p, s=s, cfg=cfg: mk.launch(x, p, s, y, cfg) for p, s in sh.sets]
+        fns[0]()
+        us = _time_us(fns, sh.device)
+        if best is None or us < best[0]:
+            best = (us, cfg, fns)
+    sh.mma_cfg = getattr(sh, "mma_cfg", {})
+    sh.mma_cfg[m] = best[1]
+    return best[2], sh.bytes_int4(m)
+
+
+CALLS = {"w4_gemm": calls_w4_gemm, "w4_mma": calls_w4_mma, "w4_gemv": calls_w4_gemv, "cublas_bf16": calls_cublas,
          "tinygemm": calls_tinygemm, "gemlite": calls_gemlite}  # fmt: skip
 
 
@@ -174,7 +196,8 @@ def measure(sh: Shape, method: str, m: int) -> dict[str, Any]:
             torch.cuda.synchronize()
         return {"method": method, "m": m, "na": f"{type(e).__name__}: {str(e)[:200]}"}
     gbps = nbytes / us / 1e3
-    return {"method": method, "m": m, "us": round(us, 3), "gbps": round(gbps, 1),
+    extra = {"config": sh.mma_cfg[m]} if method == "w4_mma" else {}
+    return {**extra, "method": method, "m": m, "us": round(us, 3), "gbps": round(gbps, 1),
             "pct_peak": round(100 * gbps / PEAK_GBPS, 1), "rel_err": float(f"{err:.3g}")}  # fmt: skip
 
 

@@ -39,7 +39,7 @@ from engine.kernels.w4gemv import w4_gemv, w4_gemv_after_residual, w4_gemv_glu
 from engine.kv_pool import KVPool
 
 GEMM_ROWS = 16  # the most rows one int4 GEMM launch takes
-GEMV_ROWS = 4  # up to this many rows the GEMV beats the GEMM (see BatchDecoder._mm)
+GEMV_ROWS = 1  # rows past this go to w4_gemm (see BatchDecoder._mm)
 GEMV_MAX_N = 65536  # the lm_head (262,144 rows) is read once by the GEMM at any row count
 
 
@@ -132,11 +132,11 @@ class BatchDecoder:
         return att
 
     def _mm(self, x: torch.Tensor, w, epi: int = 0, aux: torch.Tensor | None = None):
-        """x [B, K] @ w^T: up to GEMV_ROWS rows by the GEMV (one program row per activation row:
-        the weights are read again per row, mostly from L2), more by the int4 GEMM, 16 rows a
-        launch. Why the split: on the H200 the GEMM's unpacking makes it ~2x the one-row GEMV
-        at every row count, and at 4 rows the GEMV re-reading the weights is still 10-25% faster
-        on every E2B matrix below the lm_head (bench/results/engine/gemm_h200_2026-12-01.md)."""
+        """x [B, K] @ w^T: one row by the GEMV, 2..16 rows by w4_gemm (the warp-level mma kernel
+        for bf16/fp16 on sm_80+, which reads each weight once for all rows: on the H200 its
+        8-row product costs 1.3x the one-row GEMV summed over the E2B matrices, against 2.1x
+        for the GEMV re-reading them; bench/results/engine/gemm_mma_h200_2026-12-02.md), more in
+        launches of 16."""
         rows = x.shape[0]
         if rows <= GEMV_ROWS and epi != 2 and w.out_features < GEMV_MAX_N:
             if epi == 1:

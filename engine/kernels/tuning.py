@@ -16,6 +16,7 @@ lent H200) are used when the cache has no entry, so a known card needs no tuning
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import re
@@ -49,6 +50,16 @@ def cache_dir() -> Path:
 def autotune_enabled() -> bool:
     """First-use tuning is on unless `configure(autotune=False)`."""
     return bool(_SETTINGS["autotune"])
+
+
+@functools.cache
+def shipped_table(kernel: str, gpu: str) -> dict[str, dict[str, Any]]:
+    """A kernel's table measured on a GPU model and shipped with the package
+    (configs/<kernel>_<gpu>.json; empty if there is none or it cannot be read)."""
+    try:
+        return json.loads((_BUNDLED_DIR / f"{kernel}_{gpu}.json").read_text())
+    except (OSError, ValueError):
+        return {}
 
 
 def gpu_key(device: torch.device | int | None = None) -> str:

@@ -12,9 +12,10 @@ a shape's first call outside capture may tune it (`warm` does it ahead). Split-K
 tickets are held per device, grown outside capture only and never freed (a captured graph keeps
 pointing at them); one stream at a time uses them, as a decode step does.
 
-Measured on the H200 (bench/results/engine/gemm_h200_2026-12-01.md): the time is flat in the
-row count (the weights are read once), but 1.5-3.6x the one-row GEMV's at 8-16 rows, because
-the unpacked tile is staged through shared memory for the dot; see that file for what is next.
+Two kernels behind it for 2..16 rows: the warp-level mma kernel (engine/kernels/w4mma_kernel.py:
+operands built in registers, bf16/fp16 from sm_80) and the tl.dot GEMM
+(engine/kernels/w4gemm_kernel.py: fp32, Turing, K not a multiple of 128), whose unpacked tile
+goes through shared memory; bench/results/engine/gemm_mma_h200_2026-12-02.md has both.
 """
 
 from __future__ import annotations
@@ -29,6 +30,9 @@ from engine.kernels.w4gemm_tune import bucket, config_for
 from engine.kernels.w4gemv import dequantize_reference
 from engine.kernels.w4gemv_kernel import launch as gemv_launch
 from engine.kernels.w4gemv_tune import config_for as gemv_config_for
+from engine.kernels.w4mma_kernel import launch as mma_launch
+from engine.kernels.w4mma_kernel import mma_ok
+from engine.kernels.w4mma_tune import config_for as mma_config_for
 
 
 def _check(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, epi: int, aux):
@@ -65,8 +69,10 @@ def w4_gemm(
 
     epi 1: rows of the weight interleaved gate|up -> gelu_tanh(gate) * up, [M, N/2].
     epi 2: gelu_tanh(Y) * aux, aux [M, N] (one row per activation row).
-    config: a tiling to use instead of the tuned one (tests, benchmarks); M == 1 with no config
-    runs the GEMV."""
+    config: a tiling to use instead of the tuned one (tests, benchmarks): {"NWN", "NWK"} forces
+    the warp-level mma kernel, any other the tl.dot GEMM's; M == 1 with no config runs the GEMV.
+    Without one, 2..16 rows of bf16/fp16 go to the warp-level mma kernel where `mma_ok` allows
+    (sm_80 on, K % 128 == 0), else to the tl.dot GEMM."""
     m, n, k = _check(x, packed, scales, epi, aux)
     width = n // 2 if epi == 1 else n
     if out is None:
@@ -77,6 +83,12 @@ def w4_gemm(
         raise ValueError("w4_gemm: x must have unit stride along K (row-contiguous)")
     if m == 1 and config is None:
         _gemv(x, packed, scales, out, epi, aux)
+        return out
+    if (config is None and mma_ok(x, packed, scales)) or (config and "NWN" in config):
+        if not mma_ok(x, packed, scales):
+            raise ValueError("w4_gemm: an mma tiling needs bf16/fp16 x, K % 128 == 0, 16-byte "
+                             "aligned rows and sm_80 or newer")  # fmt: skip
+        mma_launch(x, packed, scales, out, config or mma_config_for(n, k, m, x.device), epi, aux)
         return out
     cfg = config or config_for(n, k, x.dtype, m, x.device)
     ws = tk = None

@@ -9,10 +9,8 @@ with autotuning on, a timing of the candidates (stored in the cache), else `defa
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import math
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -30,19 +28,10 @@ from engine.kernels.w4gemm_kernel import (
 
 _log = logging.getLogger(__name__)
 
-# measured on the lent H200 by bench/engine/gemm_bench.py --tune (bf16): shape key -> tiling
-_TUNED_FILE = Path(__file__).with_name("configs") / "w4gemm_NVIDIA_H200.json"
-
-
-@functools.cache
 def tuned_table(gpu: str) -> dict[str, dict[str, Any]]:
-    """The table measured on this GPU model and shipped with the package (empty if none)."""
-    if gpu != "NVIDIA_H200":
-        return {}
-    try:
-        return json.loads(_TUNED_FILE.read_text())
-    except (OSError, ValueError):
-        return {}
+    """The table measured on this GPU model and shipped with the package (empty if none):
+    bench/engine/gemm_bench.py --tune on the lent H200, bf16, shape key -> tiling."""
+    return tuning.shipped_table("w4gemm", gpu)
 
 
 # tensor-core tilings: (BLOCK_N, BLOCK_KW, num_warps, SWAP, SLAB, PIPE). SLAB: K taken nibble

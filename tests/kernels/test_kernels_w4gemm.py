@@ -264,15 +264,16 @@ def test_captured_in_a_cuda_graph_and_replayed() -> None:
 def test_gemm_bench_smoke_mode_writes_its_table(tmp_path) -> None:
     """bench/engine/gemm_bench.py --smoke: every method measured or reported n/a with a reason,
     the kernel's error small, the JSON and markdown written."""
-    from bench.engine.gemm_bench import main
+    from bench.engine.gemm_bench import METHODS, main
 
     out_json, out_md = tmp_path / "g.json", tmp_path / "g.md"
     assert main(["--smoke", "--rows", "1,4", "--out-json", str(out_json),
                  "--out-md", str(out_md)]) == 0  # fmt: skip
     res = json.loads(out_json.read_text())
     cells = {(c["shape"], c["method"], c["m"]): c for c in res["cells"]}
-    assert len(cells) == 2 * 5 * 2
-    ours = [c for c in res["cells"] if c["method"] == "w4_gemm"]
+    assert len(cells) == 2 * len(METHODS) * 2
+    ours = [c for c in res["cells"] if c["method"] in ("w4_gemm", "w4_mma")]
+    assert len(ours) == 8
     assert all(c["us"] > 0 and c["rel_err"] < 3e-2 for c in ours)
     assert "needs CUDA" in cells[("smoke_a", "tinygemm", 4)]["na"]
     assert "| smoke_b (96 x 256) | 4 |" in out_md.read_text()

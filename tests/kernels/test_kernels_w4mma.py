@@ -1,0 +1,101 @@
+"""The warp-level int4 product (engine/kernels/w4mma_kernel.py) against the PyTorch reference:
+compiled on a GPU (the PTX loads, unpack and mma.sync), interpreted on the CPU (the same
+fragment mapping written in tl ops), for every row count, both 16-bit dtypes, the three
+epilogues and the warp splits of N and K."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.kernels.w4gemm import w4_gemm_reference
+from engine.kernels.w4mma_kernel import candidate_configs, launch, mma_ok
+from engine.kernels.w4mma_tune import default_config
+
+TOL = {torch.float16: 4e-3, torch.bfloat16: 3e-2}  # as the tl.dot GEMM's (one 16-bit rounding)
+
+
+def _operands(m, n, k, dtype, device, seed, epi=0):
+    gen = torch.Generator().manual_seed(seed)
+    packed = torch.randint(-(2**31), 2**31 - 1, (n, k // 8), dtype=torch.int32, generator=gen)
+    scales = (torch.rand(n, k // 32, generator=gen) * 0.05 + 0.005).to(dtype)
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    aux = torch.randn(m, n, generator=gen).to(dtype) if epi == 2 else None
+    to = (lambda t: t.to(device)) if device.type != "cpu" else (lambda t: t)
+    return to(packed), to(scales), to(x), None if aux is None else to(aux)
+
+
+def _check(device, m, n, k, dtype, epi, cfg, seed=0):
+    packed, scales, x, aux = _operands(m, n, k, dtype, device, seed, epi)
+    assert mma_ok(x, packed, scales)
+    width = n // 2 if epi == 1 else n
+    y = torch.full((m, width), float("nan"), device=device, dtype=dtype)  # all must be written
+    launch(x, packed, scales, y, cfg, epi=epi, aux=aux)
+    assert not torch.isnan(y).any()
+    ref = w4_gemm_reference(x, packed, scales, epi=epi, aux=aux)
+    err = ((y.double() - ref.double()).norm() / ref.double().norm()).item()
+    assert err < TOL[dtype], (m, n, k, dtype, epi, cfg, err)
+    return y
+
+
+@pytest.mark.parametrize(
+    ("m", "dtype"),
+    [(1, torch.bfloat16), (8, torch.bfloat16), (9, torch.bfloat16), (16, torch.bfloat16),
+     (5, torch.float16), (13, torch.float16)],
+)  # fmt: skip
+def test_every_epilogue_at_row_counts_across_both_batch_tiles(device, m, dtype) -> None:
+    for epi in (0, 1, 2):
+        _check(device, m, 32, 256, dtype, epi, {"NWN": 1, "NWK": 1}, seed=m + epi)
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [{"NWN": 2, "NWK": 1}, {"NWN": 1, "NWK": 2}, {"NWN": 2, "NWK": 2},
+     {"NWN": 1, "NWK": 2, "MT": 2}],
+)  # fmt: skip
+def test_warp_splits_of_n_and_k_compute_the_same_function(device, cfg) -> None:
+    """N = 40: the last 16-row tile is cut at row 40 (rows past N are clamped and not stored;
+    with MT 2 a warp's second tile is rows 16..31 or 48..63);
+    K = 512: four steps, two a warp when split in two."""
+    y = _check(device, 11, 40, 512, torch.bfloat16, 0, cfg, seed=3)
+    again = _check(device, 11, 40, 512, torch.bfloat16, 0, cfg, seed=3)
+    assert torch.equal(y, again)  # the warp sum runs in a fixed order
+
+
+def test_operands_it_cannot_take_are_refused_or_left_to_the_other_kernels(device) -> None:
+    packed, scales, x, _ = _operands(4, 32, 256, torch.bfloat16, device, 0)
+    assert not mma_ok(x.float(), packed, scales)  # fp32 activations: the tl.dot GEMM
+    assert not mma_ok(x[:, :192], packed[:, :24], scales[:, :6])  # K not a multiple of 128
+    with pytest.raises(ValueError, match="does not divide"):
+        launch(x, packed, scales, torch.empty(4, 32, dtype=x.dtype, device=device),
+               {"NWN": 1, "NWK": 4})  # fmt: skip
+    with pytest.raises(ValueError, match="1..16"):
+        x17 = torch.randn(17, 256, device=device).to(torch.bfloat16)
+        launch(x17, packed, scales, torch.empty(17, 32, dtype=x.dtype, device=device),
+               {"NWN": 1, "NWK": 1})  # fmt: skip
+
+
+def test_default_and_candidate_tilings_fit_the_e2b_shapes() -> None:
+    for n, k in ((2560, 1536), (1536, 12288), (256, 1536), (1536, 256), (262144, 1536)):
+        cfgs = candidate_configs(n, k)
+        assert cfgs and default_config(n, k, 8) in cfgs
+        assert all((k // 128) % c["NWK"] == 0 and c["NWN"] * c["NWK"] <= 16 for c in cfgs)
+
+
+E2B = [(2560, 1536), (5120, 1536), (2048, 1536), (4096, 1536), (1536, 2048), (1536, 4096),
+       (12288, 1536), (24576, 1536), (1536, 6144), (1536, 12288), (256, 1536), (1536, 256),
+       (8960, 1536), (262144, 1536)]  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+@pytest.mark.parametrize(("n", "k"), E2B)
+def test_every_e2b_shape_on_the_gpu(n, k) -> None:
+    dev = torch.device("cuda")
+    for m in (2, 8, 16):
+        for epi in (0, 1, 2):
+            _check(dev, m, n, k, torch.bfloat16, epi, default_config(n, k, m), seed=m)
+    _check(dev, 16, n, k, torch.float16, 0, default_config(n, k, 16), seed=1)
+    two = {**default_config(n, k, 16), "MT": 2, "NWN": 1}
+    for m in (8, 16):  # two 16-row tiles a warp
+        _check(dev, m, n, k, torch.bfloat16, 1, two, seed=m + 1)
