@@ -16,13 +16,11 @@ whole line is a finished question and is never asked again.
 from __future__ import annotations
 
 import contextlib
-import fcntl
-import os
-from collections.abc import Iterator
 from pathlib import Path
 
 from bench.eval.models import Question, Row, RunConfig
-from tools.errors import NotFoundError, RefusedError
+from tools import journal
+from tools.errors import NotFoundError
 from tools.fileio import write_atomic
 
 
@@ -57,57 +55,22 @@ class RunStore:
 
     def append(self, row: Row) -> None:
         """One finished question, durable before the next is counted done."""
-        payload = (row.model_dump_json() + "\n").encode()
-        fd = os.open(self.answers_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        try:
-            written = 0
-            while written < len(payload):
-                written += os.write(fd, payload[written:])
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        journal.append_line(self.answers_path, (row.model_dump_json() + "\n").encode())
 
     def load_rows(self, repair: bool = False) -> list[Row]:
         """The finished questions on disk, in the order they finished. The first line that is
         not a whole Row ends the list; with `repair` it and anything after it are cut off."""
-        if not self.answers_path.is_file():
-            return []
-        data = self.answers_path.read_bytes()
-        rows: list[Row] = []
-        keep = 0
-        while keep < len(data):
-            end = data.find(b"\n", keep)
-            if end < 0:
-                break
-            try:
-                rows.append(Row.model_validate_json(data[keep:end]))
-            except ValueError:
-                break
-            keep = end + 1
-        if repair and keep < len(data):
-            with open(self.answers_path, "r+b") as fh:
-                fh.truncate(keep)
-                os.fsync(fh.fileno())
-        return rows
+        return journal.read_whole_lines(self.answers_path, Row.model_validate_json, repair)
 
     def save_results(self, results_json: str, report: str) -> None:
         write_atomic(self.results_path, results_json)
         write_atomic(self.report_path, report)
 
-    @contextlib.contextmanager
-    def running(self) -> Iterator[None]:
+    def running(self) -> contextlib.AbstractContextManager[None]:
         """Hold the run's lock while this process asks: a second process on the same run is
         refused instead of asking the same questions twice."""
-        self.dir.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.dir / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                raise RefusedError(
-                    f"the evaluation in {self.dir} is being run by another process",
-                    "wait for it to finish, or stop that process first",
-                ) from None
-            yield
-        finally:
-            os.close(fd)
+        return journal.run_lock(
+            self.dir / ".lock",
+            f"the evaluation in {self.dir} is being run by another process",
+            "wait for it to finish, or stop that process first",
+        )

@@ -14,15 +14,13 @@ mid-write) is cut off when the sweep resumes, and every whole line is a finished
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
-import os
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from bench.sweep.models import CellRecord, Roofline, SweepConfig
-from tools.errors import NotFoundError, RefusedError
+from tools import journal
+from tools.errors import NotFoundError
 from tools.fileio import write_atomic
 
 
@@ -53,39 +51,11 @@ class SweepStore:
     # ---- cells -----------------------------------------------------------------------------
 
     def append_cell(self, cell: CellRecord) -> None:
-        line = (cell.model_dump_json() + "\n").encode()
-        fd = os.open(self.cells_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        try:
-            view = memoryview(line)
-            while view:
-                view = view[os.write(fd, view) :]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        journal.append_line(self.cells_path, (cell.model_dump_json() + "\n").encode())
 
     def load_cells(self, repair: bool = False) -> list[CellRecord]:
         """Every whole cell on disk; with `repair`, a torn last line is cut off the file."""
-        if not self.cells_path.is_file():
-            return []
-        data = self.cells_path.read_bytes()
-        cells: list[CellRecord] = []
-        good_end = 0
-        pos = 0
-        for raw in data.splitlines(keepends=True):
-            pos += len(raw)
-            if not raw.endswith(b"\n"):
-                break
-            try:
-                cells.append(CellRecord.model_validate_json(raw))
-            except ValueError:
-                break
-            good_end = pos
-        if repair and good_end < len(data):
-            with open(self.cells_path, "r+b") as fh:
-                fh.truncate(good_end)
-                fh.flush()
-                os.fsync(fh.fileno())
-        return cells
+        return journal.read_whole_lines(self.cells_path, CellRecord.model_validate_json, repair)
 
     # ---- status and roofline ---------------------------------------------------------------
 
@@ -111,38 +81,15 @@ class SweepStore:
 
     # ---- who runs it -----------------------------------------------------------------------
 
-    @contextlib.contextmanager
-    def running(self) -> Iterator[None]:
+    def running(self) -> contextlib.AbstractContextManager[None]:
         """Hold the sweep's lock for as long as this process runs it; a second runner is
         refused rather than appending the same cells twice."""
-        self.dir.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                raise RefusedError(
-                    f"the sweep in {self.dir} is being run by another process",
-                    "wait for it (sweep_status shows its progress), or stop that process first",
-                ) from None
-            os.ftruncate(fd, 0)
-            os.write(fd, str(os.getpid()).encode())
-            yield
-        finally:
-            os.close(fd)
+        return journal.run_lock(
+            self.lock_path,
+            f"the sweep in {self.dir} is being run by another process",
+            "wait for it (sweep_status shows its progress), or stop that process first",
+        )
 
     def runner_pid(self) -> int | None:
         """The pid holding the lock now, or None when no process runs the sweep."""
-        if not self.lock_path.exists():
-            return None
-        fd = os.open(self.lock_path, os.O_RDONLY)
-        try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-            except BlockingIOError:
-                text = Path(self.lock_path).read_text().strip()
-                return int(text) if text.isdigit() else -1
-            fcntl.flock(fd, fcntl.LOCK_UN)
-            return None
-        finally:
-            os.close(fd)
+        return journal.lock_holder(self.lock_path)
