@@ -221,7 +221,7 @@ def render_result(r) -> str:  # r: bench.sweep.models.SweepResult
 
 
 def _status(args: argparse.Namespace) -> int:
-    from bench.sweep.run import sweep_status
+    from bench.sweep.lookup import sweep_status
 
     print_result(sweep_status(args.sweep), args.json, render_status)
     return 0

@@ -19,6 +19,7 @@ from mcp.types import ToolAnnotations
 from pydantic import Field
 
 from bench.sweep import compare as sweep_compare
+from bench.sweep import lookup as sweep_lookup
 from bench.sweep import run as sweep_run
 from bench.sweep.compare import CompareResult
 from bench.sweep.models import SweepResult, SweepStatus
@@ -170,4 +171,4 @@ def register(mcp: MCPServer) -> None:
         """Where a sweep stands, read from its files: running / stopped / done, cells done of
         the total, the current cell, requests done, an estimate of the seconds left, and the
         report's path once written. A stopped sweep (its process gone) says how to resume it."""
-        return sweep_run.sweep_status(sweep)
+        return sweep_lookup.sweep_status(sweep)

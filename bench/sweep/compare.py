@@ -167,7 +167,7 @@ def compare_sweeps(sweeps: list[str], out_dir: str | None = None) -> CompareResu
     """Compare two or more sweeps (directories or ids); the first is the baseline. Writes
     COMPARE.md, compare.json and overlay plots to `out_dir` (default: a new directory beside
     the sweeps)."""
-    from bench.sweep.run import find_sweep_dir, sweeps_dir
+    from bench.sweep.lookup import find_sweep_dir, sweeps_dir
 
     if len(sweeps) < 2:
         raise InvalidInputError("compare needs two or more sweeps", "pass A B [C ...]")

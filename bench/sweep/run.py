@@ -1,4 +1,5 @@
-"""run_sweep, sweep_status and sweep_report: the one function behind the MCP tool and the CLI.
+"""run_sweep and sweep_report: the functions behind the MCP tools and the CLI (finding a sweep
+and its status, read from its files, are in bench/sweep/lookup.py).
 
 run_sweep writes the plan (sweep.json) first, then runs it: in this process (wait=True, with a
 progress callback per request) or in a detached worker process (wait=False: `python -m
@@ -11,7 +12,6 @@ after them.
 from __future__ import annotations
 
 import logging
-import math
 import os
 import secrets
 import signal
@@ -27,13 +27,19 @@ import numpy as np
 from pydantic import ValidationError
 
 from bench.sweep import cellrun, search, targets
+from bench.sweep.lookup import (
+    cell_requests,
+    find_sweep_dir,
+    planned_requests,
+    sweep_status,
+    sweeps_dir,
+)
 from bench.sweep.models import (
     CellKey,
     CellRecord,
     Roofline,
     SweepConfig,
     SweepResult,
-    SweepStatus,
     Target,
 )
 from bench.sweep.prompts import common_pool, pool_ids
@@ -41,17 +47,13 @@ from bench.sweep.report import build_report
 from bench.sweep.roofline import bytes_per_token, run_bandwidth_probe
 from bench.sweep.store import SweepStore
 from bench.sweep.vocab import server_pool
-from tools.errors import InvalidInputError, NotFoundError
+from tools.errors import InvalidInputError
 from tools.serving.process import reap_when_done
-from tools.settings import serving_python, state_dir
+from tools.settings import serving_python
 
 log = logging.getLogger(__name__)
 Progress = Callable[[int, int, str], None]
 REPO = Path(__file__).resolve().parents[2]
-
-
-def sweeps_dir() -> Path:
-    return state_dir() / "sweeps"
 
 
 def _new_id() -> str:
@@ -210,21 +212,6 @@ def _no_gpu() -> dict | None:
     return {"available": False, "reason": f"no NVIDIA GPU visible ({error})"}
 
 
-def _cell_requests(config: SweepConfig, key: CellKey) -> int:
-    return config.requests_in_cell(key.concurrency, key.rate)
-
-
-def planned_requests(config: SweepConfig) -> int:
-    """Requests the sweep will send: the grid's, or a search's estimate (its doubling steps
-    plus three bisection steps per target and input length)."""
-    if config.search is None:
-        return sum(_cell_requests(config, k) for k in config.cell_keys())
-    spec = config.search
-    steps = 1 + max(0, math.ceil(math.log2(spec.max / spec.start))) + 3
-    per = config.requests_in_cell(int(spec.start)) * config.repeats * steps
-    return per * len(config.targets) * len(config.input_lens)
-
-
 class _Tracker:
     """Counts requests for progress callbacks and keeps status.json current (at most twice a
     second, and at every cell boundary)."""
@@ -266,7 +253,7 @@ def execute(out_dir: str | Path, progress: Progress | None = None) -> SweepResul
         cells = store.load_cells(repair=True)
         done = {c.key(): c for c in cells}
         tracker = _Tracker(store, config, progress)
-        already = sum(_cell_requests(config, k) for k in done)
+        already = sum(cell_requests(config, k) for k in done)
         tracker.add(already, f"resumed: {len(done)} cells done" if done else "starting", True)
         if store.load_roofline() is None:
             store.save_roofline(_measure_roofline(config))
@@ -281,7 +268,7 @@ def execute(out_dir: str | Path, progress: Progress | None = None) -> SweepResul
             _run_target(store, config, target, keys, pool, tracker, done)
         tracker.current = None
         store.write_status({"state": "done", "pid": os.getpid(), "updated": time.time()})
-    return _result(store, "done")
+    return sweep_result(store, "done")
 
 
 class _CellRunner:
@@ -315,7 +302,7 @@ class _CellRunner:
         self.store.append_cell(cell)
         # every cell moves progress by its planned requests, however it ended
         counted = tracker.done - before
-        tracker.add(_cell_requests(config, key) - counted, f"{key.name()}: {cell.status}", True)
+        tracker.add(cell_requests(config, key) - counted, f"{key.name()}: {cell.status}", True)
         return cell
 
 
@@ -375,7 +362,7 @@ def _run_target(
             targets.stop_server(record)
 
 
-def _result(store: SweepStore, state: str) -> SweepResult:
+def sweep_result(store: SweepStore, state: str) -> SweepResult:
     config = store.load_config()
     pieces = build_report(store)
     return SweepResult(sweep_id=config.sweep_id, out_dir=str(store.dir), state=state, **pieces)
@@ -472,75 +459,10 @@ def _spawn_worker(store: SweepStore) -> int:
     return proc.pid
 
 
-def find_sweep_dir(ref: str) -> Path:
-    """A sweep directory from a path or a sweep id (under the state directory)."""
-    path = Path(ref).expanduser()
-    if (path / "sweep.json").is_file():
-        return path.resolve()
-    by_id = sweeps_dir() / ref
-    if (by_id / "sweep.json").is_file():
-        return by_id
-    raise NotFoundError(
-        f"no sweep at {ref}",
-        f"pass a sweep's directory or its id (sweeps live in {sweeps_dir()})",
-    )
-
-
-def sweep_status(sweep: str) -> SweepStatus:
-    """Cells done, the current cell and the time left, read from the sweep's files."""
-    store = SweepStore(find_sweep_dir(sweep))
-    config = store.load_config()
-    cells = store.load_cells()
-    keys = config.cell_keys()
-    status = store.read_status()
-    runner = store.runner_pid()
-    per_req = [(c.duration_s, c.n_requests) for c in cells if c.completed > 0]
-    sec_per_req = sum(d for d, _ in per_req) / max(1, sum(n for _, n in per_req))
-    done_keys = {c.key() for c in cells}
-    if config.search is not None:  # a search's cells are known as it goes
-        finished = status.get("state") == "done" and runner is None
-        keys = [c.key() for c in cells]
-        total = sum(_cell_requests(config, k) for k in keys)
-        left = 0 if finished else max(0, planned_requests(config) - total)
-        total += left
-    else:
-        finished = len(done_keys) >= len(keys)
-        left = sum(_cell_requests(config, k) for k in keys if k not in done_keys)
-        total = sum(_cell_requests(config, k) for k in keys)
-    if finished:
-        state, message = "done", "finished"
-    elif runner is not None:
-        state, message = "running", f"running in process {runner}"
-    elif cells or status:
-        state = "stopped"
-        message = f"not running; continue it with resume={store.dir}"
-    else:
-        state, message = "pending", "planned, not started"
-    report = store.dir / "REPORT.md"
-    return SweepStatus(
-        sweep_id=config.sweep_id,
-        out_dir=str(store.dir),
-        state=state,
-        worker_pid=runner if runner and runner > 0 else None,
-        cells_total=max(len(keys), len(done_keys)),
-        cells_done=len(done_keys),
-        cells_failed=sum(1 for c in cells if c.status == "failed"),
-        current=status.get("current") if state == "running" else None,
-        requests_done=int(status.get("requests_done") or (total - left)),
-        requests_total=total,
-        elapsed_s=round(time.time() - status["run_started"], 1)
-        if status.get("run_started") and state == "running"
-        else None,
-        eta_s=round(left * sec_per_req, 1) if per_req and state == "running" else None,
-        message=message,
-        report=str(report) if report.is_file() else None,
-    )
-
-
 def sweep_report(sweep: str) -> SweepResult:
     """Rebuild REPORT.md, results.json, results.csv and the plots from a sweep's files."""
     store = SweepStore(find_sweep_dir(sweep))
-    return _result(store, sweep_status(str(store.dir)).state)
+    return sweep_result(store, sweep_status(str(store.dir)).state)
 
 
 def _worker_main(argv: list[str]) -> int:
