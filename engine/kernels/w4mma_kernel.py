@@ -1,7 +1,9 @@
 """The int4 few-row product on the tensor cores with the operands built in registers (Triton,
 warp-level): Y[M, N] = X[M, K] @ dequant(W).T for M = 1..16 bf16 or fp16 rows, sm_80 on.
 
-Here: the kernel, its launch and the default tiling; the Python API is engine/kernels/w4gemm.py,
+Here: the kernel, its launch and its candidate tilings (the choice: engine/kernels/w4mma_tune.py;
+measured on the H200: bench/results/engine/gemm_mma_h200_2026-12-02_mt.md); the Python API is
+engine/kernels/w4gemm.py,
 which sends 2..16 rows here where `mma_ok` allows and to engine/kernels/w4gemm_kernel.py
 otherwise. Layout on disk and in memory is the checkpoint's own (compressed-tensors
 pack-quantized: int32 [N, K/8], element k of a row at bits 4*(k%8) of word k//8, stored as
@@ -29,7 +31,9 @@ with `prmt`. About 2 instructions per weight, independent of the row count. Rows
 (2g, 2g+1) also put a GLU's gate and up in one lane, so the epilogue needs no shuffle.
 
 Warps of a program split K (NWK) and are summed at the end (a tl.sum over the warp axis: fixed
-order, deterministic); NWN warps take neighbouring 16-row tiles. Each lane requests step s+1's
+order, deterministic); NWN warps take neighbouring 16-row tiles; MT 2 gives a warp two 16-row
+tiles that share each step's activation pairs (per mma the activations are 256 bytes against the
+weights' 128, so sharing them is what 16 rows need). Each lane requests step s+1's
 words before step s's arithmetic (the loads are inline asm, which Triton's pipeliner skips).
 
 Under the CPU interpreter (no PTX) the same kernel runs with the loads, the unpack and the mma
