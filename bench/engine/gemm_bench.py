@@ -35,7 +35,7 @@ SHAPES = [  # (name, N, K) of every matrix a batched E2B decode step multiplies
     ("down_wide", 1536, 12288), ("ple_gate", 256, 1536), ("ple_proj", 1536, 256),
     ("ple_model_proj", 8960, 1536), ("lm_head", 262144, 1536),
 ]  # fmt: skip
-SMOKE_SHAPES = [("smoke_a", 64, 128), ("smoke_b", 96, 256)]
+SMOKE_SHAPES = [("smoke_a", 64, 128), ("smoke_b", 96, 224)]  # w4_mma takes K % 128 == 0 only
 PEAK_GBPS = 4800.0
 METHODS = ("w4_mma", "w4_gemm", "w4_gemv", "cublas_bf16", "tinygemm", "gemlite")
 

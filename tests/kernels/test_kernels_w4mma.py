@@ -25,14 +25,14 @@ def _operands(m, n, k, dtype, device, seed, epi=0):
     return to(packed), to(scales), to(x), None if aux is None else to(aux)
 
 
-def _check(device, m, n, k, dtype, epi, cfg, seed=0):
+def _check(device, m, n, k, dtype, epi, cfg, seed=0, out_dtype=None):
     packed, scales, x, aux = _operands(m, n, k, dtype, device, seed, epi)
     assert mma_ok(x, packed, scales)
     width = n // 2 if epi == 1 else n
-    y = torch.full((m, width), float("nan"), device=device, dtype=dtype)  # all must be written
+    y = torch.full((m, width), float("nan"), device=device, dtype=out_dtype or dtype)  # all written
     launch(x, packed, scales, y, cfg, epi=epi, aux=aux)
     assert not torch.isnan(y).any()
-    ref = w4_gemm_reference(x, packed, scales, epi=epi, aux=aux)
+    ref = w4_gemm_reference(x, packed, scales, epi=epi, aux=aux, out_dtype=out_dtype)
     err = ((y.double() - ref.double()).norm() / ref.double().norm()).item()
     assert err < TOL[dtype], (m, n, k, dtype, epi, cfg, err)
     return y
@@ -60,6 +60,11 @@ def test_warp_splits_of_n_and_k_compute_the_same_function(device, cfg) -> None:
     y = _check(device, 11, 40, 512, torch.bfloat16, 0, cfg, seed=3)
     again = _check(device, 11, 40, 512, torch.bfloat16, 0, cfg, seed=3)
     assert torch.equal(y, again)  # the warp sum runs in a fixed order
+
+
+def test_fp32_out_from_bf16_rows(device) -> None:
+    """The lm_head's case: bf16 activations, fp32 logits (rounded to the output's dtype)."""
+    _check(device, 8, 16, 256, torch.bfloat16, 0, {"NWN": 1, "NWK": 1}, out_dtype=torch.float32)
 
 
 def test_operands_it_cannot_take_are_refused_or_left_to_the_other_kernels(device) -> None:
