@@ -84,12 +84,15 @@ def w4_gemm(
     if m == 1 and config is None:
         _gemv(x, packed, scales, out, epi, aux)
         return out
-    if (config is None and mma_ok(x, packed, scales)) or (config and "NWN" in config):
-        if not mma_ok(x, packed, scales):
+    if config is None or "NWN" in config:
+        takes = mma_ok(x, packed, scales)
+        if config is not None and not takes:
             raise ValueError("w4_gemm: an mma tiling needs bf16/fp16 x, K % 128 == 0, 16-byte "
                              "aligned rows and sm_80 or newer")  # fmt: skip
-        mma_launch(x, packed, scales, out, config or mma_config_for(n, k, m, x.device), epi, aux)
-        return out
+        if takes:
+            mma_launch(x, packed, scales, out, config or mma_config_for(n, k, m, x.device), epi,
+                       aux)  # fmt: skip
+            return out
     cfg = config or config_for(n, k, x.dtype, m, x.device)
     ws = tk = None
     split, _ = split_plan(k, cfg)

@@ -43,6 +43,7 @@ by [16, 8] product and handed back lane by lane, so the fragment mapping itself 
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -52,8 +53,6 @@ import triton.language as tl
 from engine.kernels.fused import gelu_tanh, round_to
 from engine.options import triton_interpreted
 
-KERNEL_NAME = "w4mma"
-KERNEL_VERSION = 1
 ASM = {"ok": True}
 
 _LD_V4 = tl.constexpr("ld.global.nc.v4.b32 {$0, $1, $2, $3}, [$4];")
@@ -435,7 +434,13 @@ def mma_ok(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> bool:
         return True
     if x.device.type != "cuda" or torch.version.hip is not None:
         return False
-    return torch.cuda.get_device_capability(x.device) >= (8, 0)
+    return _has_mma_sync(x.device.index if x.device.index is not None else 0)
+
+
+@functools.cache
+def _has_mma_sync(device_index: int) -> bool:
+    """mma.sync m16n8k16 with bf16: sm_80 on (asked once per device, not per product)."""
+    return torch.cuda.get_device_capability(device_index) >= (8, 0)
 
 
 def launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, y: torch.Tensor,
