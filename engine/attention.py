@@ -30,6 +30,14 @@ from __future__ import annotations
 import torch
 
 SCORE_BYTES = 6  # peak bytes per score element of one slice: bf16 scores + their fp32 copy
+# The most query rows in one block, whatever the budget allows. A block of R rows visits every
+# key any of its rows sees and masks the rest: a sliding layer's block spans window + R keys for
+# window useful ones per row, a full layer's diagonal block R x R keys for half of them useful
+# (the keys before the block are seen by every row and go through the unmasked path). With the
+# 4,096-row blocks of an uncapped chunk that was 4.6x and 2x the useful scores, and the uncapped
+# 131k read was slower than the capped one (bench/NOTES.md, v8); these caps bound the waste.
+FULL_BLOCK_ROWS = 1024
+SLIDING_BLOCK_MIN_ROWS = 256  # a tiny window still gets blocks of this many rows
 
 
 def attend_chunk(
@@ -52,6 +60,7 @@ def attend_chunk(
     hkv = k_new.shape[1]
     group = hq // hkv
     rows = max(1, min(t, score_budget // max(1, hq * 64)))  # at least 64 keys per slice
+    rows = min(rows, FULL_BLOCK_ROWS if window is None else max(window, SLIDING_BLOCK_MIN_ROWS))
     keys_per_slice = max(1, score_budget // (hq * rows))
     out = torch.empty_like(q)
     for a0 in range(0, t, rows):

@@ -19,6 +19,7 @@ the environment.
 | GPURIG_EXPANDABLE_SEGMENTS| expandable_segments | "0": no expandable segments under a memory cap   | on      |
 | GPURIG_KERNEL_AUTOTUNE    | autotune            | "0": GEMV tile configs from defaults, no timing  | on      |
 | GPURIG_KERNEL_CACHE       | tuning_cache_dir    | directory of the per-GPU tile-config files       | ~/.cache/gpurig/kernels |
+| GPURIG_COMPILE_THREADS    | compile_threads     | threads compiling kernels at warm-up; 1 serial   | the cores (<= 32) |
 
 `EngineConfig` is the one object `engine.load` takes: the sizes (device, dtype, context, memory
 cap, prompt chunk, sequences, KV pool) and these options, checked once when it is made. The
@@ -59,10 +60,13 @@ class EngineOptions:
     expandable_segments: bool = True  # under a memory cap, grow allocator segments in place
     autotune: bool = True  # time GEMV tile candidates on first use of a shape
     tuning_cache_dir: Path | None = None  # None: ~/.cache/gpurig/kernels
+    compile_threads: int | None = None  # warm-up compile threads; None: the cores (<= 32)
 
     def __post_init__(self) -> None:
         if self.fast not in ("on", "off", "force"):
             raise ValueError(f"fast must be 'on', 'off' or 'force', not {self.fast!r}")
+        if self.compile_threads is not None and self.compile_threads < 1:
+            raise ValueError(f"compile_threads must be at least 1, not {self.compile_threads}")
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> EngineOptions:
@@ -71,6 +75,14 @@ class EngineOptions:
         raw = env.get("GPURIG_FAST", "1").strip()
         fast: FastMode = "force" if raw == "force" else "off" if raw == "0" else "on"
         cache = env.get("GPURIG_KERNEL_CACHE")
+        threads = env.get("GPURIG_COMPILE_THREADS", "").strip()
+        if threads and not (threads.isdigit() and int(threads) >= 1):
+            from engine.errors import EngineError
+
+            raise EngineError(
+                f"GPURIG_COMPILE_THREADS={threads!r} is not a thread count",
+                "set a whole number of at least 1 (1 compiles serially), or unset it",
+            )
         return cls(
             fast=fast,
             cuda_graph=_flag(env, "GPURIG_CUDA_GRAPH"),
@@ -80,6 +92,7 @@ class EngineOptions:
             expandable_segments=_flag(env, "GPURIG_EXPANDABLE_SEGMENTS"),
             autotune=_flag(env, "GPURIG_KERNEL_AUTOTUNE"),
             tuning_cache_dir=Path(cache).expanduser() if cache else None,
+            compile_threads=int(threads) if threads else None,
         )
 
     def fast_on(self, device: torch.device) -> bool:

@@ -124,6 +124,12 @@ class ModelRunner:
         if self.graphs is not None:
             self.graphs.capture_all()
 
+    def compile_steps(self) -> None:
+        """Every bucket's step once without capturing (inside engine.kernels.launch's
+        compile_ahead: queues their kernels' compiles)."""
+        if self.graphs is not None:
+            self.graphs.compile_all()
+
     # ---- the reference arrangement: the model's own rows, a batch in the same tensors -----------
     def _reference_read(
         self, parts: list[tuple[torch.Tensor, int, int]], budget: int | None

@@ -36,6 +36,8 @@ from engine.runner import Launched, ModelRunner, make_kernels, prefill_chunk_for
 from engine.sampling import SamplingParams, check_prompt
 from engine.scheduler import Scheduler, SchedulerStats
 from engine.sequence import Sequence, Sink
+from engine.warmup import WarmUpReport
+from engine.warmup import warm_up as run_warm_up
 
 log = logging.getLogger(__name__)
 
@@ -73,14 +75,16 @@ class Engine:
         self.batching = plan
         self.pool = KVPool(cfg, plan.geometry, model.device, model.dtype)
         self.runner = ModelRunner(model, self.pool, options, plan.max_num_seqs)
-        if warm_up:
-            self.runner.warm_up()
         self.scheduler = Scheduler(
             self.pool.blocks, plan.max_num_seqs, plan.prefill_budget, self.max_context
         )
         self._lock = threading.Lock()
         self._launched: Launched | None = None
         self._closed = False
+        # engine/warmup.py: kernels compiled, graphs captured, each kind of prompt read once
+        self.warm_up_report: WarmUpReport | None = (
+            run_warm_up(self, options.compile_threads) if warm_up else None
+        )
 
     @property
     def max_num_seqs(self) -> int:

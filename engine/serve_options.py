@@ -139,7 +139,11 @@ OPTIONS: tuple[ServeOption, ...] = (
         positive_int,
     ),
     ServeOption("model_name", "name clients use in 'model' (default: directory name)"),
-    ServeOption("no_warmup", "skip the 2-token warm-up run before serving", switch=True),
+    ServeOption(
+        "no_warmup",
+        "skip the warm-up (kernel compiles, graph capture, a prompt of each kind) before serving",
+        switch=True,
+    ),
     ServeOption(
         "log_level",
         "uvicorn log level (info shows one line per request)",

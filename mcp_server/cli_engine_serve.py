@@ -200,6 +200,13 @@ def _serve(args: argparse.Namespace) -> int:
     if threads is not None:
         torch.set_num_threads(threads)
     max_ctx = min(args.max_context, limit)
+    if not args.no_warmup:
+        sys.stderr.write(
+            "gpurig engine: loading, then warming up (kernels compiled on every core, graphs "
+            "captured, a prompt of each kind read; on a GPU without shipped tiles the first run "
+            "also tunes every GEMV shape, a few minutes once, cached per GPU name)\n"
+        )
+        sys.stderr.flush()
     eng = engine.load(
         model_dir,
         device=args.device,
@@ -215,19 +222,8 @@ def _serve(args: argparse.Namespace) -> int:
 
     line = kv_cache_line(eng.batching, eng.pool.nbytes(), eng.device.type)
     sys.stderr.write(f"gpurig engine: {line}\n")
-    if not args.no_warmup:  # first-use costs (kernel builds, allocations) stay out of timings
-        import time
-
-        t0 = time.perf_counter()
-        if eng.device.type == "cuda":
-            sys.stderr.write(
-                "gpurig engine: warming up (on a GPU without shipped tiles the first run also "
-                "tunes every GEMV shape, a few minutes once; cached per GPU name)\n"
-            )
-        from engine.sampling import SamplingParams
-
-        eng.generate([eng.bos_id if eng.bos_id is not None else 2], SamplingParams(2, stop_ids=()))
-        sys.stderr.write(f"gpurig engine: warmed up in {time.perf_counter() - t0:.2f} s\n")
+    if eng.warm_up_report is not None:  # first-use costs stay out of every request's time
+        sys.stderr.write(f"gpurig engine: {eng.warm_up_report.line()}\n")
     name = args.model_name or eng.model_name
     aliases = (str(args.model), str(model_dir), str(model_dir.resolve()))
     options = ServerOptions(

@@ -59,6 +59,17 @@ def test_sliced_chunk_attention_equals_one_block(t, window, start):
             assert (masked - want).abs().max() < 1e-5
 
 
+@pytest.mark.parametrize(("t", "window", "start"), [(1100, None, 40), (600, 300, 310)])
+def test_row_blocks_stop_at_their_cap_under_a_large_budget(t, window, start):
+    """A budget that would let the whole chunk be one block: blocks are still cut at 1,024 rows
+    on a full layer and at the window on a sliding one (the caps that keep an uncapped read from
+    scoring keys nobody sees), and every row equals one block over the concatenated keys."""
+    case = _case(t, window, start, d=16, seed=t)
+    want = _one_block(*case, window)
+    got = attend_chunk(*case, window, 1 << 40, prefix_visible=window is None)
+    assert (got - want).abs().max() < 1e-5
+
+
 def test_attention_prefill_slices_only_past_the_budget(monkeypatch):
     """Short: one block, bit for bit as before. Past the budget: the sliced path (to rounding)."""
     case = _case(97, 16, 70)

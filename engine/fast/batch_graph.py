@@ -14,6 +14,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from engine.kernels.launch import compiling_only
+
 Step = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 BUCKETS = (1, 2, 4, 8, 16)
@@ -65,6 +67,15 @@ class BatchGraphs:
         for b in reversed(self.buckets):
             self._capture(self._by_size[b])
 
+    def compile_all(self) -> None:
+        """Every bucket's step once, eagerly, on padding rows, to be called inside
+        engine.kernels.launch.compile_ahead: its kernels queue for compiling, nothing is
+        captured."""
+        with torch.inference_mode():
+            for b in reversed(self.buckets):
+                bucket = self._by_size[b]
+                self.step(bucket.tokens, bucket.positions, bucket.slots)
+
     def _capture(self, bucket: _Bucket) -> None:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
@@ -91,6 +102,8 @@ class BatchGraphs:
         if rows < bucket.size:  # padding rows: the padding slot, position 0
             bucket.positions[rows:].zero_()
             bucket.slots[rows:].fill_(self.pad_slot)
+        if compiling_only():  # the warm-up's compile pass: launches compile, nothing is captured
+            return self.step(bucket.tokens, bucket.positions, bucket.slots)[:rows]
         if bucket.graph is None:
             self._capture(bucket)
         assert bucket.graph is not None and bucket.logits is not None

@@ -36,6 +36,8 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels.launch import run_kernel
+
 # The combine: BLOCK_D head_dim columns per program (8 heads x 256 / 32 = 64 programs) and at
 # most COMBINE_TILE fp32 partial outputs in registers at a time (64 a thread at 4 warps), so up
 # to 256 slices go in one block. Measured on an H200 (8 heads, D 256, 264 slices, CUDA graph):
@@ -317,7 +319,7 @@ class DecodeAttention:
             out = torch.empty(h, d, device=q.device, dtype=q.dtype)
         o2 = out.view(h, d)
         num_warps = self.num_warps
-        _attn_split_kernel[(self.splits,)](
+        run_kernel(_attn_split_kernel, (self.splits,),
             q2, k_cache, v_cache, pos, slot_pos if slot_pos is not None else pos,
             self.partial_o, self.partial_m, self.partial_l,
             self.slots, self.window, self.scale, q2.stride(0), k_cache.stride(0),
@@ -333,7 +335,7 @@ class DecodeAttention:
         h, d = self.num_heads, self.head_dim
         block_d = min(d, COMBINE_BLOCK_D)
         block_p = triton.next_power_of_2(self.splits)
-        _attn_combine_kernel[(h, d // block_d)](
+        run_kernel(_attn_combine_kernel, (h, d // block_d),
             self.partial_o, self.partial_m, self.partial_l, pos, o2, self.slots, self.window,
             self.splits, o2.stride(0),
             H=h, D=d, BLOCK_D=block_d, BLOCK_S=self.block_s, BLOCK_P=block_p,

@@ -49,6 +49,7 @@ from engine.kernels.attention_decode import (
     tile_values,
     use_tensor_core_dot,
 )
+from engine.kernels.launch import run_kernel
 
 
 @triton.jit
@@ -252,7 +253,7 @@ class PagedDecodeAttention:
         o3 = out.view(-1, h, d)
         if o3.stride(-1) != 1:
             raise ValueError("out must be contiguous along head_dim")
-        _paged_split_kernel[(self.splits, b)](
+        run_kernel(_paged_split_kernel, (self.splits, b),
             q, k_pool, v_pool, positions, seq_slots, bt,
             self.partial_o, self.partial_m, self.partial_l,
             self.ring_slots, self.window, max_keys, self.scale, q.stride(0), q.stride(1),
@@ -263,7 +264,7 @@ class PagedDecodeAttention:
         )  # fmt: skip
         block_d = min(d, COMBINE_BLOCK_D)
         block_p = triton.next_power_of_2(self.splits)
-        _paged_combine_kernel[(h, d // block_d, b)](
+        run_kernel(_paged_combine_kernel, (h, d // block_d, b),
             self.partial_o, self.partial_m, self.partial_l, positions, o3, self.ring_slots,
             self.window, max_keys, self.splits, o3.stride(0), o3.stride(1),
             H=h, D=d, BLOCK_D=block_d, BLOCK_S=self.block_s, BLOCK_P=block_p,

@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels.launch import run_kernel
+
 
 @triton.jit
 def round_to(x, DT: tl.constexpr):
@@ -264,7 +266,7 @@ def qkv_rope_rows(
         v = torch.empty_like(k)
         rows = q
     if t:
-        _qkv_rope_rows_kernel[(t, num_heads + 2 * kv_heads)](
+        run_kernel(_qkv_rope_rows_kernel, (t, num_heads + 2 * kv_heads),
             qkv, q_norm, k_norm, cos, sin.contiguous(), q, k, v, qkv.stride(0), eps, rows,
             HQ=num_heads, KVH=kv_heads, D=head_dim, V_FROM_K=v_from_k,
             SCATTER=kv_out is not None, num_warps=_warps(head_dim),
@@ -302,7 +304,7 @@ def rmsnorm_rows(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
     d = x.shape[-1]
     x2 = x.reshape(-1, d)
     out = torch.empty_like(x2) if out is None else out.view(-1, d)
-    _rmsnorm_rows_kernel[(x2.shape[0],)](
+    run_kernel(_rmsnorm_rows_kernel, (x2.shape[0],),
         x2, weight if weight is not None else x2, out, d, x2.stride(0), out.stride(0), eps,
         HAS_W=weight is not None, BLOCK=_block(d), num_warps=_warps(d),
     )  # fmt: skip
@@ -330,7 +332,7 @@ def residual_norm(
         raise ValueError("residual_norm: h_out must be contiguous, of h's size and dtype")
     h_out = torch.empty_like(h) if h_out is None else h_out
     x_out = torch.empty_like(h) if w_next is not None else None
-    _residual_norm_kernel[(h.numel() // d,)](
+    run_kernel(_residual_norm_kernel, (h.numel() // d,),
         h, y, w_post, scalar if scalar is not None else w_post,
         w_next if w_next is not None else w_post, h_out, x_out if x_out is not None else h_out,
         d, eps, HAS_SCALAR=scalar is not None, HAS_NEXT=w_next is not None,
@@ -349,8 +351,16 @@ def _launch_gelu_mul(g: torch.Tensor, u: torch.Tensor, out: torch.Tensor, stride
     """One launch of _gelu_mul_kernel over out's elements (g, u read every stride-th one)."""
     n = out.numel()
     block = 1024
-    _gelu_mul_kernel[(triton.cdiv(n, block),)](
-        g, u, out, n, BLOCK=block, STRIDE=stride, num_warps=4
+    run_kernel(
+        _gelu_mul_kernel,
+        (triton.cdiv(n, block),),
+        g,
+        u,
+        out,
+        n,
+        BLOCK=block,
+        STRIDE=stride,
+        num_warps=4,
     )
     return out
 
@@ -383,7 +393,7 @@ def qkv_rope(
     q_out = torch.empty(num_heads, head_dim, device=qkv.device, dtype=qkv.dtype)
     own = cache is not None
     grid = (num_heads + (2 if own else 0),)
-    _qkv_rope_kernel[grid](
+    run_kernel(_qkv_rope_kernel, grid,
         qkv, q_norm, k_norm if k_norm is not None else q_norm, cos, sin, q_out,
         cache.k if own else q_out, cache.v if own else q_out, cache.pos if own else position,
         position, cache.slots if own else 1, eps,
@@ -411,7 +421,7 @@ def ple_mix(
         out = torch.empty(layers, width, device=proj.device, dtype=proj.dtype)
     elif out.shape != (layers, width) or not out.is_contiguous() or out.dtype != proj.dtype:
         raise ValueError("ple_mix writes a contiguous [layers, width] out in proj's dtype")
-    _ple_mix_kernel[(layers,)](
+    run_kernel(_ple_mix_kernel, (layers,),
         proj, tok, weight, out, width, eps, c_proj, c_mix, BLOCK=_block(width),
         num_warps=_warps(width),
     )  # fmt: skip

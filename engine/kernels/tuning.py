@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from engine.kernels.launch import compiling_only
+
 _BUNDLED_DIR = Path(__file__).with_name("configs")
 _LOCK = threading.Lock()
 _MEMORY: dict[str, dict[str, dict[str, Any]]] = {}
@@ -48,8 +50,10 @@ def cache_dir() -> Path:
 
 
 def autotune_enabled() -> bool:
-    """First-use tuning is on unless `configure(autotune=False)`."""
-    return bool(_SETTINGS["autotune"])
+    """First-use tuning is on unless `configure(autotune=False)`, and never while launches only
+    compile (engine.kernels.launch.compile_ahead: timing kernels that do not run would store
+    wrong choices; the real warm-up after it tunes)."""
+    return bool(_SETTINGS["autotune"]) and not compiling_only()
 
 
 @functools.cache

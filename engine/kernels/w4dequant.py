@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels.launch import run_kernel
+
 
 @triton.jit
 def _w4_rows_kernel(
@@ -66,7 +68,7 @@ def _launch(ids, packed, scales, out, mul=None) -> None:
     kw = k // 8
     block_kw = min(256, triton.next_power_of_2(max(kw, 16)))
     grid = (rows, triton.cdiv(kw, block_kw))
-    _w4_rows_kernel[grid](
+    run_kernel(_w4_rows_kernel, grid,
         ids if ids is not None else packed, packed, scales, out,
         mul if mul is not None else scales, k, out.stride(0),
         HAS_IDS=ids is not None, BLOCK_KW=block_kw, HAS_MUL=mul is not None, num_warps=4,
@@ -122,8 +124,15 @@ def w4_dequantize(
         raise ValueError("w4_dequantize writes a contiguous [N, K] matrix")
     total = packed.numel()
     block = 1024 if packed.is_cuda else 4096
-    _w4_flat_kernel[(triton.cdiv(total, block),)](
-        packed.contiguous(), scales.contiguous(), out, total, BLOCK=block, num_warps=4
+    run_kernel(
+        _w4_flat_kernel,
+        (triton.cdiv(total, block),),
+        packed.contiguous(),
+        scales.contiguous(),
+        out,
+        total,
+        BLOCK=block,
+        num_warps=4,
     )
     return out.view(n, k)
 

@@ -38,6 +38,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels.fused import gelu_tanh, round_to
+from engine.kernels.launch import run_kernel
 from engine.kernels.w4gemv_kernel import ws_loads  # one K step's words and scales (fp32)
 from engine.options import triton_interpreted
 
@@ -365,7 +366,7 @@ def launch(x2, packed, scales, y, cfg: dict[str, Any], epi: int = 0, aux=None,
         if tc and cfg["BLOCK_KW"] < 16 and not triton_interpreted():  # one dot per nibble: K=BKW
             raise ValueError("w4gemm launch: a tensor-core slab step needs BLOCK_KW >= 16 "
                              "(each of its dots takes K = BLOCK_KW; Triton's minimum is 16)")  # fmt: skip
-        _w4_gemm_slab_kernel[grid](
+        run_kernel(_w4_gemm_slab_kernel, grid,
             x2, packed, scales, y, ws, tickets, aux_t,
             m, n, k // 8, k // 32, x2.stride(0), y.stride(0), stride_am, chunk,
             BLOCK_M=bm, BLOCK_N=cfg["BLOCK_N"], BLOCK_KW=cfg["BLOCK_KW"], EVEN_K=even_k,
@@ -374,7 +375,7 @@ def launch(x2, packed, scales, y, cfg: dict[str, Any], epi: int = 0, aux=None,
             num_stages=cfg["num_stages"],
         )  # fmt: skip
     else:
-        _w4_gemm_kernel[grid](
+        run_kernel(_w4_gemm_kernel, grid,
             x2, packed, scales, y, ws, tickets, aux_t,
             m, n, k // 8, k // 32, x2.stride(0), y.stride(0), stride_am, chunk,
             BLOCK_M=bm, BLOCK_N=cfg["BLOCK_N"], BLOCK_KW=cfg["BLOCK_KW"], EVEN_K=even_k, TC=tc,
@@ -384,7 +385,7 @@ def launch(x2, packed, scales, y, cfg: dict[str, Any], epi: int = 0, aux=None,
         )  # fmt: skip
     if split > 1 and not fused:
         br = 64
-        _w4_gemm_reduce_kernel[(triton.cdiv(n, br),)](
+        run_kernel(_w4_gemm_reduce_kernel, (triton.cdiv(n, br),),
             ws, y, aux_t, m, n, y.stride(0), stride_am, SPLIT=split, BLOCK_M=bm, BLOCK_N=br,
             EPI=epi, num_warps=4,
         )  # fmt: skip

@@ -28,6 +28,7 @@ from engine.kernels.w4gemm_kernel import (
 
 _log = logging.getLogger(__name__)
 
+
 def tuned_table(gpu: str) -> dict[str, dict[str, Any]]:
     """The table measured on this GPU model and shipped with the package (empty if none):
     bench/engine/gemm_bench.py --tune on the lent H200, bf16, shape key -> tiling."""

@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels.fused import gelu_tanh, inv_rms, round_to, scale_w
+from engine.kernels.launch import run_kernel
 from engine.options import triton_interpreted
 
 KERNEL_NAME = "w4gemv"
@@ -342,7 +343,7 @@ def launch(x2, packed, scales, y, cfg: dict[str, Any], epi: int = 0, aux=None,
     grid = (triton.cdiv(n, cfg["BLOCK_N"]), m)
     # pro: (y, h, w_post, scalar, w_next, h_out) of the residual+norm made in the prologue
     py, ph, pwp, psc, pwn, ph_out = pro if pro is not None else (y,) * 6
-    _w4_gemv_kernel[grid](
+    run_kernel(_w4_gemv_kernel, grid,
         x2, packed, scales, y, n, k, k // 8, k // 32, x2.stride(0), y.stride(0),
         aux if aux is not None else y, eps,
         py, ph, pwp, psc if psc is not None else py, pwn if pwn is not None else py, ph_out,

@@ -51,6 +51,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels.fused import gelu_tanh, round_to
+from engine.kernels.launch import run_kernel
 from engine.options import triton_interpreted
 
 ASM = {"ok": True}
@@ -457,7 +458,7 @@ def launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, y: torch
     x32 = x.view(torch.int32)
     mt = cfg.get("MT", 1)
     grid = (triton.cdiv(n, 16 * nwn * mt),)
-    _w4_mma_kernel[grid](
+    run_kernel(_w4_mma_kernel, grid,
         x32, packed, scales, y, aux if aux is not None else y,
         m, n, packed.stride(0), scales.stride(0), steps // nwk, x32.stride(0), y.stride(0),
         aux.stride(0) if aux is not None else 0,
