@@ -179,6 +179,17 @@ class KVPool:
         )
         self.blocks = BlockManager(g.num_blocks, g.max_seqs, g.block_size, g.max_context)
 
+    def clear(self) -> None:
+        """Every row back to its state at creation (zero keys and values, no positions): after the
+        warm-up's compile pass, whose steps ran no kernel and left whatever memory held in the
+        rows it wrote. Masked rows are still multiplied by zero, so a NaN left there would reach
+        every sequence that later holds them. Only while no sequence is open."""
+        for i in self.k:
+            self.k[i].zero_()
+            self.v[i].zero_()
+            self.pos[i].fill_(-1)
+        self.block_tables.zero_()
+
     # ---- bookkeeping (the block manager's), mirrored on the device -----------------------------
     @property
     def usage(self) -> float:

@@ -13,7 +13,8 @@ pass when the engine batches.
 Order on CUDA with graphs: first a compile pass inside engine.kernels.launch.compile_ahead (the
 step of every bucket and the warm-up prompts, their kernels compiled on `compile_threads`
 threads while nothing runs: a cold start waits for the compiles side by side, not one after
-another); then the real warm-up: the graphs captured (which also tunes shapes the shipped
+another; the KV pool is cleared after it, since its steps ran no kernel and wrote whatever
+memory held); then the real warm-up: the graphs captured (which also tunes shapes the shipped
 tables lack), the prompts read. Elsewhere (the CPU: the interpreter compiles nothing, torch
 loads no kernels) one one-token prompt, which only checks that the engine answers.
 """
@@ -85,6 +86,8 @@ def warm_up(engine: Engine, threads: int | None = None, every_length: bool | Non
             if ran:
                 runner.compile_steps()
                 _read_prompts(engine, lengths)
+        if ran:  # no kernel ran in that pass: what it wrote to the pool is whatever memory held
+            engine.pool.clear()
     t1 = time.perf_counter()
     runner.warm_up()
     t2 = time.perf_counter()

@@ -5,6 +5,7 @@ compile pass runs under (that pass itself needs a GPU: tests/kernels/test_warmup
 from __future__ import annotations
 
 import pytest
+import torch
 
 import engine
 from engine.checkpoint_maker import make_checkpoint
@@ -71,3 +72,16 @@ def test_compile_threads_from_the_environment():
             EngineOptions.from_env({"GPURIG_COMPILE_THREADS": bad})
     with pytest.raises(ValueError, match="compile_threads"):
         EngineOptions(compile_threads=0)
+
+
+def test_a_cleared_pool_equals_a_new_one(checkpoint):
+    eng = engine.load(checkpoint, device="cpu", max_context=128, max_num_seqs=2, warm_up=False)
+    eng.generate([2, 30, 31, 32, 33], SamplingParams(max_tokens=4))
+    pool = eng.pool
+    assert any(bool(k.abs().sum()) for k in pool.k.values())  # the request left its keys
+    pool.clear()
+    fresh = engine.load(checkpoint, device="cpu", max_context=128, max_num_seqs=2, warm_up=False)
+    for i in pool.k:
+        assert torch.equal(pool.k[i], fresh.pool.k[i]) and torch.equal(pool.v[i], fresh.pool.v[i])
+        assert torch.equal(pool.pos[i], fresh.pool.pos[i])
+    assert torch.equal(pool.block_tables, fresh.pool.block_tables)

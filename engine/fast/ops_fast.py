@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from engine import ops
 from engine.kernels.attention_decode import DecodeAttention
+from engine.kernels.launch import compiling_only
 from engine.kernels.w4dequant import w4_dequantize, w4_gather_rows
 from engine.kernels.w4gemv import w4_gemv
 from engine.packed import PackedLinear
@@ -44,11 +45,19 @@ def packed_ok(w) -> bool:
     )
 
 
-@functools.cache
 def prefill_dtype(device_index: int, compute_dtype: torch.dtype) -> torch.dtype:
     """16-bit or fp32 for prompt-reading matmuls on this GPU, whichever a start-up timing of one
     chunk-sized product (dequantise + matmul, 256 x 1536 x 6144) finds faster. The seed's TU117
-    read prompts twice as fast in fp32 (no tensor cores); tensor-core cards win in 16-bit."""
+    read prompts twice as fast in fp32 (no tensor cores); tensor-core cards win in 16-bit.
+    Not timed inside the warm-up's compile pass (its dequantisation does not run there): the
+    compute dtype then, and the timing at the first real read."""
+    if compiling_only():
+        return compute_dtype
+    return _timed_prefill_dtype(device_index, compute_dtype)
+
+
+@functools.cache
+def _timed_prefill_dtype(device_index: int, compute_dtype: torch.dtype) -> torch.dtype:
     dev = torch.device("cuda", device_index)
     m, k, n = 256, 1536, 6144
     packed = torch.randint(-(2**31), 2**31 - 1, (n, k // 8), device=dev, dtype=torch.int32)

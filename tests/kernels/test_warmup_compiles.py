@@ -59,7 +59,12 @@ def test_no_request_compiles_after_the_warm_up(checkpoint, tmp_path, monkeypatch
     finally:
         knobs.runtime.jit_post_compile_hook = None
     assert compiled == [], f"compiled after the warm-up: {compiled}"
-    assert len(got) == 6
+    # the compile pass ran steps whose kernels did not run: nothing of them may reach an answer
+    del fast
+    torch.cuda.empty_cache()
+    plain = engine.load(checkpoint, device="cuda", max_context=2048, max_num_seqs=4,
+                        warm_up=False)  # fmt: skip
+    assert _requests(plain) == got
 
 
 def test_kernels_compiled_in_parallel_give_the_reference_tokens(checkpoint, tmp_path, monkeypatch):
