@@ -6,9 +6,11 @@ of its own (the fused prefill's norms, RoPE, dequantisation, embedding gathers),
 compiles per specialisation (an integer argument equal to 1, or a multiple of 16, compiles
 apart), and cuBLAS loads its kernels for each kind of size at first use. Warmed up with a
 one-token prompt only, the first real request waited seconds for them. The lengths read here
-give each a run: one token, a length that is no multiple of 16, one that is, one longer than
-the prefill budget (two chunks, the second over a cached prefix), and two prompts read in one
-pass when the engine batches.
+give each a run: one token, a length that is no multiple of 16, the powers of two from 64 to
+1,024 (cuBLAS picks, and lazily loads, other kernels as the rows grow: a first 512-token prompt
+still waited 2.3x its warm time with only 64 and 2,085 warmed), one longer than the prefill
+budget (two chunks, the second over a cached prefix), and two prompts read in one pass when the
+engine batches.
 
 Order on CUDA with graphs: first a compile pass inside engine.kernels.launch.compile_ahead (the
 step of every bucket and the warm-up prompts, their kernels compiled on `compile_threads`
@@ -64,7 +66,7 @@ class WarmUpReport:
 def prompt_lengths(max_context: int, budget: int) -> tuple[int, ...]:
     """The warm-up prompts' lengths, each leaving room for its two new tokens."""
     room = max(1, max_context - 2)
-    wanted = (1, SPLIT_TAIL, 64, budget + SPLIT_TAIL)
+    wanted = (1, SPLIT_TAIL, *(1 << e for e in range(6, 11)), budget + SPLIT_TAIL)
     return tuple(sorted({min(n, room) for n in wanted}))
 
 

@@ -25,9 +25,9 @@ def checkpoint(tmp_path_factory):
 
 
 def test_lengths_cover_one_token_uneven_even_and_two_chunks():
-    assert prompt_lengths(4096, 2048) == (1, 37, 64, 2085)
+    assert prompt_lengths(4096, 2048) == (1, 37, 64, 128, 256, 512, 1024, 2085)
     # a short context: every prompt still leaves room for its two new tokens
-    assert prompt_lengths(40, 256) == (1, 37, 38)
+    assert prompt_lengths(100, 256) == (1, 37, 64, 98)
     assert prompt_lengths(2, 256) == (1,)
 
 
