@@ -109,7 +109,9 @@ class ModelRunner:
             model.ops if isinstance(model.ops, FastOps) else make_kernels(options, self.device)
         )
         if options.fused_prefill and prefill.supported(model, fused):
-            reader = self.reader = prefill.FusedPrefill(model, fused, kernels)
+            reader = self.reader = prefill.FusedPrefill(
+                model, fused, kernels, pass_attention=options.pass_attention
+            )
             self._read = lambda parts, budget: reader.chunks(  # noqa: E731
                 [(ids, start, pool.view(slot)) for ids, start, slot in parts], budget
             )

@@ -75,9 +75,7 @@ class Engine:
         self.batching = plan
         self.pool = KVPool(cfg, plan.geometry, model.device, model.dtype)
         self.runner = ModelRunner(model, self.pool, options, plan.max_num_seqs)
-        self.scheduler = Scheduler(
-            self.pool.blocks, plan.max_num_seqs, plan.prefill_budget, self.max_context
-        )
+        self.scheduler = self._new_scheduler()
         self._lock = threading.Lock()
         self._launched: Launched | None = None
         self._closed = False
@@ -86,9 +84,21 @@ class Engine:
             run_warm_up(self, options.compile_threads) if warm_up else None
         )
         if warm_up:  # a fresh scheduler: the warm-up's steps stay out of the engine's stats
-            self.scheduler = Scheduler(
-                self.pool.blocks, plan.max_num_seqs, plan.prefill_budget, self.max_context
-            )
+            self.scheduler = self._new_scheduler()
+
+    def _new_scheduler(self) -> Scheduler:
+        plan = self.batching
+        return Scheduler(self.pool.blocks, plan.max_num_seqs, plan.prefill_budget, self.max_context)
+
+    def reset_stats(self) -> bool:
+        """Start the scheduler's counters (steps, rows) from zero again, if idle (after a
+        server's in-process first requests; the scheduler also holds the requests): whether
+        it did."""
+        with self._lock:
+            if self.has_work:
+                return False
+            self.scheduler = self._new_scheduler()
+            return True
 
     @property
     def max_num_seqs(self) -> int:

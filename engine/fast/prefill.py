@@ -22,6 +22,7 @@ import torch
 
 from engine.fast.fuse import FusedLayer
 from engine.fast.ops_fast import FastOps, linear_in, packed_ok, prefill_dtype
+from engine.fast.prefill_attention import PassAttention, to_device
 from engine.kernels.fused import (
     gelu_mul,
     gelu_mul_pairs,
@@ -51,11 +52,15 @@ class FusedPrefill:
     """`chunks([(ids [T], start, cache), ...])`: what `prefill_chunk(ids, start, cache,
     last=False)` does for each, in one pass."""
 
-    def __init__(self, model, fused: list[FusedLayer], kernels: FastOps) -> None:
+    def __init__(self, model, fused: list[FusedLayer], kernels: FastOps,
+                 pass_attention: bool = False) -> None:  # fmt: skip
         self.model = model
         self.fused = fused
         self.ops = kernels
         self.weights: torch.Tensor | None = None  # one buffer every dequantised matrix reuses
+        self.pass_attention = (
+            pass_attention  # one launch per layer for all segments, where it applies
+        )
 
     def release(self) -> None:
         """Drop the dequantisation buffer (between prompts: decode does not need it)."""
@@ -108,14 +113,18 @@ class FusedPrefill:
         m, cfg = self.model, self.model.cfg
         ids = segments[0][0] if len(segments) == 1 else torch.cat([s[0] for s in segments])
         eps, t = cfg.rms_norm_eps, ids.shape[0]
-        spans = []  # (first row, rows, positions, cache) per segment
+        spans = []  # (first row, rows, positions, start, cache) per segment
+        host = torch.cat([torch.arange(s, s + i.shape[0]) for i, s, _ in segments])
+        positions = to_device(host, m.device)  # one copy for the whole pass
         row = 0
         for seg_ids, start, cache in segments:
             n_rows = seg_ids.shape[0]
-            pos = torch.arange(start, start + n_rows, device=m.device)
-            spans.append((row, n_rows, pos, start, cache))
+            spans.append((row, n_rows, positions[row : row + n_rows], start, cache))
             row += n_rows
-        positions = spans[0][2] if len(spans) == 1 else torch.cat([sp[2] for sp in spans])
+        joint = None
+        if self.pass_attention:
+            joint = PassAttention.plan([(sp[1], sp[3], sp[4]) for sp in spans], positions,
+                                       m.dtype)  # fmt: skip
         h, ple = self._embed(ids)
         rope = m.rope(positions)
         layers = m.layers
@@ -129,21 +138,11 @@ class FusedPrefill:
             q, k, v = qkv_rope_rows(qkv, w.q_norm, w.k_norm, cos, sin, hq, kvh, hd, eps,
                                     v_from_k=w.v is None)  # fmt: skip
             window = cfg.sliding_window if cfg.is_sliding(i) else None
-            parts = []
-            for r0, n_rows, pos, start, cache in spans:
-                lc = cache.layers[i]
-                if lc.window is None:  # full layer: the filled prefix
-                    ck, cv, cp = lc.k[:start], lc.v[:start], lc.pos[:start]
-                else:  # sliding ring: all of it
-                    ck, cv, cp = lc.k, lc.v, lc.pos
-                qs, ks, vs = q[r0 : r0 + n_rows], k[r0 : r0 + n_rows], v[r0 : r0 + n_rows]
-                # a full layer's slots 0..start-1 hold positions 0..start-1 (read in order)
-                parts.append(self.ops.attention_prefill(qs, ks, vs, ck, cv, cp, pos, window,
-                                                        score_budget,
-                                                        prefix_visible=lc.window is None))  # fmt: skip
-                lc.write(ks, vs, pos)
-            attn = parts[0] if len(parts) == 1 else torch.cat(parts)
-            del parts
+            if joint is not None:
+                attn = joint.attend(i, q, k, v, window)
+                joint.write(i, k, v)
+            else:
+                attn = self._attend_each(i, q, k, v, spans, window, score_budget)
             o = self._linear(attn.reshape(t, -1), w.o).contiguous()
             del attn, q, k, v, qkv
             h, x2 = residual_norm(h, o, w.post_attn_norm, eps, w_next=w.pre_ffn_norm, h_out=h)
@@ -161,6 +160,24 @@ class FusedPrefill:
             p = self._linear(a2, w.ple_proj).contiguous()
             h, x = residual_norm(h, p, w.ple_norm, eps, scalar=w.layer_scalar, w_next=nxt,
                                  h_out=h)  # fmt: skip
+
+    def _attend_each(self, i, q, k, v, spans, window, score_budget) -> torch.Tensor:
+        """Layer i's attention segment by segment, each written to its cache after (where
+        `PassAttention` does not apply)."""
+        parts = []
+        for r0, n_rows, pos, start, cache in spans:
+            lc = cache.layers[i]
+            if lc.window is None:  # full layer: the filled prefix
+                ck, cv, cp = lc.k[:start], lc.v[:start], lc.pos[:start]
+            else:  # sliding ring: all of it
+                ck, cv, cp = lc.k, lc.v, lc.pos
+            qs, ks, vs = q[r0 : r0 + n_rows], k[r0 : r0 + n_rows], v[r0 : r0 + n_rows]
+            # a full layer's slots 0..start-1 hold positions 0..start-1 (read in order)
+            parts.append(self.ops.attention_prefill(qs, ks, vs, ck, cv, cp, pos, window,
+                                                    score_budget,
+                                                    prefix_visible=lc.window is None))  # fmt: skip
+            lc.write(ks, vs, pos)
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def _largest_matrix(model, fused) -> int:

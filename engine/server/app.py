@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from importlib import metadata
 from typing import Any
 
@@ -37,6 +37,7 @@ from starlette.routing import Route
 from engine.server.chat import chat_completions
 from engine.server.completions import completions
 from engine.server.errors import ApiError
+from engine.server.first_requests import answer_first_requests
 from engine.server.guard import RequestGuard
 from engine.server.limits import ServerOptions
 from engine.server.openapi import openapi_spec
@@ -133,16 +134,24 @@ def create_app(
     model_name: str | None = None,
     aliases: tuple[str, ...] = (),
     options: ServerOptions | None = None,
+    first_requests: bool = False,
+    say: Callable[[str], None] | None = None,
 ) -> Starlette:
     """The server for `engine`, answering to `model_name` (default: the checkpoint's directory
     name) and any of `aliases` in the request's `model` field, under `options` (API key,
-    max_tokens cap, body limit)."""
+    max_tokens cap, body limit). first_requests: at startup, before a server binds its port,
+    the app answers a completion and a chat completion to itself (first_requests.py); `say`
+    gets the line that reports it."""
     state = ServerState(engine, model_name, aliases, options)
 
     @contextlib.asynccontextmanager
-    async def lifespan(_app: Starlette) -> AsyncIterator[None]:
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
         state.queue.start()
         try:
+            if first_requests:
+                line = await answer_first_requests(app, state)
+                if say is not None:
+                    say(line)
             yield
         finally:
             await asyncio.to_thread(state.queue.stop)

@@ -38,6 +38,15 @@ class Metrics:
         self.last_decode_tok_per_s = 0.0
         self.last_prompt_tok_per_s = 0.0
 
+    def reset(self) -> None:
+        """Every counter back to zero (after the server's in-process first requests)."""
+        with self._lock:
+            self.started = time.time()
+            self.requests.clear()
+            self.generations = self.cancelled = self.prompt_tokens = self.completion_tokens = 0
+            self.prompt_seconds = self.decode_seconds = self.decode_tokens = 0.0
+            self.queue_seconds = self.last_decode_tok_per_s = self.last_prompt_tok_per_s = 0.0
+
     def record_request(self, endpoint: str, status: int) -> None:
         with self._lock:
             self.requests[(endpoint, status)] += 1

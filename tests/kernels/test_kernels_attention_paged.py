@@ -9,6 +9,7 @@ import random
 
 import pytest
 import torch
+from compile_support import compiled_rows
 
 from engine.kernels import attention_paged
 from engine.kernels.attention_decode import DecodeAttention
@@ -337,18 +338,7 @@ def _compile_for_targets(targets: list[int]) -> None:
 
 
 def test_split_kernel_fits_each_gpu_and_uses_its_tensor_cores() -> None:
-    import json
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[2]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, __file__, *map(str, _SMEM_LIMIT)], env=env,
-                          capture_output=True, text=True, timeout=600, check=False)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    rows = compiled_rows(__file__, list(_SMEM_LIMIT))
     assert len(rows) == 3 * len(_SMEM_LIMIT)
     for row in rows:
         assert row["shared"] <= _SMEM_LIMIT[row["sm"]], row

@@ -183,7 +183,7 @@ def start_vllm_server(
             install = cmd.find_vllm(python, full_env)
             vllm_version = install.version
             if install.is_cpu:  # vLLM built for the CPU: no GPU to check, RAM for its KV cache
-                preflight.check_cpu_kernels(local, install.label)
+                preflight.check_cpu_kernels(local, install.label, dtype=dtype)
                 kv_gib = preflight.check_cpu_kv_cache(cpu_kv_cache_gib, env, weights, memory)
                 env[preflight.CPU_KV_ENV] = full_env[preflight.CPU_KV_ENV] = str(kv_gib)
             else:

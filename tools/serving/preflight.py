@@ -279,16 +279,21 @@ def _fits(gib: int, weights: float | None, memory: MemoryReport, source: str) ->
     return gib
 
 
-def cpu_has_avx512(cpuinfo: str | None = None) -> bool | None:
-    """Whether this x86 CPU has AVX-512 (F, BW, VL: what vLLM's CPU build asks torch before it
-    loads its AVX-512 kernels rather than the AVX2 ones). None: unknown (not Linux, not x86)."""
+def _cpu_flags(cpuinfo: str | None) -> list[str] | None:
+    """The first `flags` line of /proc/cpuinfo (or of `cpuinfo`); None where there is none."""
     if cpuinfo is None:
         try:
             cpuinfo = Path("/proc/cpuinfo").read_text(errors="replace")
         except OSError:
             return None
-    flags = next((ln.split(":", 1)[1].split() for ln in cpuinfo.splitlines()
-                  if ln.startswith("flags")), None)  # fmt: skip
+    return next((ln.split(":", 1)[1].split() for ln in cpuinfo.splitlines()
+                 if ln.startswith("flags")), None)  # fmt: skip
+
+
+def cpu_has_avx512(cpuinfo: str | None = None) -> bool | None:
+    """Whether this x86 CPU has AVX-512 (F, BW, VL: what vLLM's CPU build asks torch before it
+    loads its AVX-512 kernels rather than the AVX2 ones). None: unknown (not Linux, not x86)."""
+    flags = _cpu_flags(cpuinfo)
     if flags is None or "avx2" not in flags and "avx" not in flags:
         return None
     return all(f in flags for f in ("avx512f", "avx512bw", "avx512vl"))
@@ -313,20 +318,60 @@ def is_w4a16(model_path: str | None) -> bool:
     )
 
 
-def check_cpu_kernels(model_path: str | None, label: str, avx512: bool | None = None) -> None:
-    """vLLM's CPU build without AVX-512 loads its AVX2 kernels (vllm/_C_AVX2), which have no
-    cpu_gemm_wna16: a W4A16 checkpoint loads, then dies in its warm-up with `'_C' object has no
-    attribute 'cpu_gemm_wna16'` (seen on an AVX2-only AMD EPYC). Refused in a second instead."""
+def cpu_has_avx512_bf16(cpuinfo: str | None = None) -> bool | None:
+    """Whether this CPU also has AVX-512 BF16 (then vLLM's CPU build loads `vllm/_C`, else
+    `_C_AVX512`). None: unknown."""
+    flags = _cpu_flags(cpuinfo)
+    return None if flags is None else "avx512_bf16" in flags
+
+
+def _checkpoint_dtype(model_path: str) -> str | None:
+    try:
+        config = json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    value = config.get("dtype") or config.get("torch_dtype")
+    return value if isinstance(value, str) else None
+
+
+def check_cpu_kernels(
+    model_path: str | None,
+    label: str,
+    avx512: bool | None = None,
+    dtype: str = "auto",
+    avx512_bf16: bool | None = None,
+) -> None:
+    """What vLLM's CPU build cannot run on this CPU, refused in a second instead of dying in
+    the engine core (both seen on AMD EPYCs):
+    - without AVX-512 it loads its AVX2 kernels (vllm/_C_AVX2), which have no cpu_gemm_wna16:
+      a W4A16 checkpoint loads, then dies in its warm-up with `'_C' object has no attribute
+      'cpu_gemm_wna16'`;
+    - with AVX-512 BF16 it loads vllm/_C, whose cpu_gemm_wna16 has no float32 path: a W4A16
+      checkpoint served in float32 starts, then the first request kills the engine core with
+      `"cpu_gemm_wna16" not implemented for 'Float'`.
+    dtype: the --dtype asked for ("auto": the checkpoint's own)."""
     if not is_w4a16(model_path):
         return
     avx512 = cpu_has_avx512() if avx512 is None else avx512
-    if avx512 is not False:
-        return
-    raise RefusedError(
-        f"{label} cannot run this W4A16 checkpoint on this CPU: without AVX-512 it loads its "
-        "AVX2 kernels, which have no cpu_gemm_wna16 (the start would die in its warm-up with "
-        "`'_C' object has no attribute 'cpu_gemm_wna16'`)",
-        remedy="serve a 16-bit checkpoint (e.g. gpurig engine make-checkpoint --unquantized), "
-        "or this one with gpurig's engine (backend='engine', --backend engine), or on a host "
-        "whose CPU has AVX-512 (grep avx512f /proc/cpuinfo)",
-    )
+    if avx512 is False:
+        raise RefusedError(
+            f"{label} cannot run this W4A16 checkpoint on this CPU: without AVX-512 it loads its "
+            "AVX2 kernels, which have no cpu_gemm_wna16 (the start would die in its warm-up with "
+            "`'_C' object has no attribute 'cpu_gemm_wna16'`)",
+            remedy="serve a 16-bit checkpoint (e.g. gpurig engine make-checkpoint --unquantized), "
+            "or this one with gpurig's engine (backend='engine', --backend engine), or on a host "
+            "whose CPU has AVX-512 (grep avx512f /proc/cpuinfo)",
+        )
+    effective = _checkpoint_dtype(model_path) if dtype == "auto" else dtype
+    if avx512 and effective in ("float32", "float"):
+        bf16 = cpu_has_avx512_bf16() if avx512_bf16 is None else avx512_bf16
+        if bf16:
+            raise RefusedError(
+                f"{label} cannot run this W4A16 checkpoint in float32 on this CPU: with "
+                "AVX-512 BF16 it loads its vllm/_C kernels, whose cpu_gemm_wna16 has no float32 "
+                'path (the first request would kill the engine core with `"cpu_gemm_wna16" '
+                "not implemented for 'Float'`)",
+                remedy="serve it with dtype bfloat16 (--dtype bfloat16), or a 16-bit "
+                "checkpoint in float32 (gpurig engine make-checkpoint --unquantized), or with "
+                "gpurig's engine (--backend engine)",
+            )
