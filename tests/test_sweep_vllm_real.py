@@ -161,6 +161,11 @@ def test_llamacpp_is_a_third_peer_with_its_own_counters(sweeps):
         assert tel.prefix_cache_hit_rate is not None and 0 <= tel.prefix_cache_hit_rate <= 1
         assert tel.requests_running is not None and tel.server_cpu_cores
     assert "llama.cpp" in Path(result.report).read_text()
+    # its roofline counts the GGUF it serves (f16), not the checkpoint directory's tensors
+    roof = {r.target: r for r in SweepStore(result.out_dir).load_roofline()}
+    parts = roof["llama.cpp"].parts
+    assert any("token_embd" in k or "(output)" in k for k in parts), roof["llama.cpp"]
+    assert roof["llama.cpp"].bytes_per_token and roof["llama.cpp"].tensors
 
 
 def test_the_telemetry_reads_vllms_real_metrics(sweeps):

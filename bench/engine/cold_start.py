@@ -9,7 +9,9 @@ cache directory and kernel-tuning cache:
 * cold: an empty Triton cache, the warm-up's compile threads at their default (the cores);
 * warm: the same caches again (what every later start of the server meets);
 * cold_serial: an empty cache with GPURIG_COMPILE_THREADS=1 (kernels compiled one after
-  another, as before the compile pass existed).
+  another, as before the compile pass existed);
+* warm_no_first: the warm caches, without the server's in-process first requests
+  (GPURIG_FIRST_REQUESTS=0): what its first client paid before they existed.
 
 Ready is the time from the process's start to /health answering 200. Then, for each length, one
 streamed /v1/completions request on token ids (the first of that length: it pays whatever the
@@ -40,6 +42,7 @@ VARIANTS = {
     "cold": {"fresh": True, "env": {}},
     "warm": {"fresh": False, "env": {}},
     "cold_serial": {"fresh": True, "env": {"GPURIG_COMPILE_THREADS": "1"}},
+    "warm_no_first": {"fresh": False, "env": {"GPURIG_FIRST_REQUESTS": "0"}},
 }
 
 

@@ -23,6 +23,7 @@ import subprocess
 from pathlib import Path
 
 from bench.sweep.bandwidth_probe import MARKER
+from bench.sweep.roofline_gguf import gguf_bytes_per_token, is_gguf
 
 PROBE = Path(__file__).with_name("bandwidth_probe.py")
 MAX_HEADER = 100 << 20
@@ -83,7 +84,10 @@ def classify(name: str) -> str | None:
 
 
 def bytes_per_token(model_dir: str | Path) -> tuple[int, dict[str, int], int]:
-    """(bytes read per decode token, bytes by part, tensors counted) for a checkpoint dir."""
+    """(bytes read per decode token, bytes by part, tensors counted) for a checkpoint dir, or
+    for a GGUF file (bench/sweep/roofline_gguf.py)."""
+    if is_gguf(model_dir):
+        return gguf_bytes_per_token(model_dir)
     files = sorted(Path(model_dir).expanduser().glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {model_dir}")

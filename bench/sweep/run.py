@@ -45,6 +45,7 @@ from bench.sweep.models import (
 from bench.sweep.prompts import common_pool, pool_ids
 from bench.sweep.report import build_report
 from bench.sweep.roofline import bytes_per_token, run_bandwidth_probe
+from bench.sweep.roofline_gguf import is_gguf
 from bench.sweep.store import SweepStore
 from bench.sweep.vocab import server_pool
 from tools.errors import InvalidInputError
@@ -180,9 +181,10 @@ def _measure_roofline(config: SweepConfig) -> list[Roofline]:
             except Exception:
                 r.model_dir = None
         missing = []
-        if r.model_dir:
+        weights = _served_gguf(t) or r.model_dir  # llama-server reads its GGUF, not the dir
+        if weights:
             try:
-                r.bytes_per_token, r.parts, r.tensors = bytes_per_token(r.model_dir)
+                r.bytes_per_token, r.parts, r.tensors = bytes_per_token(weights)
             except (OSError, ValueError) as exc:
                 missing.append(f"no bytes per token: {exc}")
         else:
@@ -199,6 +201,12 @@ def _measure_roofline(config: SweepConfig) -> list[Roofline]:
         r.missing = "; ".join(missing) or None
         out.append(r)
     return out
+
+
+def _served_gguf(target) -> str | None:
+    """The GGUF file a llama.cpp target serves, where the sweep starts its server."""
+    model = str((target.server or {}).get("model") or "")
+    return model if model.endswith(".gguf") and is_gguf(model) else None
 
 
 def _no_gpu() -> dict | None:
