@@ -18,7 +18,9 @@ threads while nothing runs: a cold start waits for the compiles side by side, no
 another; the KV pool is cleared after it, since its steps ran no kernel and wrote whatever
 memory held); then the real warm-up: the graphs captured (which also tunes shapes the shipped
 tables lack), the prompts read. Elsewhere (the CPU: the interpreter compiles nothing, torch
-loads no kernels) one one-token prompt, which only checks that the engine answers.
+loads no kernels) one one-token prompt, which only checks that the engine answers. A start whose
+kernels an earlier warm-up of the same engine left in Triton's cache skips the compile pass
+(engine/warmup_cache.py).
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from engine import warmup_cache
+from engine.kernels import tuning
 from engine.kernels.launch import compile_ahead, default_threads
 from engine.sampling import SamplingParams
 
@@ -45,6 +49,7 @@ class WarmUpReport:
     prompts_s: float  # the warm-up prompts read for real
     threads: int  # compile threads of the compile pass (1: none ran, kernels compiled in order)
     lengths: tuple[int, ...]  # the warm-up prompts' lengths
+    cached: bool = False  # the compile pass was skipped: every kernel was on disk already
 
     @property
     def total_s(self) -> float:
@@ -53,6 +58,8 @@ class WarmUpReport:
     def line(self) -> str:
         """One line for a server's log."""
         parts = []
+        if self.cached:
+            parts.append("kernels cached from an earlier start, compile pass skipped")
         if self.threads > 1:
             parts.append(f"kernels compiled on {self.threads} threads in {self.compile_s:.1f} s")
         if self.capture_s:
@@ -81,9 +88,13 @@ def warm_up(engine: Engine, threads: int | None = None, every_length: bool | Non
     )
     runner = engine.runner
     threads = default_threads() if threads is None else threads
-    ran = False
+    ran = cached = False
+    marker = None
     t0 = time.perf_counter()
     if runner.graphs is not None:
+        marker = warmup_cache.fingerprint(engine, lengths)
+        cached = warmup_cache.kernels_cached(tuning.cache_dir(), marker)
+    if runner.graphs is not None and not cached:
         with compile_ahead(threads) as ran:
             if ran:
                 runner.compile_steps()
@@ -99,12 +110,15 @@ def warm_up(engine: Engine, threads: int | None = None, every_length: bool | Non
 
         torch.cuda.synchronize(engine.device)
     t3 = time.perf_counter()
+    if marker is not None:  # every kernel this engine needs is now on disk
+        warmup_cache.record(tuning.cache_dir(), marker)
     return WarmUpReport(
         compile_s=round(t1 - t0, 3) if ran else 0.0,
         capture_s=round(t2 - t1, 3) if runner.graphs is not None else 0.0,
         prompts_s=round(t3 - t2, 3),
         threads=threads if ran else 1,
         lengths=lengths,
+        cached=cached,
     )
 
 

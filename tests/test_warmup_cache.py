@@ -1,0 +1,77 @@
+"""The marker that lets a warm start skip the compile pass (engine/warmup_cache.py): written
+after a warm-up, trusted only for the same fingerprint while Triton's cache holds every entry it
+lists. The skip itself only runs on a GPU (the compile pass exists there only)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import engine
+from engine import warmup_cache
+from engine.checkpoint_maker import make_checkpoint
+from engine.options import EngineOptions
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("warmup_cache") / "tiny"
+    make_checkpoint(path, preset="tiny", seed=2)
+    return path
+
+
+@pytest.fixture
+def triton_cache(tmp_path, monkeypatch):
+    cache = tmp_path / "triton"
+    for name in ("AAA", "BBB", "CCC"):
+        (cache / name).mkdir(parents=True)
+    monkeypatch.setattr(warmup_cache, "triton_cache_dir", lambda: cache)
+    return cache
+
+
+def _engine(checkpoint, **kw):
+    return engine.load(checkpoint, device="cpu", max_context=128, warm_up=False, **kw)
+
+
+def test_the_fingerprint_follows_what_decides_the_compiles(checkpoint):
+    a, b = _engine(checkpoint), _engine(checkpoint)
+    other = _engine(checkpoint, max_num_seqs=4)
+    off = _engine(checkpoint, options=EngineOptions(fused_prefill=False))
+    threads = _engine(checkpoint, options=EngineOptions(compile_threads=3))
+    try:
+        lengths = (1, 37)
+        same = warmup_cache.fingerprint(a, lengths)
+        assert same == warmup_cache.fingerprint(b, lengths)
+        assert same == warmup_cache.fingerprint(threads, lengths)  # threads compile, not decide
+        assert same != warmup_cache.fingerprint(a, (1, 38))
+        assert same != warmup_cache.fingerprint(other, lengths)
+        assert same != warmup_cache.fingerprint(off, lengths)
+    finally:
+        for e in (a, b, other, off, threads):
+            e.close()
+
+
+def test_a_marker_is_trusted_only_while_the_cache_holds_its_entries(tmp_path, triton_cache):
+    markers = tmp_path / "kernels"
+    assert not warmup_cache.kernels_cached(markers, "f" * 64)  # none yet
+    warmup_cache.record(markers, "f" * 64)
+    (written,) = markers.glob("warmup-*.json")
+    assert json.loads(written.read_text())["entries"] == ["AAA", "BBB", "CCC"]
+    assert not list(markers.glob(".warmup-*"))  # no temporary left behind
+    assert warmup_cache.kernels_cached(markers, "f" * 64)
+    assert not warmup_cache.kernels_cached(markers, "e" * 64)  # another engine
+    (triton_cache / "BBB").rmdir()  # a cache cleared (in part) since
+    assert not warmup_cache.kernels_cached(markers, "f" * 64)
+
+
+def test_a_damaged_marker_or_an_unwritable_directory_runs_the_pass(tmp_path, triton_cache):
+    markers = tmp_path / "kernels"
+    warmup_cache.record(markers, "f" * 64)
+    (written,) = markers.glob("warmup-*.json")
+    written.write_text("{not json")
+    assert not warmup_cache.kernels_cached(markers, "f" * 64)
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    warmup_cache.record(blocked / "kernels", "f" * 64)  # cannot be made: skipped, no error
+    assert not warmup_cache.kernels_cached(blocked / "kernels", "f" * 64)
