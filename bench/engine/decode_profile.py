@@ -37,7 +37,7 @@ from bench.engine.e2e_bench import E2B_DIR, make, read_as_generate
 from bench.engine.rows import fill_rows, held_rows, step_fn
 
 
-def _kernels_of_trace(path: str) -> list[dict[str, Any]]:
+def kernels_of_trace(path: str) -> list[dict[str, Any]]:
     data = json.loads(Path(path).read_text())
     events = data["traceEvents"] if isinstance(data, dict) else data
     return sorted(
@@ -67,7 +67,7 @@ def profile_decode(eng, depth: int, replays: int = 3, rows: int = 1) -> dict[str
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         trace = f.name
     prof.export_chrome_trace(trace)
-    ks = _kernels_of_trace(trace)
+    ks = kernels_of_trace(trace)
     os.unlink(trace)
     if not ks:
         return {"error": "no kernel events in the trace"}
@@ -114,7 +114,7 @@ def profile_prompt(eng, n: int, whole: bool) -> dict[str, Any]:
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         trace = f.name
     prof.export_chrome_trace(trace)
-    ks = _kernels_of_trace(trace)
+    ks = kernels_of_trace(trace)
     os.unlink(trace)
     by: dict[str, list[float]] = collections.defaultdict(list)
     for e in ks:

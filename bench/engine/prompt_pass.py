@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from bench.engine.decode_profile import _kernels_of_trace
+from bench.engine.decode_profile import kernels_of_trace
 from bench.engine.e2e_bench import E2B_DIR, make
 
 SHAPES = ((1, 511), (4, 511), (8, 511), (16, 127), (1, 2047), (2, 1023))
@@ -71,7 +71,7 @@ def time_pass(eng, segments: int, tokens: int, repeats: int = 7) -> dict[str, An
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         trace = f.name
     prof.export_chrome_trace(trace)
-    kernels = _kernels_of_trace(trace)
+    kernels = kernels_of_trace(trace)
     os.unlink(trace)
     wall = statistics.median(walls)
     return {"segments": segments, "tokens": tokens, "wall_ms": round(wall * 1e3, 2),

@@ -67,10 +67,10 @@ def test_one_launch_per_layer_equals_segment_by_segment(checkpoint, device, monk
     try:
         assert eng.runner.reader is not None
         window = eng.config.sliding_window
-        prompts = [_ids(n, s, eng.model.device) for n, s in ((30, 1), (50, 2), (9, 3))]
+        prompts = [_ids(n, s, eng.model.device) for n, s in ((14, 1), (26, 2), (5, 3))]
         passes = [  # (sequence, tokens) per segment
-            [(0, 12), (1, 20)],  # fresh prompts
-            [(0, 18), (1, 30), (2, 9)],  # continuing over a prefix and a ring; one fresh
+            [(0, 6), (1, 8)],  # fresh prompts
+            [(0, 8), (1, 18), (2, 5)],  # continuing over a prefix and a ring; one fresh
         ]
         assert any(n > window for p in passes for _, n in p)  # a chunk longer than the ring
         used = []
