@@ -45,6 +45,8 @@ def fingerprint(engine: Engine, lengths: tuple[int, ...]) -> str:
     if dev.type == "cuda":
         gpu = (torch.cuda.get_device_name(dev), torch.cuda.get_device_capability(dev))
     options = dataclasses.replace(engine.options, compile_threads=None)
+    plan = engine.batching
+    geo = plan.geometry
     facts = {
         "triton": triton.__version__,
         "torch": torch.__version__,
@@ -52,7 +54,9 @@ def fingerprint(engine: Engine, lengths: tuple[int, ...]) -> str:
         "config": repr(engine.config),
         "dtype": str(engine.dtype),
         "max_context": engine.max_context,
-        "batching": repr(engine.batching),
+        # the plan's shapes, not its pool size (num_blocks follows the memory left at load;
+        # no kernel specialises on it: the pool's row count is no launch argument)
+        "batching": [plan.max_num_seqs, plan.prefill_budget, geo.block_size, geo.ring_slots],
         "options": repr(options),
         "lengths": list(lengths),
     }

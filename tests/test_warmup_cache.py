@@ -4,6 +4,7 @@ lists. The skip itself only runs on a GPU (the compile pass exists there only)."
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -44,6 +45,10 @@ def test_the_fingerprint_follows_what_decides_the_compiles(checkpoint):
         same = warmup_cache.fingerprint(a, lengths)
         assert same == warmup_cache.fingerprint(b, lengths)
         assert same == warmup_cache.fingerprint(threads, lengths)  # threads compile, not decide
+        plan = b.batching  # a pool of other size (the memory left at load): the same kernels
+        b.batching = dataclasses.replace(plan, budget_bytes=plan.budget_bytes * 2, geometry=(
+            dataclasses.replace(plan.geometry, num_blocks=plan.geometry.num_blocks * 2)))  # fmt: skip
+        assert same == warmup_cache.fingerprint(b, lengths)
         assert same != warmup_cache.fingerprint(a, (1, 38))
         assert same != warmup_cache.fingerprint(other, lengths)
         assert same != warmup_cache.fingerprint(off, lengths)
