@@ -80,3 +80,22 @@ def test_engine_serve_reports_them(checkpoint):
         assert "gpurig engine: answered its first requests in-process in" in log, log
     finally:
         server.stop()
+
+
+def test_an_app_that_raises_is_reported_not_fatal():
+    """Whatever goes wrong in them, the server still starts: the line says what happened."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from engine.server.first_requests import answer_first_requests
+
+    async def broken(scope, receive, send):
+        raise RuntimeError("boom")
+
+    state = SimpleNamespace(
+        options=ServerOptions(), limits=SimpleNamespace(max_tokens=None), model_name="m",
+        chat=None, engine=object(), metrics=SimpleNamespace(reset=lambda: None),
+        encode=lambda text, special, param: [2, 10],
+    )  # fmt: skip
+    line = asyncio.run(answer_first_requests(broken, state))
+    assert "not all answered" in line and "RuntimeError: boom" in line
