@@ -45,6 +45,18 @@ def kernels_of_trace(path: str) -> list[dict[str, Any]]:
     )
 
 
+def profiled_kernels(prof) -> list[dict[str, Any]]:
+    """The GPU kernels a finished torch.profiler run recorded (through its Chrome trace, the
+    one export that keeps kernels launched inside CUDA graphs), in start order."""
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+        trace = f.name
+    try:
+        prof.export_chrome_trace(trace)
+        return kernels_of_trace(trace)
+    finally:
+        os.unlink(trace)
+
+
 def _short(name: str) -> str:
     return name.split("(")[0].split("<")[0][:60]
 
@@ -64,11 +76,7 @@ def profile_decode(eng, depth: int, replays: int = 3, rows: int = 1) -> dict[str
             for _ in range(replays):
                 dec(tok, pos)
             torch.cuda.synchronize()
-    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
-        trace = f.name
-    prof.export_chrome_trace(trace)
-    ks = kernels_of_trace(trace)
-    os.unlink(trace)
+    ks = profiled_kernels(prof)
     if not ks:
         return {"error": "no kernel events in the trace"}
     # every replay launches the same kernels: the last 1/replays of the records is one replay
@@ -111,11 +119,7 @@ def profile_prompt(eng, n: int, whole: bool) -> dict[str, Any]:
         read_as_generate(eng, prompt, whole=whole)
         torch.cuda.synchronize()
         wall = time.perf_counter() - t0
-    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
-        trace = f.name
-    prof.export_chrome_trace(trace)
-    ks = kernels_of_trace(trace)
-    os.unlink(trace)
+    ks = profiled_kernels(prof)
     by: dict[str, list[float]] = collections.defaultdict(list)
     for e in ks:
         by[_short(e["name"])].append(e["dur"])

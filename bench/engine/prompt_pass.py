@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from bench.engine.decode_profile import kernels_of_trace
+from bench.engine.decode_profile import profiled_kernels
 from bench.engine.e2e_bench import E2B_DIR, make
 
 SHAPES = ((1, 511), (4, 511), (8, 511), (16, 127), (1, 2047), (2, 1023))
@@ -68,11 +68,7 @@ def time_pass(eng, segments: int, tokens: int, repeats: int = 7) -> dict[str, An
     with torch.profiler.profile(activities=acts) as prof:
         _pass(eng, segments, tokens, 99)
         torch.cuda.synchronize()
-    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
-        trace = f.name
-    prof.export_chrome_trace(trace)
-    kernels = kernels_of_trace(trace)
-    os.unlink(trace)
+    kernels = profiled_kernels(prof)
     wall = statistics.median(walls)
     return {"segments": segments, "tokens": tokens, "wall_ms": round(wall * 1e3, 2),
             "tok_s": round(segments * tokens / wall), "walls_ms": [round(w * 1e3, 2) for w in walls],
@@ -85,7 +81,6 @@ def count_ops(segments: int, tokens: int = 40) -> dict[str, dict[str, Any]]:
     Triton kernels, and the Triton launches, of one pass of `segments` fresh prompts on the
     tiny preset (Triton's interpreter: set TRITON_INTERPRET=1 before importing Triton)."""
     import collections
-    import tempfile
 
     from torch.utils._python_dispatch import TorchDispatchMode
 
