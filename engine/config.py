@@ -277,7 +277,7 @@ def _text_config(
 
     rope_raw = text.get("rope_parameters") or _DEFAULT_ROPE
     rope: dict[str, RopeSpec] = {}
-    for kind in set(layer_types):
+    for kind in sorted(set(layer_types)):  # one order in every process (the repr is hashed)
         params = rope_raw.get(kind) or _DEFAULT_ROPE[kind]
         first = layer_types.index(kind)
         rope[kind] = RopeSpec(

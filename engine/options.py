@@ -13,8 +13,8 @@ the environment.
 |                           |                     | Triton path on any device (CPU interpreter)      |         |
 | GPURIG_CUDA_GRAPH         | cuda_graph          | "0": fused kernels, decoded without a graph      | on      |
 | GPURIG_FAST_PREFILL       | fused_prefill       | "0": prompt chunks through the model's own code  | on      |
-| GPURIG_PASS_ATTENTION     | pass_attention      | "1": a prompt pass's segments attend in one      | off     |
-|                           |                     | kernel per layer (unmeasured on a GPU so far)    |         |
+| GPURIG_PASS_ATTENTION     | pass_attention      | "0": a prompt pass's segments attend one by one, | on      |
+|                           |                     | not in one kernel per layer                      |         |
 | GPURIG_GEMV_H2            | half2_gemv          | "0": exact fp32-unpack GEMV instead of half2     | on      |
 | GPURIG_PREFIX_SDPA        | prefix_sdpa         | "0": a full layer's cached prefix by the online  | on      |
 |                           |                     | softmax slices instead of torch's efficient SDPA |         |
@@ -57,7 +57,7 @@ class EngineOptions:
     fast: FastMode = "on"  # Triton kernels + fused decode on CUDA; "force": on any device
     cuda_graph: bool = True  # replay the decode step as a CUDA graph (CUDA only)
     fused_prefill: bool = True  # prompt chunks through engine/fast/prefill.py
-    pass_attention: bool = False  # a pass's segments in one kernel per layer (unmeasured)
+    pass_attention: bool = True  # a pass's segments in one kernel per layer
     half2_gemv: bool = True  # 16-bit GEMV multiplies in half2 (fp32 unpack when False)
     prefix_sdpa: bool = True  # a full layer's prefix through torch's efficient attention
     expandable_segments: bool = True  # under a memory cap, grow allocator segments in place
@@ -90,7 +90,7 @@ class EngineOptions:
             fast=fast,
             cuda_graph=_flag(env, "GPURIG_CUDA_GRAPH"),
             fused_prefill=_flag(env, "GPURIG_FAST_PREFILL"),
-            pass_attention=_flag(env, "GPURIG_PASS_ATTENTION", default=False),
+            pass_attention=_flag(env, "GPURIG_PASS_ATTENTION"),
             half2_gemv=_flag(env, "GPURIG_GEMV_H2"),
             prefix_sdpa=_flag(env, "GPURIG_PREFIX_SDPA"),
             expandable_segments=_flag(env, "GPURIG_EXPANDABLE_SEGMENTS"),

@@ -7,10 +7,10 @@ compiles per specialisation (an integer argument equal to 1, or a multiple of 16
 apart), and cuBLAS loads its kernels for each kind of size at first use. Warmed up with a
 one-token prompt only, the first real request waited seconds for them. The lengths read here
 give each a run: one token, a length that is no multiple of 16, the powers of two from 64 to
-1,024 (cuBLAS picks, and lazily loads, other kernels as the rows grow: a first 512-token prompt
-still waited 2.3x its warm time with only 64 and 2,085 warmed), one longer than the prefill
-budget (two chunks, the second over a cached prefix), and two prompts read in one pass when the
-engine batches.
+the prefill budget (cuBLAS picks, and lazily loads, other kernels as the rows grow: a first
+512-token prompt still waited 2.3x its warm time with only 64 and 2,085 warmed), one longer
+than the budget (two chunks, the second over a cached prefix), and two prompts read in one pass
+when the engine batches.
 
 Order on CUDA with graphs: first a compile pass inside engine.kernels.launch.compile_ahead (the
 step of every bucket and the warm-up prompts, their kernels compiled on `compile_threads`
@@ -50,6 +50,7 @@ class WarmUpReport:
     threads: int  # compile threads of the compile pass (1: none ran, kernels compiled in order)
     lengths: tuple[int, ...]  # the warm-up prompts' lengths
     cached: bool = False  # the compile pass was skipped: every kernel was on disk already
+    why_compiled: str = ""  # why the compile pass ran (engine/warmup_cache.py's cache_miss)
 
     @property
     def total_s(self) -> float:
@@ -61,7 +62,10 @@ class WarmUpReport:
         if self.cached:
             parts.append("kernels cached from an earlier start, compile pass skipped")
         if self.threads > 1:
-            parts.append(f"kernels compiled on {self.threads} threads in {self.compile_s:.1f} s")
+            why = f", {self.why_compiled}" if self.why_compiled else ""
+            parts.append(
+                f"kernels compiled on {self.threads} threads in {self.compile_s:.1f} s{why}"
+            )
         if self.capture_s:
             parts.append(f"graphs captured in {self.capture_s:.1f} s")
         sizes = "/".join(str(n) for n in self.lengths)
@@ -73,7 +77,8 @@ class WarmUpReport:
 def prompt_lengths(max_context: int, budget: int) -> tuple[int, ...]:
     """The warm-up prompts' lengths, each leaving room for its two new tokens."""
     room = max(1, max_context - 2)
-    wanted = (1, SPLIT_TAIL, *(1 << e for e in range(6, 11)), budget + SPLIT_TAIL)
+    powers = (1 << e for e in range(6, max(budget.bit_length(), 11)))  # 64 .. the budget
+    wanted = (1, SPLIT_TAIL, *powers, budget + SPLIT_TAIL)
     return tuple(sorted({min(n, room) for n in wanted}))
 
 
@@ -89,11 +94,13 @@ def warm_up(engine: Engine, threads: int | None = None, every_length: bool | Non
     runner = engine.runner
     threads = default_threads() if threads is None else threads
     ran = cached = False
-    marker = None
+    marker, now, why = None, None, ""
     t0 = time.perf_counter()
     if runner.graphs is not None:
-        marker = warmup_cache.fingerprint(engine, lengths)
-        cached = warmup_cache.kernels_cached(tuning.cache_dir(), marker)
+        now = warmup_cache.facts(engine, lengths)
+        marker = warmup_cache.fingerprint_of(now)
+        why = warmup_cache.cache_miss(tuning.cache_dir(), marker, now)
+        cached = not why
     if runner.graphs is not None and not cached:
         with compile_ahead(threads) as ran:
             if ran:
@@ -111,7 +118,7 @@ def warm_up(engine: Engine, threads: int | None = None, every_length: bool | Non
         torch.cuda.synchronize(engine.device)
     t3 = time.perf_counter()
     if marker is not None:  # every kernel this engine needs is now on disk
-        warmup_cache.record(tuning.cache_dir(), marker)
+        warmup_cache.record(tuning.cache_dir(), marker, now)
     return WarmUpReport(
         compile_s=round(t1 - t0, 3) if ran else 0.0,
         capture_s=round(t2 - t1, 3) if runner.graphs is not None else 0.0,
@@ -119,6 +126,7 @@ def warm_up(engine: Engine, threads: int | None = None, every_length: bool | Non
         threads=threads if ran else 1,
         lengths=lengths,
         cached=cached,
+        why_compiled=why if ran else "",
     )
 
 

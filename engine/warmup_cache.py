@@ -27,8 +27,8 @@ if TYPE_CHECKING:
 _SOURCES = ("kernels", "fast")  # engine/ subpackages whose code decides what Triton compiles
 
 
-def fingerprint(engine: Engine, lengths: tuple[int, ...]) -> str:
-    """A hash of what decides the warm-up's compiles (see the module docstring)."""
+def facts(engine: Engine, lengths: tuple[int, ...]) -> dict[str, Any]:
+    """What decides the warm-up's compiles (see the module docstring), as plain values."""
     import dataclasses
 
     import torch
@@ -43,11 +43,12 @@ def fingerprint(engine: Engine, lengths: tuple[int, ...]) -> str:
     dev = engine.device
     gpu: Any = dev.type
     if dev.type == "cuda":
-        gpu = (torch.cuda.get_device_name(dev), torch.cuda.get_device_capability(dev))
+        gpu = [torch.cuda.get_device_name(dev), list(torch.cuda.get_device_capability(dev))]
     options = dataclasses.replace(engine.options, compile_threads=None)
     plan = engine.batching
     geo = plan.geometry
-    facts = {
+    return {
+        "sources": h.hexdigest(),
         "triton": triton.__version__,
         "torch": torch.__version__,
         "gpu": gpu,
@@ -60,8 +61,16 @@ def fingerprint(engine: Engine, lengths: tuple[int, ...]) -> str:
         "options": repr(options),
         "lengths": list(lengths),
     }
-    h.update(json.dumps(facts, sort_keys=True, default=str).encode())
-    return h.hexdigest()
+
+
+def fingerprint(engine: Engine, lengths: tuple[int, ...]) -> str:
+    """A hash of `facts`: one engine's marker name."""
+    return fingerprint_of(facts(engine, lengths))
+
+
+def fingerprint_of(values: dict[str, Any]) -> str:
+    """The hash of facts already gathered."""
+    return hashlib.sha256(json.dumps(values, sort_keys=True, default=str).encode()).hexdigest()
 
 
 def triton_cache_dir() -> Path | None:
@@ -81,22 +90,47 @@ def _marker(directory: Path, print_: str) -> Path:
 def kernels_cached(directory: Path, print_: str) -> bool:
     """True when a marker for this fingerprint exists and Triton's cache still holds every
     entry it lists."""
+    return not cache_miss(directory, print_)
+
+
+def cache_miss(directory: Path, print_: str, now: dict[str, Any] | None = None) -> str:
+    """Why the compile pass must run ("" when it need not): no marker, Triton's cache moved or
+    lost entries. `now` (this engine's `facts`) names what differs from the newest other
+    marker when there is none for this fingerprint, so a start that compiles again says why."""
     cache = triton_cache_dir()
     try:
         marker = json.loads(_marker(directory, print_).read_text())
     except (OSError, ValueError):
-        return False
+        return _no_marker(directory, now)
     if cache is None or marker.get("fingerprint") != print_ or str(cache) != marker.get("cache"):
-        return False
+        return f"Triton's cache is not where the marker's was ({marker.get('cache')})"
     entries = marker.get("entries")
     if not isinstance(entries, list) or not entries:
-        return False
-    return all((cache / str(name)).is_dir() for name in entries)
+        return "the marker lists no Triton cache entries"
+    gone = [name for name in entries if not (cache / str(name)).is_dir()]
+    if gone:
+        return f"{len(gone)} of {len(entries)} Triton cache entries are gone"
+    return ""
 
 
-def record(directory: Path, print_: str) -> None:
-    """Leave the marker (atomically; a directory that cannot be written is skipped: the next
-    start then runs the pass, as now)."""
+def _no_marker(directory: Path, now: dict[str, Any] | None) -> str:
+    try:
+        others = sorted(directory.glob("warmup-*.json"), key=lambda p: p.stat().st_mtime)
+    except OSError:
+        others = []
+    if not others or now is None:
+        return "no earlier warm-up of this engine"
+    try:
+        then = json.loads(others[-1].read_text()).get("facts") or {}
+    except (OSError, ValueError):
+        return "no earlier warm-up of this engine"
+    differ = sorted(k for k in set(now) | set(then) if now.get(k) != then.get(k))
+    return f"an earlier warm-up differs in {', '.join(differ) or 'nothing recorded'}"
+
+
+def record(directory: Path, print_: str, now: dict[str, Any] | None = None) -> None:
+    """Leave the marker, with this engine's `facts` when given (atomically; a directory that
+    cannot be written is skipped: the next start then runs the pass, as now)."""
     cache = triton_cache_dir()
     if cache is None or not cache.is_dir():
         return
@@ -104,6 +138,7 @@ def record(directory: Path, print_: str) -> None:
         "fingerprint": print_,
         "cache": str(cache),
         "entries": sorted(p.name for p in cache.iterdir() if p.is_dir()),
+        "facts": now,
     }
     try:
         directory.mkdir(parents=True, exist_ok=True)

@@ -113,12 +113,12 @@ def test_options_from_the_environment() -> None:
     opts = EngineOptions.from_env({"GPURIG_FAST": "force", "GPURIG_CUDA_GRAPH": "0",
                                    "GPURIG_FAST_PREFILL": "0", "GPURIG_GEMV_H2": "0",
                                    "GPURIG_PREFIX_SDPA": "0", "GPURIG_EXPANDABLE_SEGMENTS": "0",
-                                   "GPURIG_KERNEL_AUTOTUNE": "0", "GPURIG_PASS_ATTENTION": "1",
+                                   "GPURIG_KERNEL_AUTOTUNE": "0", "GPURIG_PASS_ATTENTION": "0",
                                    "GPURIG_KERNEL_CACHE": "/tmp/k"})  # fmt: skip
     assert opts == EngineOptions(fast="force", cuda_graph=False, fused_prefill=False,
                                  half2_gemv=False, prefix_sdpa=False, expandable_segments=False,
                                  autotune=False, tuning_cache_dir=Path("/tmp/k"),
-                                 pass_attention=True)  # fmt: skip
+                                 pass_attention=False)  # fmt: skip
     assert EngineOptions.from_env({"GPURIG_FAST": "0"}).fast == "off"
     with pytest.raises(ValueError, match="fast"):
         EngineOptions(fast="sometimes")  # type: ignore[arg-type]

@@ -80,3 +80,33 @@ def test_a_damaged_marker_or_an_unwritable_directory_runs_the_pass(tmp_path, tri
     blocked.write_text("")
     warmup_cache.record(blocked / "kernels", "f" * 64)  # cannot be made: skipped, no error
     assert not warmup_cache.kernels_cached(blocked / "kernels", "f" * 64)
+
+
+def test_the_reason_a_start_compiles_names_what_changed(tmp_path, triton_cache):
+    markers = tmp_path / "kernels"
+    before = {"sources": "s1", "options": "o1", "lengths": [1, 37]}
+    assert warmup_cache.cache_miss(markers, "f" * 64, before) == "no earlier warm-up of this engine"
+    warmup_cache.record(markers, "f" * 64, before)
+    assert warmup_cache.cache_miss(markers, "f" * 64, before) == ""
+    after = {**before, "options": "o2", "lengths": [1, 38]}
+    why = warmup_cache.cache_miss(markers, "e" * 64, after)
+    assert why == "an earlier warm-up differs in lengths, options", why
+    (triton_cache / "AAA").rmdir()
+    assert (
+        warmup_cache.cache_miss(markers, "f" * 64, before) == "1 of 3 Triton cache entries are gone"
+    )
+
+
+def test_the_fingerprint_is_the_same_in_every_process(checkpoint):
+    """The model config's repr is hashed: a field built from a set once came out in another order
+    per process (string hashes are salted), and a warm start then compiled everything again."""
+    import subprocess
+    import sys
+
+    code = f"from engine.config import load_config; print(repr(load_config({str(checkpoint)!r})))"
+    reprs = {
+        subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                       env={**__import__("os").environ, "PYTHONHASHSEED": str(seed)}).stdout
+        for seed in range(6)
+    }  # fmt: skip
+    assert len(reprs) == 1, reprs

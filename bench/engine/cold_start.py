@@ -16,7 +16,9 @@ cache directory and kernel-tuning cache:
 Ready is the time from the process's start to /health answering 200. Then, for each length, one
 streamed /v1/completions request on token ids (the first of that length: it pays whatever the
 warm-up left), then two more of the same length on other ids (warm); the time to first token is
-the client's, from sending to the first streamed token. The server's own warm-up line is kept.
+the client's, from sending to the first streamed token. Last, after IDLE_S seconds idle, one
+more request of the first length (seen already): what idleness alone costs. The server's own
+warm-up line is kept.
 """
 
 from __future__ import annotations
@@ -44,6 +46,9 @@ VARIANTS = {
     "cold_serial": {"fresh": True, "env": {"GPURIG_COMPILE_THREADS": "1"}},
     "warm_no_first": {"fresh": False, "env": {"GPURIG_FIRST_REQUESTS": "0"}},
 }
+
+
+IDLE_S = 3.0  # the pause before the after-idle request
 
 
 def _free_port() -> int:
@@ -115,6 +120,13 @@ def run_variant(name: str, args: argparse.Namespace, dirs: dict[str, Path]) -> d
                              "warm_ttft_ms": round(median * 1000, 1),
                              "ratio": round(first / median, 2)})  # fmt: skip
             out["requests"] = rows
+            # the first length once more, after the server sat idle: a first request that pays
+            # for idleness (clocks, a sleeping engine thread) and not for a missing warm-up pays
+            # here too, while a kernel loaded at first use does not
+            time.sleep(IDLE_S)
+            idle = _ttft(client, url, model, _ids(args.lengths[0], 3, args.vocab))
+            out["after_idle"] = {"tokens": args.lengths[0], "idle_s": IDLE_S,
+                                 "ttft_ms": round(idle * 1000, 1)}  # fmt: skip
     finally:
         proc.terminate()
         try:
@@ -151,7 +163,10 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"unknown variant {name!r}: use {', '.join(VARIANTS)}")
         res = run_variant(name, args, dirs)
         results.append(res)
-        print(json.dumps({k: res.get(k) for k in ("variant", "ready_s", "requests")}), flush=True)
+        print(
+            json.dumps({k: res.get(k) for k in ("variant", "ready_s", "requests", "after_idle")}),
+            flush=True,
+        )
         write_atomic(Path(args.out), json.dumps(results, indent=1) + "\n")
     return 0
 

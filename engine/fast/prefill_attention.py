@@ -12,7 +12,7 @@ It applies where the kernel does: every segment's cache a view of one `KVPool`, 
 short enough that re-reading it per query block stays cheap (`PREFIX_LIMIT`; a long prompt's
 later chunks keep `engine.attention.attend_chunk`, whose prefix goes through torch's
 memory-efficient kernel). Elsewhere `plan` says None and the segment-by-segment path runs.
-Off by default (`EngineOptions.pass_attention`) until its speed is measured on a GPU.
+On by default; `EngineOptions.pass_attention=False` (GPURIG_PASS_ATTENTION=0) keeps the old path.
 """
 
 from __future__ import annotations

@@ -60,7 +60,6 @@ def _read(eng, joint: bool, passes, prompts):
 def test_one_launch_per_layer_equals_segment_by_segment(checkpoint, device, monkeypatch):
     # the kernel runs 16-bit on a GPU (fp32 keeps the segment path there), fp32 interpreted
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
     eng = engine.load(checkpoint, device=device, max_context=CTX, dtype=dtype,
                       options=EngineOptions(fast="force", cuda_graph=False), max_num_seqs=4,
                       warm_up=False)  # fmt: skip
@@ -81,11 +80,32 @@ def test_one_launch_per_layer_equals_segment_by_segment(checkpoint, device, monk
         assert used and all(p is not None for p in used)  # the pass kernel really ran
         each = _read(eng, False, passes, prompts)
         assert joint.keys() == each.keys()
+        if dtype == torch.float32:  # the same sums in the same order: equal to rounding
+            for key, (k, v, pos) in joint.items():
+                k2, v2, pos2 = each[key]
+                assert torch.equal(pos, pos2), key
+                torch.testing.assert_close(k, k2, rtol=1e-5, atol=1e-5, msg=str(key))
+                torch.testing.assert_close(v, v2, rtol=1e-5, atol=1e-5, msg=str(key))
+            return
+        # 16-bit: the two paths round in different places (online softmax against a full one),
+        # and the difference grows layer by layer; each is held to an fp32 reference instead,
+        # the pass no further from it than the segment path is (or than bf16's own step).
+        ref_eng = engine.load(checkpoint, device=device, max_context=CTX, dtype=torch.float32,
+                              options=EngineOptions(fast="force", cuda_graph=False),
+                              max_num_seqs=4, warm_up=False)  # fmt: skip
+        try:
+            ref = _read(ref_eng, False, passes, prompts)
+        finally:
+            ref_eng.close()
         for key, (k, v, pos) in joint.items():
             k2, v2, pos2 = each[key]
-            assert torch.equal(pos, pos2), key
-            torch.testing.assert_close(k, k2, rtol=tol, atol=tol, msg=str(key))
-            torch.testing.assert_close(v, v2, rtol=tol, atol=tol, msg=str(key))
+            kr, vr, posr = ref[key]
+            assert torch.equal(pos, pos2) and torch.equal(pos, posr), key
+            for name, got, seg, want in (("k", k, k2, kr), ("v", v, v2, vr)):
+                err = (got.float() - want).abs().max().item()
+                seg_err = (seg.float() - want).abs().max().item()
+                floor = 1e-2 * max(want.abs().max().item(), 1.0)
+                assert err <= max(2 * seg_err, floor), (key, name, err, seg_err, floor)
     finally:
         eng.close()
 
