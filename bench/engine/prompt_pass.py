@@ -10,6 +10,9 @@ launches, for 1 and 4 fresh segments both ways: on a GPU each such op is a kerne
 host pays for, whatever the model's size, so the counts say what the GPU run should save; it
 runs the tiny preset on Triton's CPU interpreter.
 
+`host` (a GPU): where a pass's host time goes, by cProfile (1 x 511, 4 x 511, 1 x 2,047, and
+1 x 511 again last, in case the first shape after a load pays for something else).
+
 `time`: for each shape (segments x tokens; the sweep's 512-token prompts arrive as 511-token
 bodies, the last token going through the decode step) and each arrangement: the median wall time of a pass
 (host and GPU, synchronised), prompt tokens per second, and, under the profiler once, the
@@ -74,6 +77,39 @@ def time_pass(eng, segments: int, tokens: int, repeats: int = 7) -> dict[str, An
             "tok_s": round(segments * tokens / wall), "walls_ms": [round(w * 1e3, 2) for w in walls],
             "kernels": len(kernels),
             "kernel_ms": round(sum(e["dur"] for e in kernels) / 1e3, 2)}  # fmt: skip
+
+
+def host_profile(eng, segments: int, tokens: int, passes: int = 5, top: int = 25) -> dict[str, Any]:
+    """Where a pass's host time goes: the median wall of `passes` plain passes, then the same
+    passes under cProfile, its functions by own time and by cumulative time, per pass."""
+    import cProfile
+    import pstats
+
+    for i in range(2):
+        _pass(eng, segments, tokens, i)
+    torch.cuda.synchronize()
+    walls = []
+    for i in range(passes):
+        t0 = time.perf_counter()
+        _pass(eng, segments, tokens, 10 + i)
+        torch.cuda.synchronize()
+        walls.append(time.perf_counter() - t0)
+    prof = cProfile.Profile()
+    prof.enable()
+    for i in range(passes):
+        _pass(eng, segments, tokens, 20 + i)
+    torch.cuda.synchronize()
+    prof.disable()
+    rows = []
+    for (file, line, fn), (_, calls, own, cum, _) in pstats.Stats(prof).stats.items():  # type: ignore[attr-defined]
+        where = f"{'/'.join(Path(file).parts[-2:])}:{line} {fn}"
+        rows.append({"where": where, "calls": round(calls / passes, 1),
+                     "own_ms": round(own * 1e3 / passes, 3),
+                     "cum_ms": round(cum * 1e3 / passes, 3)})  # fmt: skip
+    return {"segments": segments, "tokens": tokens,
+            "wall_ms": round(statistics.median(walls) * 1e3, 2),
+            "by_own": sorted(rows, key=lambda r: -r["own_ms"])[:top],
+            "by_cum": sorted(rows, key=lambda r: -r["cum_ms"])[:top]}  # fmt: skip
 
 
 def count_ops(segments: int, tokens: int = 40) -> dict[str, dict[str, Any]]:
@@ -154,7 +190,7 @@ def count_ops(segments: int, tokens: int = 40) -> dict[str, dict[str, Any]]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("part", choices=["time", "ops"])
+    ap.add_argument("part", choices=["time", "ops", "host"])
     ap.add_argument("--ckpt", default=str(E2B_DIR))
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "prompt_pass.json"))
     args = ap.parse_args(argv)
@@ -173,6 +209,14 @@ def main(argv: list[str] | None = None) -> int:
     make(Path(args.ckpt))
     eng = engine.load(Path(args.ckpt), device="cuda", max_context=8192, max_num_seqs=16)
     reader = eng.runner.reader
+    if args.part == "host":
+        rows = [host_profile(eng, n, t) for n, t in ((1, 511), (4, 511), (1, 2047), (1, 511))]
+        Path(args.out).write_text(json.dumps({"card": torch.cuda.get_device_name(0), "rows": rows},
+                                             indent=1))  # fmt: skip
+        for r in rows:
+            print(r["segments"], r["tokens"], r["wall_ms"], json.dumps(r["by_cum"][:12]))
+        eng.close()
+        return 0
     res: dict[str, Any] = {"card": torch.cuda.get_device_name(0), "torch": torch.__version__,
                            "rows": []}  # fmt: skip
     for segments, tokens in SHAPES:
