@@ -31,7 +31,7 @@ from engine.kernels.tuning import configure as configure_tuning
 from engine.kv_pool import KVPool
 from engine.memory import MemoryReport, apply_memory_cap, build_report, plan_prompt
 from engine.model import Gemma4Model
-from engine.options import EngineConfig, EngineOptions, default_dtype
+from engine.options import EngineConfig, EngineOptions, default_dtype, triton_interpreted
 from engine.runner import Launched, ModelRunner, make_kernels, prefill_chunk_for
 from engine.sampling import SamplingParams, check_prompt
 from engine.scheduler import Scheduler, SchedulerStats
@@ -213,6 +213,13 @@ def load(path: str | Path, config: EngineConfig | None = None, **fields: object)
     if not model_dir.is_dir():
         raise CheckpointError(f"{model_dir} is not a directory", "pass a checkpoint directory")
     dev = _device(config.device)
+    if options.fast == "force" and dev.type == "cpu" and not triton_interpreted():
+        raise EngineError(
+            "fast='force' (GPURIG_FAST=force) runs the Triton kernels on the CPU, which only "
+            "Triton's interpreter can, and TRITON_INTERPRET=1 is not set",
+            "set TRITON_INTERPRET=1 in the environment before starting (Triton reads it when "
+            "the kernels are imported), or leave GPURIG_FAST at its default on the CPU",
+        )
     compute_dtype = config.dtype or default_dtype(dev.type, _capability(dev))
     cfg = load_config(model_dir)
     limit = cfg.max_position_embeddings

@@ -146,11 +146,17 @@ def test_the_backend_is_chosen_once_at_load(tmp_path, monkeypatch) -> None:
     changed afterwards changes nothing."""
     import engine
     from engine.checkpoint_maker import make_checkpoint
+    from engine.errors import EngineError
     from engine.fast.ops_fast import FastOps
     from engine.ops import Ops
+    from engine.options import triton_interpreted
 
     make_checkpoint(tmp_path, preset="tiny", seed=1)
     ref = engine.load(tmp_path, device="cpu", max_context=64, options=EngineOptions(fast="off"))
+    if not triton_interpreted():  # this file alone: tests/kernels/conftest.py sets it for the suite
+        with pytest.raises(EngineError, match="TRITON_INTERPRET=1"):
+            engine.load(tmp_path, device="cpu", max_context=64, options=EngineOptions(fast="force"))
+        return
     fast = engine.load(tmp_path, device="cpu", max_context=64, options=EngineOptions(fast="force"))
     assert type(ref.model.ops) is Ops and isinstance(fast.model.ops, FastOps)
     # the runner's arrangement, chosen once: the fused batched step (one row included) or the
