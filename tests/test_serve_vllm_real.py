@@ -57,7 +57,12 @@ from tools.serving.failures import diagnose
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
 START_TIMEOUT_S = 900
-W4A16_HERE = preflight.cpu_has_avx512() is not False
+W4A16_HERE = preflight.cpu_has_avx512() is not False  # the refusals and the doctor's warning
+# vLLM's CPU build runs W4A16 only with its _C_AVX512 kernels, in float32: an AVX-512 BF16 CPU
+# loads _C (no float32 path; in bfloat16 its first request killed the engine core on CI's EPYC,
+# 2026-12-03), so the shared server serves the same tiny shape unquantized there and on AVX2
+SHARED_W4A16 = W4A16_HERE and preflight.cpu_has_avx512_bf16() is False
+SHARED_DTYPE = "float32" if SHARED_W4A16 else "auto"
 # Eager: no minute-long warm-up compile (and an idle CPU build spins a core). The compiled default
 # (what `gpurig serve start` runs unless told otherwise) with GPURIG_TEST_VLLM_COMPILE=1.
 SHARED_FLAGS = [] if os.environ.get("GPURIG_TEST_VLLM_COMPILE") == "1" else ["--enforce-eager"]
@@ -143,7 +148,16 @@ def _run_clis(live: Live, gpurig_bin: str, env: dict[str, str]) -> dict[str, sub
     venv_bin = Path(live.python).parent
     runs = {
         "doctor": [gpurig_bin, "doctor", "--python", live.python, "--json"],
-        "gpu_torchvision": [gpurig_bin, "gpu", "--python", live.torchvision_python, "--json"],
+        # a probe limit for a machine busy with five vLLM starts (the default 120 s ran out on CI)
+        "gpu_torchvision": [
+            gpurig_bin,
+            "gpu",
+            "--python",
+            live.torchvision_python,
+            "--json",
+            "--timeout",
+            "600",
+        ],  # fmt: skip
         "patch_verify": [gpurig_bin, "patch", "verify", "--python", live.python, "--json"],
         "patch_apply": [gpurig_bin, "patch", "apply", "--python", live.python],
         # the console script pip installed: its CLI main asks for a distribution named vllm
@@ -165,7 +179,7 @@ async def _first_session(params: StdioServerParameters, live: Live, port: int) -
     async with Client(params, read_timeout_seconds=START_TIMEOUT_S + 60) as client:
         args = {"model": str(live.tiny), "name": "cpu", "python_bin": live.python, "port": port,
                 "max_model_len": 1024, "cpu_kv_cache_gib": 1, "timeout_s": START_TIMEOUT_S,
-                "extra_args": SHARED_FLAGS}  # fmt: skip
+                "extra_args": SHARED_FLAGS, "dtype": SHARED_DTYPE}  # fmt: skip
         return ServerRecord.model_validate(
             await _call(client, "start_vllm_server", args, progress_callback=on_progress)
         )
@@ -179,9 +193,9 @@ def live(vllm_cpu_python: str, gpurig_bin: str, tmp_path_factory: pytest.TempPat
     mp.setenv("GPURIG_HOME", str(home))
     env = {**os.environ, "GPURIG_HOME": str(home)}
     live = Live(home=home, python=vllm_cpu_python, tiny=root / "tiny")
-    # W4A16 where the CPU has AVX-512; without it vLLM's AVX2 kernels have no cpu_gemm_wna16
-    # (gpurig refuses that pair: test_our_refusals), so the same tiny shape in bf16
-    make_checkpoint(live.tiny, preset="tiny", seed=0, quantized=W4A16_HERE)
+    # W4A16 where vLLM's CPU build runs it (SHARED_W4A16); without AVX-512 its AVX2 kernels have
+    # no cpu_gemm_wna16 (gpurig refuses that pair: test_our_refusals): the same tiny shape in bf16
+    make_checkpoint(live.tiny, preset="tiny", seed=0, quantized=SHARED_W4A16)
     clis: dict[str, subprocess.Popen] = {}
     t0 = time.monotonic()
     box: dict[str, object] = {}
@@ -283,7 +297,7 @@ def test_shared_server_ready_with_the_cpu_builds_facts(live: Live):
     assert facts.kv_cache_tokens and facts.kv_cache_tokens > 100_000
     assert facts.max_concurrency_tokens == 1024 and facts.max_concurrency
     assert facts.kv_cache_memory_gib == 1.0
-    if W4A16_HERE:
+    if SHARED_W4A16:
         assert facts.linear_kernel == "CPUWNA16LinearKernel"
     assert facts.attention_backend == "CPU_ATTN"
     assert facts.load_seconds is not None and facts.engine_init_seconds
@@ -411,6 +425,8 @@ def test_doctor_gpu_and_patch_tools_say_cpu_build(live: Live):
     rc, out = live.commands["gpu_torchvision"]
     gpu = json.loads(out)
     assert rc == 1 and gpu["verdict"] == "fail"
+    codes = [d["code"] for d in gpu["diagnoses"]]
+    assert "torchvision_mismatch" in codes, (codes, out[-2000:])
     (tv,) = [d for d in gpu["diagnoses"] if d["code"] == "torchvision_mismatch"]
     assert "torchvision::nms" in tv["message"]
     assert tv["remedy"].startswith(f"{live.torchvision_python} -m pip uninstall -y torchvision")

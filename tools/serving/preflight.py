@@ -371,7 +371,9 @@ def check_cpu_kernels(
                 "AVX-512 BF16 it loads its vllm/_C kernels, whose cpu_gemm_wna16 has no float32 "
                 'path (the first request would kill the engine core with `"cpu_gemm_wna16" '
                 "not implemented for 'Float'`)",
-                remedy="serve it with dtype bfloat16 (--dtype bfloat16), or a 16-bit "
-                "checkpoint in float32 (gpurig engine make-checkpoint --unquantized), or with "
-                "gpurig's engine (--backend engine)",
+                remedy="serve a 16-bit checkpoint in float32 (gpurig engine make-checkpoint "
+                "--unquantized), or this one with gpurig's engine (--backend engine); in "
+                "bfloat16 (--dtype bfloat16) the tiny W4A16 checkpoint also died at its first "
+                "request on an AMD EPYC with AVX-512 BF16 (the start's first-request check "
+                "reports it)",
             )
