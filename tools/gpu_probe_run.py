@@ -95,6 +95,9 @@ class ProbeVllm(_Probe):
     cpu_avx512: bool | None = Field(
         None, description="CPU build: the CPU has AVX-512 (else vLLM loads its AVX2 kernels)"
     )
+    cpu_avx512_bf16: bool | None = Field(
+        None, description="CPU build: the CPU has AVX-512 BF16 (then vLLM loads vllm/_C)"
+    )
     location: str | None = None
     torch_requirement: str | None = Field(None, description="the torch vLLM pins, e.g. ==2.13.0")
     import_attempted: bool = False

@@ -132,9 +132,8 @@ def classify_build(name: str, version: str, files, torch_requirement):
     return "unknown", "nothing in " + name + " " + version + " names its device"
 
 
-def cpu_avx512():
-    """This x86 CPU has AVX-512 F/BW/VL (what vLLM's CPU build needs for its AVX-512 kernels;
-    without it it loads vllm/_C_AVX2, which has no W4A16 GEMM). None: unknown."""
+def _cpu_flags():
+    """The flags line of /proc/cpuinfo, or None off Linux / off x86."""
     try:
         with open("/proc/cpuinfo") as fh:
             text = fh.read()
@@ -143,10 +142,22 @@ def cpu_avx512():
     for line in text.splitlines():
         if line.startswith("flags"):
             flags = line.split(":", 1)[1].split()
-            if "avx2" not in flags and "avx" not in flags:
-                return None
-            return all(f in flags for f in ("avx512f", "avx512bw", "avx512vl"))
+            return flags if "avx2" in flags or "avx" in flags else None
     return None
+
+
+def cpu_avx512():
+    """This x86 CPU has AVX-512 F/BW/VL (what vLLM's CPU build needs for its AVX-512 kernels;
+    without it it loads vllm/_C_AVX2, which has no W4A16 GEMM). None: unknown."""
+    flags = _cpu_flags()
+    return None if flags is None else all(f in flags for f in ("avx512f", "avx512bw", "avx512vl"))
+
+
+def cpu_avx512_bf16():
+    """This x86 CPU also has AVX-512 BF16 (then vLLM's CPU build loads vllm/_C, whose W4A16
+    GEMM has no float32 path). None: unknown."""
+    flags = _cpu_flags()
+    return None if flags is None else "avx512_bf16" in flags
 
 
 def _record_hash(path: str):
@@ -250,6 +261,7 @@ def discover(package: str = PACKAGE) -> dict:
         files_match=on_disk(chosen),
         imported_from_it=imported(chosen),
         cpu_avx512=cpu_avx512() if build == "cpu" else None,
+        cpu_avx512_bf16=cpu_avx512_bf16() if build == "cpu" else None,
     )
     out["providers"] = [
         {"distribution": d.metadata["Name"], "version": d.version, "dist_info": _dist_info(d)}

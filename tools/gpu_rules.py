@@ -353,6 +353,24 @@ def vllm_cpu_no_avx512(f: Facts) -> Finding | None:
     )
 
 
+def vllm_cpu_avx512_bf16(f: Facts) -> Finding | None:
+    """vLLM's CPU build on a CPU with AVX-512 BF16 loads vllm/_C, whose cpu_gemm_wna16 has no
+    float32 path: a W4A16 checkpoint in float32 starts, then its first request kills the engine
+    core; in bfloat16 the tiny W4A16 checkpoint died the same way on CI's EPYC (2026-12-03).
+    16-bit checkpoints serve."""
+    if not f.vllm_cpu or not f.v.cpu_avx512 or f.v.cpu_avx512_bf16 is not True:
+        return None
+    return Finding(
+        "warn",
+        f"this CPU has AVX-512 BF16, so {f.vllm_label} loads its vllm/_C kernels, whose W4A16 "
+        "GEMM (cpu_gemm_wna16) has no float32 path: a W4A16 checkpoint's first request kills "
+        "the engine core in float32 (and did in bfloat16 on an AMD EPYC); 16-bit checkpoints "
+        "serve",
+        "serve a 16-bit checkpoint (gpurig engine make-checkpoint --unquantized), or W4A16 with "
+        "gpurig's engine (--backend engine)",
+    )
+
+
 def vllm_import_timeout(f: Facts) -> Finding | None:
     """`import vllm` did not finish within the probe's time (a first import compiles)."""
     if f.vllm_state != "timed_out":
@@ -457,6 +475,7 @@ RULES: list[Rule] = [
     Rule("vllm_ok", "vllm", vllm_ok),
     Rule("vllm_cli_cannot_run", "vllm", vllm_cli_cannot_run),
     Rule("vllm_cpu_no_avx512", "vllm", vllm_cpu_no_avx512),
+    Rule("vllm_cpu_avx512_bf16", "vllm", vllm_cpu_avx512_bf16),
 ]
 
 

@@ -163,6 +163,17 @@ CAUSES: list[Cause] = [
         ),
     ),
     Cause(
+        "cpu_wna16_no_float32",
+        "vLLM's CPU build has no float32 W4A16 kernel on this CPU: with AVX-512 BF16 it loads "
+        "its vllm/_C kernels, whose cpu_gemm_wna16 takes 16-bit activations only",
+        re.compile(r"\"cpu_gemm_wna16\" not implemented for 'Float'"),
+        _fixed(
+            "serve a 16-bit checkpoint in float32 (gpurig engine make-checkpoint --unquantized), "
+            "or this one with gpurig's engine (backend='engine'); gpurig serve start refuses "
+            "this pair before starting"
+        ),
+    ),
+    Cause(
         "cpu_op_missing",
         "vLLM's CPU build lacks a kernel this configuration calls",
         re.compile(r"'_OpNamespace' '_C' object has no attribute '\w+'"),
