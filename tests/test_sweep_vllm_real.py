@@ -40,7 +40,7 @@ PLAN = {
     "output_len": 32,
     "concurrency": [1, 4],
     "repeats": 1,
-    "prompts_per_cell": 24,
+    "prompts_per_cell": 16,
 }
 
 

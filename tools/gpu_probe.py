@@ -203,6 +203,7 @@ def probe_vllm(import_timeout_s: float) -> dict:
         "discovery_error": found.get("error"),
         "torchvision_version": _dist_version("torchvision"),
         "cpu_avx512": found.get("cpu_avx512"),
+        "cpu_avx512_bf16": found.get("cpu_avx512_bf16"),
         "import_attempted": False,
         "import_ok": None,
         "import_seconds": None,

@@ -24,9 +24,13 @@ def pct(values: list[float], q: float) -> float | None:
 
 
 def reason_of(error: str) -> str:
-    """A failure reason to count: the error's first line, bounded."""
-    line = error.strip().splitlines()[0] if error.strip() else "unknown error"
-    return line[:MAX_REASON]
+    """A failure reason to count, bounded: the error's first line, or a Python traceback's
+    last (the exception: `vllm bench serve` saves whole tracebacks as its errors)."""
+    lines = [x for x in error.strip().splitlines() if x.strip()]
+    if not lines:
+        return "unknown error"
+    line = lines[-1] if lines[0].startswith("Traceback (most recent call last)") else lines[0]
+    return line.strip()[:MAX_REASON]
 
 
 def stats(requests: list[RequestResult], duration_s: float, output_len: int) -> dict[str, Any]:
@@ -46,6 +50,7 @@ def stats(requests: list[RequestResult], duration_s: float, output_len: int) -> 
         "failed": len(failed),
         "failure_reasons": dict(Counter(reason_of(r.error or "") for r in failed)),
         "short_outputs": sum(1 for r in ok if r.output_tokens < (r.output_len or output_len)),
+        "long_outputs": sum(1 for r in ok if r.output_tokens > (r.output_len or output_len)),
         "input_tokens": sum(r.input_tokens for r in ok),
         "output_tokens": out_tokens,
         "output_tok_s": round(out_tokens / duration_s, 3) if ok and duration_s > 0 else None,

@@ -220,6 +220,7 @@ def fields_of(saved: dict[str, Any], output_len: int) -> dict[str, Any]:
         "failed": int(saved.get("failed") or 0),
         "failure_reasons": dict(Counter(reason_of(r.error or "") for r in failed)),
         "short_outputs": sum(1 for r in requests if not r.error and r.output_tokens < output_len),
+        "long_outputs": sum(1 for r in requests if not r.error and r.output_tokens > output_len),
         "input_tokens": int(saved.get("total_input_tokens") or 0),
         "output_tokens": int(saved.get("total_output_tokens") or 0),
         "output_tok_s": _ms(saved.get("output_throughput")) if completed else None,

@@ -367,6 +367,12 @@ class CellRecord(BaseModel):
     failed: int = 0
     failure_reasons: dict[str, int] = Field(default_factory=dict)
     short_outputs: int = Field(0, description="completed requests with fewer than output_len")
+    long_outputs: int = Field(
+        0,
+        description="completed requests counted with more than output_len tokens: a client's "
+        "count of the text re-tokenized, not the server's (vllm bench serve against a server "
+        "whose usage it does not read, such as llama-server)",
+    )
     input_tokens: int = 0
     output_tokens: int = 0
     output_tok_s: float | None = None

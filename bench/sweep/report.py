@@ -45,6 +45,7 @@ CSV_FIELDS = [
     "completed",
     "failed",
     "short_outputs",
+    "long_outputs",
     "duration_s",
     "input_tokens",
     "output_tokens",
@@ -256,8 +257,25 @@ def _roofline_table(roofline: list[Roofline]) -> str:
     return tabulate(body, headers=headers, tablefmt="github", disable_numparse=True)
 
 
+def count_notes(cells: list[CellRecord]) -> list[str]:
+    """Cells whose output token counts exceed what the requests allowed (max_tokens with
+    ignore_eos): the count is the client's re-tokenization of the text, so tok/s overstates."""
+    long = [c for c in cells if c.long_outputs]
+    if not long:
+        return []
+    names = ", ".join(c.key().name() for c in long[:4]) + (" ..." if len(long) > 4 else "")
+    n = sum(c.long_outputs for c in long)
+    return [
+        f"{n} completed requests in {len(long)} cells ({names}) were counted with more output "
+        "tokens than max_tokens allows: the driver counted the text re-tokenized, not the "
+        "server's tokens (vllm bench serve reads usage only from a chunk without choices; "
+        "llama-server sends it with the last choice), so their output tok/s overstate; the "
+        "builtin driver counts the server's usage."
+    ]
+
+
 def _telemetry_notes(cells: list[CellRecord]) -> list[str]:
-    notes: list[str] = []
+    notes: list[str] = count_notes(cells)
     missing = {c.telemetry.gpu_missing for c in cells if c.telemetry.gpu_missing}
     if missing:
         notes.append(f"No GPU telemetry: {'; '.join(sorted(missing))}.")
