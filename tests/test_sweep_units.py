@@ -222,7 +222,7 @@ def test_vllm_bench_against_llama_server_is_read_with_its_count_and_drop_named()
     tokens for 16); and one request hit `Server disconnected` (aiohttp reusing a keep-alive
     connection llama-server had closed). The cell keeps both visible: long_outputs, the
     exception as the failure reason, and the report's note."""
-    from bench.sweep.report import count_notes
+    from bench.sweep.report_notes import count_notes
 
     saved = json.loads((DATA / "vllm_bench_serve_llamacpp_c1.json").read_text())
     fields = driver_vllm.fields_of(saved, output_len=16)
