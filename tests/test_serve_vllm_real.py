@@ -279,6 +279,12 @@ def test_our_refusals_before_anything_starts(vllm_cpu_python, tmp_path, monkeypa
                               port=free_port(), cpu_kv_cache_gib=1)  # fmt: skip
         assert "vLLM 0.32.0, CPU build (vllm-cpu) cannot run this W4A16" in info.value.message
         assert "cpu_gemm_wna16" in info.value.message and "--unquantized" in info.value.remedy
+    elif preflight.cpu_has_avx512_bf16():  # vllm/_C: no float32 W4A16, refused in a second
+        make_checkpoint(tmp_path / "w4a16", preset="tiny", seed=0)
+        with pytest.raises(RefusedError) as info:
+            start_vllm_server(str(tmp_path / "w4a16"), python_bin=vllm_cpu_python,
+                              port=free_port(), cpu_kv_cache_gib=1, dtype="float32")  # fmt: skip
+        assert "in float32 on this CPU" in info.value.message
     assert not st.list_records()
 
 
