@@ -126,16 +126,21 @@ def _one_request_ms(server: ServerProcess, output_len: int) -> float:
         t0 = time.perf_counter()
         httpx.post(server.base + "/v1/completions", json=body, timeout=60).raise_for_status()
         times.append((time.perf_counter() - t0) * 1000)
-    return sorted(times)[1]
+    return min(times)
 
 
 def test_slo_search_finds_the_knee_of_max_num_seqs(slow, tmp_path: Path) -> None:
     """With 2 sequences at a time, a third stream waits a whole request for its first token:
-    a TTFT SLO of 80% of one request's time passes at concurrency 2 (two prompts read at once,
-    measured at ~35% on this host) and fails at 3 (a wait of at least one whole request)."""
-    output_len = 16
+    a TTFT SLO of half of one request's time passes at concurrency 2 (two prompts read at once,
+    measured at 15 to 20% of a 32-token request here) and fails at 3 (a wait of a whole request).
+
+    Both sides keep a margin against a busy host: one request is timed as the fastest of three
+    (CI once timed it 25% slower than the same request ran a moment later, inside the sweep,
+    and an 80% limit let concurrency 4 pass), and 32 output tokens make the wait long beside
+    the prefill of two prompts."""
+    output_len = 32
     whole = _one_request_ms(slow, output_len)
-    limit = round(whole * 0.8, 1)
+    limit = round(whole * 0.5, 1)
     result = run_sweep(
         targets=[{"label": "slow", "base_url": slow.base + "/v1"}], input_lens=[16],
         output_len=output_len, repeats=1, prompts_per_cell=6, out_dir=str(tmp_path / "search"),
