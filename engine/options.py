@@ -15,6 +15,8 @@ the environment.
 | GPURIG_FAST_PREFILL       | fused_prefill       | "0": prompt chunks through the model's own code  | on      |
 | GPURIG_PASS_ATTENTION     | pass_attention      | "0": a prompt pass's segments attend one by one, | on      |
 |                           |                     | not in one kernel per layer                      |         |
+| GPURIG_FOLD_RESIDUAL      | fold_residual       | "1": a batch step's residual+norm by the last    | off     |
+|                           |                     | program of the product before it (w4mma)         |         |
 | GPURIG_GEMV_H2            | half2_gemv          | "0": exact fp32-unpack GEMV instead of half2     | on      |
 | GPURIG_PREFIX_SDPA        | prefix_sdpa         | "0": a full layer's cached prefix by the online  | on      |
 |                           |                     | softmax slices instead of torch's efficient SDPA |         |
@@ -58,6 +60,7 @@ class EngineOptions:
     cuda_graph: bool = True  # replay the decode step as a CUDA graph (CUDA only)
     fused_prefill: bool = True  # prompt chunks through engine/fast/prefill.py
     pass_attention: bool = True  # a pass's segments in one kernel per layer
+    fold_residual: bool = False  # batch steps: residual+norm in the product's last program
     half2_gemv: bool = True  # 16-bit GEMV multiplies in half2 (fp32 unpack when False)
     prefix_sdpa: bool = True  # a full layer's prefix through torch's efficient attention
     expandable_segments: bool = True  # under a memory cap, grow allocator segments in place
@@ -91,6 +94,7 @@ class EngineOptions:
             cuda_graph=_flag(env, "GPURIG_CUDA_GRAPH"),
             fused_prefill=_flag(env, "GPURIG_FAST_PREFILL"),
             pass_attention=_flag(env, "GPURIG_PASS_ATTENTION"),
+            fold_residual=_flag(env, "GPURIG_FOLD_RESIDUAL", default=False),
             half2_gemv=_flag(env, "GPURIG_GEMV_H2"),
             prefix_sdpa=_flag(env, "GPURIG_PREFIX_SDPA"),
             expandable_segments=_flag(env, "GPURIG_EXPANDABLE_SEGMENTS"),

@@ -116,7 +116,8 @@ class ModelRunner:
                 [(ids, start, pool.view(slot)) for ids, start, slot in parts], budget
             )
         if batch_decode.supported(model, fused):
-            decoder = batch_decode.BatchDecoder(model, pool, fused, kernels, self.max_batch)
+            decoder = batch_decode.BatchDecoder(model, pool, fused, kernels, self.max_batch,
+                                                fold_residual=options.fold_residual)  # fmt: skip
             self._step = decoder.step
             self.batched = True
 

@@ -20,6 +20,11 @@ buffers, since a prologue reads one while its program 0 writes the other. Other 
 (residual+norm in GEMV epilogues, q/k/v work inside the attention, a gate|up prologue, PDL and
 L2 prefetch) were measured no faster; their numbers stay in bench/NOTES.md.
 
+With `fold_residual` (EngineOptions, off until measured on the GPU) a batch step folds each
+residual+norm into the product before it, the o, down and per-layer projections: the warp-level
+mma kernel's last program makes h' and the next norm (engine/kernels/w4mma_residual.py), 105
+launches fewer a step on E2B; products the mma kernel does not take keep the two launches.
+
 Every intermediate is rounded where the reference rounds it, so a
 row's logits equal the reference's for that sequence up to summation order (fp32: the tokens of
 a batched row equal the same request run alone; tests/test_batching*.py).
@@ -34,7 +39,7 @@ from engine.fast.ops_fast import FastOps, packed_ok
 from engine.kernels.attention_paged import PagedDecodeAttention
 from engine.kernels.fused import ple_mix, qkv_rope_rows, residual_norm, rmsnorm_rows
 from engine.kernels.w4dequant import w4_gather_rows
-from engine.kernels.w4gemm import w4_gemm
+from engine.kernels.w4gemm import w4_gemm, w4_gemm_residual
 from engine.kernels.w4gemv import w4_gemv, w4_gemv_after_residual, w4_gemv_glu
 from engine.kv_pool import KVPool
 
@@ -99,9 +104,11 @@ class BatchDecoder:
     """`step(tokens [B], positions [B], slots [B]) -> logits [B, V]` over a KVPool."""
 
     def __init__(
-        self, model, pool: KVPool, fused: list[FusedLayer], kernels: FastOps, max_batch: int
-    ) -> None:
+        self, model, pool: KVPool, fused: list[FusedLayer], kernels: FastOps, max_batch: int,
+        *, fold_residual: bool = False,
+    ) -> None:  # fmt: skip
         self.model = model
+        self.fold_residual = fold_residual
         self.pool = pool
         self.fused = fused
         self.ops = kernels
@@ -159,6 +166,16 @@ class BatchDecoder:
     def _linear(self, x: torch.Tensor, w) -> torch.Tensor:
         return self._mm(x, w) if packed_ok(w) else self.ops.linear(x, w)
 
+    def _linear_residual(self, x: torch.Tensor, w, h: torch.Tensor, w_post, eps: float,
+                         scalar=None, w_next=None) -> torch.Tensor | None:  # fmt: skip
+        """h += norm(x @ w^T) [* scalar] in place; returns norm(h) by w_next (None without):
+        one launch where the fold applies (2..16 rows, a packed matrix), else two."""
+        if self.fold_residual and 2 <= x.shape[0] <= GEMM_ROWS and packed_ok(w):
+            return w4_gemm_residual(x, w.packed, w.scales, h, w_post, eps, scalar=scalar,
+                                    w_next=w_next)  # fmt: skip
+        y = self._linear(x, w)
+        return residual_norm(h, y, w_post, eps, scalar=scalar, w_next=w_next, h_out=h)[1]
+
     @torch.inference_mode()
     def step(
         self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor
@@ -168,6 +185,7 @@ class BatchDecoder:
         m, cfg, pool = self.model, self.model.cfg, self.pool
         eps, b = cfg.rms_norm_eps, tokens.shape[0]
         single = b == 1
+        fold = self.fold_residual and not single  # one row keeps the GEMV's prologue
         h, ple = embed_tokens(m, self.ops, tokens, self._linear)
         spare = torch.empty_like(h)
         rope = m.rope(positions)
@@ -200,6 +218,10 @@ class BatchDecoder:
             cos, sin = rope[cfg.layer_types[i]]
             if pending is None:
                 qkv = self._mm(rmsnorm_rows(h, w.input_norm, eps), self.qkv_lin[i])
+            elif fold:
+                x_in, mat, w_post, scalar = pending
+                x = self._linear_residual(x_in, mat, h, w_post, eps, scalar, w.input_norm)
+                qkv = self._mm(x, self.qkv_lin[i])
             else:
                 y, w_post, scalar = pending
                 qkv = then(y, w_post, self.qkv_lin[i], scalar=scalar, w_next=w.input_norm)
@@ -214,17 +236,36 @@ class BatchDecoder:
             src = cfg.kv_producer(i)
             attn = self._attn(i, b)(q, pool.k[src][:, 0], pool.v[src][:, 0], positions, slots,
                                     pool.block_tables)  # fmt: skip
-            o = self._linear(attn.reshape(b, hq * hd), w.o)
-            _, x2 = residual_norm(h, o, w.post_attn_norm, eps, w_next=w.pre_ffn_norm, h_out=h)
+            attn = attn.reshape(b, hq * hd)
+            if fold:
+                x2 = self._linear_residual(attn, w.o, h, w.post_attn_norm, eps,
+                                           w_next=w.pre_ffn_norm)  # fmt: skip
+            else:
+                o = self._linear(attn, w.o)
+                _, x2 = residual_norm(h, o, w.post_attn_norm, eps, w_next=w.pre_ffn_norm,
+                                      h_out=h)  # fmt: skip
             act = self._mm(x2, fl.gate_up, epi=1)
+            if fold:
+                if ple is None:
+                    pending = (act, w.down, w.post_ffn_norm, w.layer_scalar)
+                    continue
+                self._linear_residual(act, w.down, h, w.post_ffn_norm, eps)
+                a2 = self._mm(h, w.ple_gate, epi=2, aux=ple[:, i])
+                pending = (a2, w.ple_proj, w.ple_norm, w.layer_scalar)
+                continue
             d = self._linear(act, w.down)
             if ple is None:
                 pending = (d, w.post_ffn_norm, w.layer_scalar)
                 continue
             a2 = then(d, w.post_ffn_norm, w.ple_gate, epi=2, aux=ple[:, i])
             pending = (self._linear(a2, w.ple_proj), w.ple_norm, w.layer_scalar)
-        y, w_post, scalar = pending
-        _, x = residual_norm(h, y, w_post, eps, scalar=scalar, w_next=m.final_norm, h_out=h)
+        if fold:
+            x_in, mat, w_post, scalar = pending
+            x = self._linear_residual(x_in, mat, h, w_post, eps, scalar, m.final_norm)
+        else:
+            y, w_post, scalar = pending
+            _, x = residual_norm(h, y, w_post, eps, scalar=scalar, w_next=m.final_norm,
+                                 h_out=h)  # fmt: skip
         out = self.ops.lm_head(x, m.lm_head) if single else self._lm_head(x)
         cap = cfg.final_logit_softcapping
         return torch.tanh(out / cap) * cap if cap else out

@@ -52,6 +52,7 @@ import triton.language as tl
 
 from engine.kernels.fused import gelu_tanh, round_to
 from engine.kernels.launch import run_kernel
+from engine.kernels.w4mma_residual import ResidualFold, residual_tail, rows_per_chunk
 from engine.options import triton_interpreted
 
 ASM = {"ok": True}
@@ -340,14 +341,17 @@ def _store(c0, c1, c2, c3, e0, e1, e2, e3, t, M, N, y_ptr, stride_ym, aux_ptr, s
 
 @triton.jit
 def _w4_mma_kernel(
-    x_ptr, w_ptr, s_ptr, y_ptr, aux_ptr,
-    M, N, KW, G, STEPS, stride_xm, stride_ym, stride_am,
+    x_ptr, w_ptr, s_ptr, y_ptr, aux_ptr, h_ptr, wp_ptr, sc_ptr, wn_ptr, xo_ptr, tk_ptr,
+    M, N, KW, G, STEPS, stride_xm, stride_ym, stride_am, eps,
     NWN: tl.constexpr, NWK: tl.constexpr, NB: tl.constexpr, EPI: tl.constexpr,
-    F16: tl.constexpr, ASM_ON: tl.constexpr, MT: tl.constexpr = 1,
+    F16: tl.constexpr, ASM_ON: tl.constexpr, MT: tl.constexpr = 1, RES: tl.constexpr = False,
+    HAS_SCALAR: tl.constexpr = False, HAS_NEXT: tl.constexpr = False, RB: tl.constexpr = 1,
+    BLOCK_D: tl.constexpr = 16,
 ):  # fmt: skip
     """EPI 0: Y = X W^T. 1: rows interleaved (gate, up) -> gelu_tanh(gate) * up, [M, N/2].
     2: gelu_tanh(Y) * aux. STEPS: 128-element K steps per warp (K = 128 * STEPS * NWK). MT: 16-row
-    tiles per warp (2: each step's activation pairs serve twice the weights).
+    tiles per warp (2: each step's activation pairs serve twice the weights). RES (EPI 0): the
+    last program folds the residual+norm over Y (engine/kernels/w4mma_residual.py).
 
     x is read as int32 pairs of 16-bit values (x_ptr: the same memory as int32, stride_xm in
     int32 words)."""
@@ -414,6 +418,9 @@ def _w4_mma_kernel(
     if MT == 2:
         _store(f0, f1, f2, f3, h0, h1, h2, h3, 1, M, N, y_ptr, stride_ym, aux_ptr, stride_am,
                NWN, NWK, MT, NB, EPI)  # fmt: skip
+    if RES:
+        residual_tail(y_ptr, h_ptr, wp_ptr, sc_ptr, wn_ptr, xo_ptr, tk_ptr, M, N, stride_ym, eps,
+                      HAS_SCALAR, HAS_NEXT, RB, BLOCK_D)  # fmt: skip
 
 
 def asm_on(device: torch.device) -> bool:
@@ -445,8 +452,11 @@ def _has_mma_sync(device_index: int) -> bool:
 
 
 def launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, y: torch.Tensor,
-           cfg: dict[str, Any], epi: int = 0, aux: torch.Tensor | None = None) -> None:  # fmt: skip
-    """One launch on checked operands (`mma_ok`); y [M, N] (or [M, N/2] for epi 1)."""
+           cfg: dict[str, Any], epi: int = 0, aux: torch.Tensor | None = None,
+           res: ResidualFold | None = None) -> None:  # fmt: skip
+    """One launch on checked operands (`mma_ok`); y [M, N] (or [M, N/2] for epi 1). res (epi
+    0, y contiguous): the residual+norm folded in by the last program (cfg "RB": its rows at
+    once)."""
     m, k = x.shape
     n = packed.shape[0]
     nwn, nwk = cfg["NWN"], cfg["NWK"]
@@ -458,12 +468,22 @@ def launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, y: torch
     x32 = x.view(torch.int32)
     mt = cfg.get("MT", 1)
     grid = (triton.cdiv(n, 16 * nwn * mt),)
+    if res is not None:
+        if epi != 0 or not y.is_contiguous():
+            raise ValueError("w4mma: the residual fold takes epilogue 0 into a contiguous y")
+        res.check(y)
+    fold = res.kernel_args(y) if res is not None else (y, y, y, y, y, y, 0.0)
     run_kernel(_w4_mma_kernel, grid,
-        x32, packed, scales, y, aux if aux is not None else y,
+        x32, packed, scales, y, aux if aux is not None else y, *fold[:6],
         m, n, packed.stride(0), scales.stride(0), steps // nwk, x32.stride(0), y.stride(0),
-        aux.stride(0) if aux is not None else 0,
+        aux.stride(0) if aux is not None else 0, fold[6],
         NWN=nwn, NWK=nwk, NB=1 if m <= 8 else 2, EPI=epi, F16=x.dtype == torch.float16,
-        ASM_ON=asm_on(x.device), MT=mt, num_warps=nwn * nwk, num_stages=1,
+        ASM_ON=asm_on(x.device), MT=mt, RES=res is not None,
+        HAS_SCALAR=res is not None and res.scalar is not None,
+        HAS_NEXT=res is not None and res.w_next is not None,
+        RB=cfg.get("RB") or rows_per_chunk(m, n, nwn * nwk),
+        BLOCK_D=triton.next_power_of_2(n) if res is not None else 16,
+        num_warps=nwn * nwk, num_stages=1,
     )  # fmt: skip
 
 

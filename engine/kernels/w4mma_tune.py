@@ -4,7 +4,9 @@ program puts side by side along N (NWN) and along K (NWK) for a shape and row bu
 Lookup: the table measured on the lent H200 (engine/kernels/configs/w4mma_NVIDIA_H200.json,
 written from bench/engine/gemm_bench.py's `w4_mma` cells, which time every candidate), then
 `default_config`, which follows the shape of that table (K split until a warp has about three
-128-element steps; neighbouring tiles only for the widest matrices).
+128-element steps; neighbouring tiles only for the widest matrices). Under Triton's CPU
+interpreter, `interpreter_config`: there a program's cost is its count of Python-level tensor
+operations whatever its width, so the widest tiling runs the fewest.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import triton
 
 from engine.kernels import tuning
 from engine.kernels.w4mma_kernel import candidate_configs
+from engine.options import triton_interpreted
 
 
 def tuned_table(gpu: str) -> dict[str, dict[str, Any]]:
@@ -39,14 +42,31 @@ def default_config(n: int, k: int, m: int) -> dict[str, Any]:
     return cfg if cfg in candidate_configs(n, k) else {"NWN": 1, "NWK": 1, "MT": 1}
 
 
+def interpreter_config(n: int, k: int) -> dict[str, Any]:
+    """The tiling with the fewest interpreted (program, K step) pairs: programs along N times
+    each warp's 128-element steps, MT = 2 counted double (its steps do twice the operations)."""
+
+    def cost(cfg: dict[str, Any]) -> tuple[int, int]:
+        programs = triton.cdiv(n, 16 * cfg["NWN"] * cfg["MT"])
+        return programs * (k // 128 // cfg["NWK"]) * cfg["MT"], cfg["MT"]
+
+    return min(candidate_configs(n, k), key=cost)
+
+
 @functools.cache
 def _cached(n: int, k: int, b: int, gpu: str) -> tuple[int, int, int]:
-    hit = tuned_table(gpu).get(f"N{n}_K{k}_M{b}")
-    cfg = hit if hit else default_config(n, k, b)
+    if gpu == "interpreter":
+        cfg = interpreter_config(n, k)
+    else:
+        hit = tuned_table(gpu).get(f"N{n}_K{k}_M{b}")
+        cfg = hit if hit else default_config(n, k, b)
     return cfg["NWN"], cfg["NWK"], cfg.get("MT", 1)
 
 
 def config_for(n: int, k: int, m: int, device: torch.device) -> dict[str, Any]:
-    gpu = tuning.gpu_key(device) if device.type == "cuda" else "cpu"
+    if device.type == "cuda":
+        gpu = tuning.gpu_key(device)
+    else:
+        gpu = "interpreter" if triton_interpreted() else "cpu"
     nwn, nwk, mt = _cached(n, k, bucket(m), gpu)
     return {"NWN": nwn, "NWK": nwk, "MT": mt}
