@@ -176,6 +176,12 @@ def default_dtype(device_type: str, capability: tuple[int, int] | None = None) -
     return torch.bfloat16
 
 
+def fold_tail_serial() -> bool:
+    """GPURIG_FOLD_TAIL=last: the residual fold keeps its serial last-program tail even where
+    its spread tail could run (a lab switch, for measuring one against the other)."""
+    return os.environ.get("GPURIG_FOLD_TAIL") == "last"
+
+
 def triton_interpreted() -> bool:
     """True when Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1): no inline
     PTX, no hardware-only features."""

@@ -27,7 +27,6 @@ whether the tail costs less than the launch it saves (bench/NOTES.md).
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 
 import torch
@@ -35,7 +34,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels.fused import round_to
-from engine.options import triton_interpreted
+from engine.options import fold_tail_serial, triton_interpreted
 
 
 @triton.jit
@@ -147,11 +146,7 @@ def spread_ok(grid: int, device: torch.device) -> bool:
     """Whether the spread tail's grid barrier may be used: a GPU (not the interpreter), a grid no
     larger than its SM count (each program then has an SM, so none waits on one not yet
     started), and GPURIG_FOLD_TAIL not set to "last"."""
-    if (
-        device.type != "cuda"
-        or triton_interpreted()
-        or os.environ.get("GPURIG_FOLD_TAIL") == "last"
-    ):
+    if device.type != "cuda" or triton_interpreted() or fold_tail_serial():
         return False
     return grid <= _sm_count(device.index if device.index is not None else 0)
 
