@@ -218,9 +218,27 @@ def _best(runs: list, concurrency: int) -> dict[str, float]:
     """One driver's figures at its quietest turn, figure by figure (the most tok/s, the least
     of each time), as a benchmark is read under load it does not control: the other test
     worker's load lands on whichever driver runs beside it, and in ci13 one pooled pair parted
-    3.1x (TPOT means 3.4 against 16.2 ms) with nothing wrong."""
+    3.1x (TPOT means 3.4 against 16.2 ms) with nothing wrong. Turns whose streams came in one
+    burst (`_steady`) are left out while the driver has a steady one."""
     turns = [_figures(cells, concurrency) for _, cells in runs]
+    turns = [t for t in turns if _steady(t)] or turns
     return {m: (max if m == "output_tok_s" else min)(t[m] for t in turns) for m in turns[0]}
+
+
+# No decode step of this model takes 50 us on a CPU: a median gap under it means the server's
+# chunks reached the client together (on this project's AMX Xeon host, 2026-12-06, in every
+# builtin turn at c=4 inside the suite: TTFT p50 150-540 ms, gaps of 4 us, while `vllm bench
+# serve` read gaps of 5-6 ms; the same client on its own, held on one core, read 16-25 ms and
+# ~6 ms in 6 cells of 6: bench/NOTES.md v18). Such a turn measures the host's delivery.
+BURST_ITL_MS = 0.05
+
+
+def _steady(figures: dict[str, float]) -> bool:
+    return figures["itl_p50_ms"] >= BURST_ITL_MS
+
+
+def _all_bursts(runs: list, concurrency: int) -> bool:
+    return not any(_steady(_figures(cells, concurrency)) for _, cells in runs)
 
 
 ASSERTED = ("output_tok_s", "ttft_p50_ms", "tpot_mean_ms", "itl_mean_ms")
@@ -246,6 +264,12 @@ def test_the_builtin_driver_agrees_with_vllm_bench_serve(sweeps, concurrency, re
         {m: f"{v:.1%}" + (" (over the 15% goal)" if v > AGREE_GOAL else "") for m, v in off.items()}
     )
     ratio = _ratios(ours, theirs)
+    bursts = [d for d in ("builtin", "vllm-bench") if _all_bursts(sweeps[d], concurrency)]
+    if bursts:  # every turn of a driver came in bursts: only the tokens over time still compare
+        record_property("driver_agreement_bursts", json.dumps(bursts))
+        print(f"c={concurrency}: every turn of {bursts} came in one burst per stream; only "
+              "output tok/s is compared")  # fmt: skip
+        ratio = {"output_tok_s": ratio["output_tok_s"]}
     assert all(v <= AGREE_RATIO for v in ratio.values()), {
         m: f"{v:.2f}x" for m, v in ratio.items()
     } | {"values (builtin, vllm bench)": pairs, "turns": len(sweeps["builtin"])}
@@ -260,9 +284,12 @@ def _ratios(ours: dict[str, float], theirs: dict[str, float]) -> dict[str, float
 
 
 def _parted(out: dict[str, list]) -> bool:
-    """Whether the drivers' best turns so far part beyond the gate at some concurrency."""
+    """Whether the drivers' best turns so far part beyond the gate at some concurrency, or a
+    driver has had no steady turn there yet (another turn may give one)."""
     return any(
         max(_ratios(_best(out["builtin"], c), _best(out["vllm-bench"], c)).values()) > AGREE_RATIO
+        or _all_bursts(out["builtin"], c)
+        or _all_bursts(out["vllm-bench"], c)
         for c in PLAN["concurrency"]
     )
 
