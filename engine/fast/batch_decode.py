@@ -20,10 +20,11 @@ buffers, since a prologue reads one while its program 0 writes the other. Other 
 (residual+norm in GEMV epilogues, q/k/v work inside the attention, a gate|up prologue, PDL and
 L2 prefetch) were measured no faster; their numbers stay in bench/NOTES.md.
 
-With `fold_residual` (EngineOptions, off until measured on the GPU) a batch step folds each
-residual+norm into the product before it, the o, down and per-layer projections: the warp-level
-mma kernel's last program makes h' and the next norm (engine/kernels/w4mma_residual.py), 105
-launches fewer a step on E2B; products the mma kernel does not take keep the two launches.
+With `fold_residual` (EngineOptions, off: measured slower on the H200, bench/NOTES.md v18) a
+batch step folds each residual+norm into the product before it, the o, down and per-layer
+projections: the warp-level mma kernel's programs make h' and the next norm after a grid barrier
+(engine/kernels/w4mma_residual.py), 105 launches fewer a step on E2B; products the mma kernel
+does not take keep the two launches.
 
 Every intermediate is rounded where the reference rounds it, so a
 row's logits equal the reference's for that sequence up to summation order (fp32: the tokens of

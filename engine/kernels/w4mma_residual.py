@@ -20,8 +20,9 @@ programs meet at a grid barrier on the same counter and fold a row each (`spread
 GPURIG_FOLD_TAIL=last keeps the serial tail for comparison). The interpreter runs programs one
 after another, so a barrier would never open there: it always takes the serial tail.
 
-Off by default (`EngineOptions.fold_residual`, GPURIG_FOLD_RESIDUAL=1) until the GPU says
-whether the tail costs less than the launch it saves (bench/NOTES.md).
+Off by default (`EngineOptions.fold_residual`, GPURIG_FOLD_RESIDUAL=1): on the H200 the spread
+tail cost more than the graph node it saves (the 8-row step 2,090 -> 2,124 us; bench/NOTES.md
+v18). It stays as the arrival-and-spread building block a persistent kernel needs.
 """
 
 from __future__ import annotations
