@@ -9,6 +9,7 @@ mangled prompts, mixed up concurrent requests or lost tokens would fail.
 from __future__ import annotations
 
 import json
+import statistics
 import threading
 import time
 
@@ -356,13 +357,15 @@ def test_concurrent_clients_each_get_their_own_answer_in_shared_steps(server, re
     for i, resp in results.items():
         assert resp.usage.completion_tokens == 16
         assert resp.choices[0].text == streamed_text(reference.tokenizer, expected[i])
-    # batched, not one after another: nobody waited for another's generation, and the decode
-    # steps carried several sequences each
-    busy_ms = min(
+    # batched, not one after another: the decode steps carried several sequences each, and
+    # nobody waited for others' generations (served one after another, the last of six would
+    # wait five of them; a step stalled on a busy 2-core host once made one wait 170 ms against
+    # a shortest generation of 73 ms, so the bound is two typical generations)
+    busy_ms = statistics.median(
         r.model_extra["timings"]["prompt_ms"] + r.model_extra["timings"]["decode_ms"]
         for r in results.values()
     )
-    assert max(r.model_extra["timings"]["queue_ms"] for r in results.values()) < busy_ms
+    assert max(r.model_extra["timings"]["queue_ms"] for r in results.values()) < 2 * busy_ms
     after = server.metrics()
     assert after["max_num_seqs"] >= len(prompts)
     assert after["decode_step_rows_total"] >= 1.5 * after["decode_steps_total"]
