@@ -75,7 +75,7 @@ CAUSES = {
     ),
     "fail_address_in_use": ("address_in_use", "Address already in use", "port"),
     "fail_worker_sigill": (
-        "worker_sigill",
+        "worker_crashed",
         "Worker proc VllmWorker-0 died unexpectedly (exit code: -4)",
         "--dtype float32",
     ),
@@ -111,6 +111,16 @@ def test_the_float32_wna16_death_is_named_from_its_error_line():
     assert found.cause == "cpu_wna16_no_float32", found
     assert "not implemented for 'Float'" in found.evidence
     assert "--unquantized" in found.remedy and "backend='engine'" in found.remedy
+
+
+def test_a_worker_death_logged_before_its_exit_code_is_named_too():
+    """The same bfloat16 start through `gpurig serve start`: this time vLLM logged the worker's
+    death before reaping it (exit code None). A worker killed by SIGKILL (-9) is not a crash."""
+    line = ("(EngineCore pid=25186) ERROR 12-06 02:49:30 [multiproc_executor.py:315] Worker proc "
+            "VllmWorker-0 died unexpectedly (exit code: {}), shutting down executor.")  # fmt: skip
+    found = diagnose([line.format("None")], None)
+    assert found.cause == "worker_crashed" and "--dtype float32" in found.remedy, found
+    assert diagnose([line.format("-9")], None).cause != "worker_crashed"
 
 
 def test_the_cause_is_found_above_a_tail_of_shutdown_noise():

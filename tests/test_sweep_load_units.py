@@ -201,19 +201,3 @@ def test_compare_marks_only_differences_the_repeats_support() -> None:
     assert not single[0].values[1].differs  # one repeat: no interval, no claim
     missing = compare_rows(["a", "b"], [base, {key: faster[key]}])
     assert {r.concurrency for r in missing} == {1}
-
-
-def test_the_builtin_client_stays_on_one_core_for_a_cell_then_gets_its_cores_back():
-    """bench/NOTES.md v18: a client moving between a 2-core host's cores beside vLLM's CPU build
-    got whole streams in one burst in half of its cells."""
-    import os
-
-    from bench.sweep.driver_builtin import one_core
-
-    if not hasattr(os, "sched_setaffinity"):
-        pytest.skip("no CPU affinity on this OS")
-    before = os.sched_getaffinity(0)
-    with one_core():
-        inside = os.sched_getaffinity(0)
-    assert len(inside) == 1 and inside <= before
-    assert os.sched_getaffinity(0) == before

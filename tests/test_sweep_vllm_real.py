@@ -228,8 +228,8 @@ def _best(runs: list, concurrency: int) -> dict[str, float]:
 # No decode step of this model takes 50 us on a CPU: a median gap under it means the server's
 # chunks reached the client together (on this project's AMX Xeon host, 2026-12-06, in every
 # builtin turn at c=4 inside the suite: TTFT p50 150-540 ms, gaps of 4 us, while `vllm bench
-# serve` read gaps of 5-6 ms; the same client on its own, held on one core, read 16-25 ms and
-# ~6 ms in 6 cells of 6: bench/NOTES.md v18). Such a turn measures the host's delivery.
+# serve` read gaps of 5-6 ms; the same client alone read steady streams in some cells and
+# bursts in others, pinned or not: bench/NOTES.md v18). Such a turn measures the host's delivery.
 BURST_ITL_MS = 0.05
 
 

@@ -23,13 +23,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import httpx
-import psutil
 
 from bench.sweep.models import RequestResult
 from bench.sweep.prompts import sha
@@ -252,39 +250,10 @@ def run_jobs(
     """Run a cell's jobs: closed loop at `concurrency`, or open loop at `arrivals` (send times,
     s) capped at `concurrency` (0: no cap). Every request's result and the cell's wall time in
     seconds (first send to last byte). `stand_in(index, n)`: ids for an answer the server
-    returned no ids of (multi-turn history). The client (one thread: its event loop) stays on
-    one core for the cell (`one_core`)."""
-    with one_core():
-        return asyncio.run(
-            _run_jobs(base_url, model, jobs, concurrency, timeout_s, on_done, arrivals, stand_in)
-        )
-
-
-@contextlib.contextmanager
-def one_core() -> Iterator[None]:
-    """Keep the calling thread on the core it runs on, then give it back its cores.
-
-    Why: on a 2-core host beside a CPU-served vLLM (whose worker is bound to one core), a
-    client free to move between the cores got whole streams in one burst in about half of its
-    cells: TTFT p50 170-715 ms and ~0 ms between tokens, against 17-23 ms and ~6 ms in every
-    cell with the client held on either core (bench/NOTES.md, v18). Linux only; elsewhere, or
-    where the affinity cannot be set, nothing changes."""
-    setter = getattr(os, "sched_setaffinity", None)
-    if setter is None:
-        yield
-        return
-    try:
-        allowed = os.sched_getaffinity(0)
-        here = psutil.Process().cpu_num()
-        setter(0, {here if here in allowed else min(allowed)})
-    except (OSError, psutil.Error, ValueError):
-        yield
-        return
-    try:
-        yield
-    finally:
-        with contextlib.suppress(OSError):
-            setter(0, allowed)
+    returned no ids of (multi-turn history)."""
+    return asyncio.run(
+        _run_jobs(base_url, model, jobs, concurrency, timeout_s, on_done, arrivals, stand_in)
+    )
 
 
 def run_requests(

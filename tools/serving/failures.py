@@ -304,10 +304,12 @@ CAUSES: list[Cause] = [
         ),
     ),
     Cause(
-        "worker_sigill",
-        "vLLM's worker died of an illegal instruction (SIGILL): a kernel it picked for this CPU "
-        "and dtype uses an instruction this CPU, or the VM around it, does not execute",
-        re.compile(r"Worker proc \S+ died unexpectedly \(exit code: -4\)"),
+        "worker_crashed",
+        "vLLM's worker process died in native code, without a Python error (exit code -4 is "
+        "SIGILL: a kernel it picked for this CPU and dtype uses an instruction this CPU, or the "
+        "VM around it, does not execute; None: it died before its code was read)",
+        # -9 (SIGKILL) is left to the OOM checks; the same death has been logged with -4 and None
+        re.compile(r"Worker proc \S+ died unexpectedly \(exit code: (?:-(?!9\b)\d+|None)\)"),
         _fixed(
             "serve in float32 (dtype='float32', gpurig serve start --dtype float32), which "
             "takes other kernels, or use gpurig's engine (backend='engine'); seen with vLLM "
