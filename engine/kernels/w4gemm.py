@@ -4,8 +4,8 @@ engine/kernels/w4gemm_kernel.py, tile choice in engine/kernels/w4gemm_tune.py.
 `w4_gemm(x, packed, scales, out=None, epi=0, aux=None)`: Y = X W^T with every weight word read
 once for all rows; epi 1: gelu_tanh(gate) * up over interleaved gate|up rows ([M, N/2]); epi 2:
 gelu_tanh(Y) * aux ([M, N]). `w4_gemm_residual`: Y, then the residual+norm after it
-(`fused.residual_norm`), folded into the mma kernel's last program where that kernel runs. One row goes to the GEMV (engine/kernels/w4gemv.py), which is
-tuned for it. `w4_gemm_reference` is the PyTorch ground truth (fp32 accumulation, the same
+(`fused.residual_norm`), folded into the mma kernel's launch where that kernel runs. One row goes
+to the GEMV (engine/kernels/w4gemv.py), which is tuned for it. `w4_gemm_reference` is the PyTorch ground truth (fp32 accumulation, the same
 roundings).
 
 CUDA graphs: the config is chosen on the host from (N, K, M bucket, dtype, device) and cached;
@@ -122,12 +122,11 @@ def w4_gemm_residual(
     h_out=h)` give, in one launch where the warp-level mma kernel takes the product (2..16 rows,
     `mma_ok`), in those two elsewhere. h: [M, N] contiguous, x's dtype."""
     m, n, k = _check(x, packed, scales, 0, None)
-    if h.shape != (m, n) or not h.is_contiguous() or h.dtype != x.dtype:
-        raise ValueError(f"w4_gemm_residual: h must be a contiguous [{m}, {n}] {x.dtype} tensor")
+    x_out = torch.empty_like(h) if w_next is not None else None
+    fold = ResidualFold(h, w_post, eps, scalar, w_next, x_out)
+    fold.check(m, n, x.dtype)
     if m >= 2 and x.stride(1) == 1 and mma_ok(x, packed, scales):
         y = torch.empty(m, n, device=x.device, dtype=x.dtype)
-        x_out = torch.empty_like(h) if w_next is not None else None
-        fold = ResidualFold(h, w_post, eps, scalar, w_next, x_out)
         mma_launch(x, packed, scales, y, config or mma_config_for(n, k, m, x.device), res=fold)
         return x_out
     y = w4_gemm(x, packed, scales, config=config)

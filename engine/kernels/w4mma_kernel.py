@@ -351,7 +351,7 @@ def _w4_mma_kernel(
     """EPI 0: Y = X W^T. 1: rows interleaved (gate, up) -> gelu_tanh(gate) * up, [M, N/2].
     2: gelu_tanh(Y) * aux. STEPS: 128-element K steps per warp (K = 128 * STEPS * NWK). MT: 16-row
     tiles per warp (2: each step's activation pairs serve twice the weights). RES (EPI 0): the
-    last program folds the residual+norm over Y (engine/kernels/w4mma_residual.py).
+    residual+norm over Y after the stores (engine/kernels/w4mma_residual.py).
 
     x is read as int32 pairs of 16-bit values (x_ptr: the same memory as int32, stride_xm in
     int32 words)."""
@@ -455,8 +455,8 @@ def launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, y: torch
            cfg: dict[str, Any], epi: int = 0, aux: torch.Tensor | None = None,
            res: ResidualFold | None = None) -> None:  # fmt: skip
     """One launch on checked operands (`mma_ok`); y [M, N] (or [M, N/2] for epi 1). res (epi
-    0, y contiguous): the residual+norm folded in by the last program (cfg "RB": its rows at
-    once)."""
+    0, y contiguous): the residual+norm folded in after the stores (cfg "RB": the serial tail's
+    rows at once)."""
     m, k = x.shape
     n = packed.shape[0]
     nwn, nwk = cfg["NWN"], cfg["NWK"]
@@ -471,7 +471,7 @@ def launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, y: torch
     if res is not None:
         if epi != 0 or not y.is_contiguous():
             raise ValueError("w4mma: the residual fold takes epilogue 0 into a contiguous y")
-        res.check(y)
+        res.check(*y.shape, y.dtype)
     fold = res.kernel_args(y) if res is not None else (y, y, y, y, y, y, 0.0)
     run_kernel(_w4_mma_kernel, grid,
         x32, packed, scales, y, aux if aux is not None else y, *fold[:6],
@@ -481,7 +481,7 @@ def launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, y: torch
         ASM_ON=asm_on(x.device), MT=mt, RES=res is not None,
         HAS_SCALAR=res is not None and res.scalar is not None,
         HAS_NEXT=res is not None and res.w_next is not None,
-        RB=cfg.get("RB") or rows_per_chunk(m, n, nwn * nwk),
+        RB=(cfg.get("RB") or rows_per_chunk(m, n, nwn * nwk)) if res is not None else 1,
         BLOCK_D=triton.next_power_of_2(n) if res is not None else 16,
         SPREAD=res is not None and spread_ok(grid[0], x.device),
         num_warps=nwn * nwk, num_stages=1,

@@ -121,11 +121,11 @@ class ResidualFold:
     w_next: torch.Tensor | None = None
     x_out: torch.Tensor | None = None
 
-    def check(self, y: torch.Tensor) -> None:
-        m, n = y.shape
+    def check(self, m: int, n: int, dtype: torch.dtype) -> None:
+        """That the tensors fit a product's output y [m, n] of `dtype`."""
         h = self.h
-        if h.shape != (m, n) or not h.is_contiguous() or h.dtype != y.dtype:
-            raise ValueError(f"residual fold: h must be a contiguous [{m}, {n}] {y.dtype} tensor")
+        if h.shape != (m, n) or not h.is_contiguous() or h.dtype != dtype:
+            raise ValueError(f"residual fold: h must be a contiguous [{m}, {n}] {dtype} tensor")
         if self.w_post.shape != (n,) or (self.w_next is not None and self.w_next.shape != (n,)):
             raise ValueError(f"residual fold: the norm weights must be [{n}]")
         if self.scalar is not None and self.scalar.numel() != 1:
@@ -133,8 +133,8 @@ class ResidualFold:
         if (self.w_next is None) != (self.x_out is None):
             raise ValueError("residual fold: w_next and x_out come together")
         if self.x_out is not None and (self.x_out.shape != (m, n) or not self.x_out.is_contiguous()
-                                       or self.x_out.dtype != y.dtype):  # fmt: skip
-            raise ValueError(f"residual fold: x_out must be a contiguous [{m}, {n}] {y.dtype}")
+                                       or self.x_out.dtype != dtype):  # fmt: skip
+            raise ValueError(f"residual fold: x_out must be a contiguous [{m}, {n}] {dtype}")
 
     def kernel_args(self, y: torch.Tensor) -> tuple:
         """The kernel's pointer and scalar arguments (unused ones point at h)."""
