@@ -15,6 +15,8 @@ the environment.
 | GPURIG_FAST_PREFILL       | fused_prefill       | "0": prompt chunks through the model's own code  | on      |
 | GPURIG_PASS_ATTENTION     | pass_attention      | "0": a prompt pass's segments attend one by one, | on      |
 |                           |                     | not in one kernel per layer                      |         |
+| GPURIG_PASS_GRAPHS        | pass_graphs         | "0": prompt passes launched op by op, not        | on      |
+|                           |                     | replayed as CUDA graphs (fresh prompts, CUDA)    |         |
 | GPURIG_FOLD_RESIDUAL      | fold_residual       | "1": a batch step's residual+norm by the last    | off     |
 |                           |                     | program of the product before it (w4mma)         |         |
 | GPURIG_GEMV_H2            | half2_gemv          | "0": exact fp32-unpack GEMV instead of half2     | on      |
@@ -60,6 +62,7 @@ class EngineOptions:
     cuda_graph: bool = True  # replay the decode step as a CUDA graph (CUDA only)
     fused_prefill: bool = True  # prompt chunks through engine/fast/prefill.py
     pass_attention: bool = True  # a pass's segments in one kernel per layer
+    pass_graphs: bool = True  # passes of fresh prompts replayed as CUDA graphs (CUDA only)
     fold_residual: bool = False  # batch steps: residual+norm in the product's last program
     half2_gemv: bool = True  # 16-bit GEMV multiplies in half2 (fp32 unpack when False)
     prefix_sdpa: bool = True  # a full layer's prefix through torch's efficient attention
@@ -94,6 +97,7 @@ class EngineOptions:
             cuda_graph=_flag(env, "GPURIG_CUDA_GRAPH"),
             fused_prefill=_flag(env, "GPURIG_FAST_PREFILL"),
             pass_attention=_flag(env, "GPURIG_PASS_ATTENTION"),
+            pass_graphs=_flag(env, "GPURIG_PASS_GRAPHS"),
             fold_residual=_flag(env, "GPURIG_FOLD_RESIDUAL", default=False),
             half2_gemv=_flag(env, "GPURIG_GEMV_H2"),
             prefix_sdpa=_flag(env, "GPURIG_PREFIX_SDPA"),
@@ -110,6 +114,15 @@ class EngineOptions:
     def graphs_on(self, device: torch.device) -> bool:
         """The decode step is captured as a CUDA graph on this device."""
         return device.type == "cuda" and self.fast_on(device) and self.cuda_graph
+
+    def pass_graphs_on(self, device: torch.device, dtype: torch.dtype) -> bool:
+        """Prompt passes of fresh prompts are captured as CUDA graphs: with the decode graphs,
+        the fused prefill and its one-launch attention, which runs on sm_80+ in 16-bit."""
+        if not (self.graphs_on(device) and self.fused_prefill and self.pass_attention):
+            return False
+        from engine.fast.prefill_attention import kernel_applies
+
+        return self.pass_graphs and kernel_applies(device, dtype)
 
 
 MAX_NUM_SEQS = 64

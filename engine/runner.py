@@ -76,12 +76,15 @@ class _Request:
 
 class ModelRunner:
     def __init__(
-        self, model: Gemma4Model, pool: KVPool, options: EngineOptions, max_batch: int
-    ) -> None:
+        self, model: Gemma4Model, pool: KVPool, options: EngineOptions, max_batch: int,
+        prefill_budget: int = 2048, memory_cap_mib: int | None = None,
+    ) -> None:  # fmt: skip
         self.model = model
         self.pool = pool
         self.device = model.device
         self.max_batch = max_batch
+        self.prefill_budget = prefill_budget
+        self.memory_cap_mib = memory_cap_mib
         self.batched = False  # the fused batched step runs
         self.graphs = None
         self.reader = None  # the fused prompt reader, when it runs (holds a dequantisation buffer)
@@ -115,6 +118,10 @@ class ModelRunner:
             self._read = lambda parts, budget: reader.chunks(  # noqa: E731
                 [(ids, start, pool.view(slot)) for ids, start, slot in parts], budget
             )
+            if options.pass_graphs_on(self.device, model.dtype):
+                from engine.fast.prefill_graph import PassGraphs
+
+                reader.graphs = PassGraphs(reader, pool, self.prefill_budget, self.max_batch)
         if batch_decode.supported(model, fused):
             decoder = batch_decode.BatchDecoder(model, pool, fused, kernels, self.max_batch,
                                                 fold_residual=options.fold_residual)  # fmt: skip
@@ -123,15 +130,29 @@ class ModelRunner:
 
     def warm_up(self) -> None:
         """Capture every bucket's graph now (compiling and tuning every kernel on the way), so
-        the first requests do not wait for it."""
+        the first requests do not wait for it: the decode steps', then the prompt passes'
+        where the memory left holds them (engine/fast/prefill_graph.py)."""
         if self.graphs is not None:
             self.graphs.capture_all()
+        passes = self.reader.graphs if self.reader is not None else None
+        if passes is not None and not passes.captured:
+            from engine.fast.ops_fast import prefill_dtype
+            from engine.memory import available_bytes, reader_bytes_per_token, reader_fixed_bytes
+
+            model = self.model
+            elem = prefill_dtype(self.device.index or 0, model.dtype).itemsize
+            need = reader_fixed_bytes(model, elem) + passes.buckets[-1] * reader_bytes_per_token(
+                model.cfg, model.dtype.itemsize
+            )
+            passes.capture_all(available_bytes(self.device, self.memory_cap_mib), need)
 
     def compile_steps(self) -> None:
         """Every bucket's step once without capturing (inside engine.kernels.launch's
-        compile_ahead: queues their kernels' compiles)."""
+        compile_ahead: queues their kernels' compiles), and every prompt-pass bucket's pass."""
         if self.graphs is not None:
             self.graphs.compile_all()
+        if self.reader is not None and self.reader.graphs is not None:
+            self.reader.graphs.compile_all()
 
     # ---- the reference arrangement: the model's own rows, a batch in the same tensors -----------
     def _reference_read(

@@ -74,7 +74,9 @@ class Engine:
         self.options = options
         self.batching = plan
         self.pool = KVPool(cfg, plan.geometry, model.device, model.dtype)
-        self.runner = ModelRunner(model, self.pool, options, plan.max_num_seqs)
+        self.runner = ModelRunner(model, self.pool, options, plan.max_num_seqs,
+                                  prefill_budget=plan.prefill_budget,
+                                  memory_cap_mib=memory_cap_mib)  # fmt: skip
         self.scheduler = self._new_scheduler()
         self._lock = threading.Lock()
         self._launched: Launched | None = None

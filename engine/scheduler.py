@@ -189,7 +189,9 @@ class Scheduler:
     ) -> tuple[tuple[PromptChunk, ...], int | None]:
         """Up to prefill_budget prompt tokens, oldest sequence first, one piece per sequence
         (its next piece follows in the next step), the pass no longer than the smallest chunk
-        the memory plan allowed any of them."""
+        the memory plan allowed any of them. A prompt that one later pass reads whole is not
+        cut to fill this one (the pass's first piece always goes): a pass of fresh prompts
+        replays as a CUDA graph (engine/fast/prefill_graph.py), a continuing piece does not."""
         pending = [s for s in self.running.values() if not s.prompt_read]
         if not pending:
             return (), None
@@ -198,8 +200,9 @@ class Scheduler:
         budget = min([self.prefill_budget] + [s.chunk for s in pending if s.chunk < s.body])
         chunks, scores = [], []
         for s in pending:
-            n = min(s.body - s.read, s.chunk, budget)
-            if n <= 0:
+            whole = min(s.body - s.read, s.chunk)
+            n = min(whole, budget)
+            if n <= 0 or (chunks and n < whole):
                 break
             self._grow(s, s.read + n, grants)
             chunks.append(PromptChunk(s.id, s.slot, s.read, n))

@@ -99,15 +99,34 @@ def test_first_come_first_served_the_head_waits_for_blocks_and_nobody_overtakes(
 
 def test_prompt_reading_is_shared_within_the_budget_oldest_first():
     sch = _scheduler(budget=10)
-    a, b, c = _seq(9, 2, chunk=8), _seq(9, 2, chunk=8), _seq(9, 2, chunk=8)
+    a, b, c = _seq(9, 2, chunk=8), _seq(9, 2, chunk=8), _seq(4, 2, chunk=8)
     for s in (a, b, c):
         sch.add(s)
     plan = sch.schedule()
-    assert [(x.seq, x.start, x.length) for x in plan.chunks] == [(a.id, 0, 8), (b.id, 0, 2)]
+    # b (8 tokens) is not cut to fill the budget's last 2: the next pass reads it whole
+    assert [(x.seq, x.start, x.length) for x in plan.chunks] == [(a.id, 0, 8)]
     plan = sch.schedule()
-    assert [(x.seq, x.start, x.length) for x in plan.chunks] == [(b.id, 2, 6), (c.id, 0, 4)]
+    assert [(x.seq, x.start, x.length) for x in plan.chunks] == [(b.id, 0, 8)]
     # a's prompt was read: it decodes meanwhile; b's is read now, so b's first row joins too
     assert [r.seq for r in plan.rows] == [a.id, b.id]
+    plan = sch.schedule()
+    assert [(x.seq, x.start, x.length) for x in plan.chunks] == [(c.id, 0, 3)]
+
+
+def test_a_prompt_longer_than_its_chunk_is_read_in_pieces_beside_others():
+    sch = _scheduler(budget=10)
+    a, b = _seq(4, 2, chunk=8), _seq(21, 2, chunk=8)
+    for s in (a, b):
+        sch.add(s)
+    plan = sch.schedule()
+    # b's first piece would be 8; the budget leaves 7, so b waits for the next pass
+    assert [(x.seq, x.start, x.length) for x in plan.chunks] == [(a.id, 0, 3)]
+    plan = sch.schedule()
+    assert [(x.seq, x.start, x.length) for x in plan.chunks] == [(b.id, 0, 8)]
+    plan = sch.schedule()
+    assert [(x.seq, x.start, x.length) for x in plan.chunks] == [(b.id, 8, 8)]
+    plan = sch.schedule()
+    assert [(x.seq, x.start, x.length) for x in plan.chunks] == [(b.id, 16, 4)]
 
 
 def test_cancelled_waiting_and_running_sequences_leave():

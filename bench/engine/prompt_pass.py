@@ -14,7 +14,9 @@ runs the tiny preset on Triton's CPU interpreter.
 1 x 511 again last, in case the first shape after a load pays for something else).
 
 `time`: for each shape (segments x tokens; the sweep's 512-token prompts arrive as 511-token
-bodies, the last token going through the decode step) and each arrangement: the median wall time of a pass
+bodies, the last token going through the decode step) and each arrangement (a captured CUDA
+graph where the pass fits one, engine/fast/prefill_graph.py; the one-launch attention launched
+op by op; segment by segment): the median wall time of a pass
 (host and GPU, synchronised), prompt tokens per second, and, under the profiler once, the
 kernels launched and their summed GPU time (wall minus that is the host's share).
 """
@@ -219,14 +221,20 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     res: dict[str, Any] = {"card": torch.cuda.get_device_name(0), "torch": torch.__version__,
                            "rows": []}  # fmt: skip
+    graphs = reader.graphs if reader.graphs is not None and reader.graphs.captured else None
+    res["graphs"] = graphs.buckets if graphs is not None else None
+    arrangements = [("graph", True, graphs)] if graphs is not None else []
+    arrangements += [("joint", True, None), ("each", False, None)]
     for segments, tokens in SHAPES:
-        for joint in (True, False):
-            reader.pass_attention = joint
-            row = {"pass_attention": joint, **time_pass(eng, segments, tokens)}
+        for name, joint, captured in arrangements:
+            reader.pass_attention, reader.graphs = joint, captured
+            graphed = captured is not None and segments * tokens <= captured.buckets[-1]
+            row = {"arrangement": name, "pass_attention": joint, "graph_replayed": graphed,
+                   **time_pass(eng, segments, tokens)}  # fmt: skip
             res["rows"].append(row)
             print(json.dumps(row), flush=True)
             Path(args.out).write_text(json.dumps(res, indent=1))
-    reader.pass_attention = True
+    reader.pass_attention, reader.graphs = True, graphs
     eng.close()
     return 0
 

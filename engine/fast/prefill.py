@@ -61,6 +61,8 @@ class FusedPrefill:
         self.pass_attention = (
             pass_attention  # one launch per layer for all segments, where it applies
         )
+        # captured passes (engine/fast/prefill_graph.py), once the runner adds them
+        self.graphs = None
 
     def release(self) -> None:
         """Drop the dequantisation buffer (between prompts: decode does not need it)."""
@@ -110,9 +112,10 @@ class FusedPrefill:
         segment by segment (each over its own cache). Why: reading a prompt is host-bound
         (~900 launches per chunk on E2B whatever its length), so eight 512-token prompts read
         together cost about what one does alone."""
-        m, cfg = self.model, self.model.cfg
+        if self.graphs is not None and self.graphs.run(segments):
+            return
+        m = self.model
         ids = segments[0][0] if len(segments) == 1 else torch.cat([s[0] for s in segments])
-        eps, t = cfg.rms_norm_eps, ids.shape[0]
         spans = []  # (first row, rows, positions, start, cache) per segment
         host = torch.cat([torch.arange(s, s + i.shape[0]) for i, s, _ in segments])
         positions = to_device(host, m.device)  # one copy for the whole pass
@@ -125,6 +128,15 @@ class FusedPrefill:
         if self.pass_attention:
             joint = PassAttention.plan([(sp[1], sp[3], sp[4]) for sp in spans], positions,
                                        m.dtype)  # fmt: skip
+        self.forward(ids, positions, joint, spans, score_budget)
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, joint: PassAttention | None,
+                spans: list | None = None, score_budget: int | None = None) -> None:  # fmt: skip
+        """The pass on device tensors: ids and positions [T], the attention by `joint` (or, where
+        it is None, segment by segment over `spans`). Nothing here reads the device from the
+        host, so with a `PassAttention.fresh` it can be captured as a CUDA graph."""
+        m, cfg = self.model, self.model.cfg
+        eps, t = cfg.rms_norm_eps, ids.shape[0]
         h, ple = self._embed(ids)
         rope = m.rope(positions)
         layers = m.layers

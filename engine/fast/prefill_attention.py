@@ -50,9 +50,28 @@ class PassAttention:
     """`attend(layer, q, k, v)` and `write(layer, k, v)` for one pass; `plan` builds it."""
 
     def __init__(self, pool: KVPool, cu_q: torch.Tensor, q_pos: torch.Tensor, max_rows: int,
-                 full: _Rows, ring: _Rows) -> None:  # fmt: skip
+                 full: _Rows, ring: _Rows, flat: bool = False) -> None:  # fmt: skip
         self.pool, self.cu_q, self.q_pos, self.max_rows = pool, cu_q, q_pos, max_rows
         self._rows = {False: full, True: ring}
+        self.flat = flat  # the kernel's grid by row blocks of the pass (a captured pass)
+
+    @classmethod
+    def fresh(cls, pool: KVPool, cu_q: torch.Tensor, q_pos: torch.Tensor, slots: torch.Tensor,
+              keep_from: torch.Tensor) -> PassAttention:  # fmt: skip
+        """A pass of fresh prompts (no cached keys) whose write rows are computed on the device
+        from its rows' slots and positions, as the decode step computes its own: nothing is
+        read on the host, so a CUDA graph can capture it (engine/fast/prefill_graph.py).
+        q_pos / slots / keep_from: int64 [T] per row; a ring keeps rows at positions >=
+        keep_from (a chunk's tail), the rest go to the padding slot's ring, as padding rows
+        (slot = the pool's padding slot, position 0) go to its rows."""
+        bs, r = pool.block_size, pool.ring_slots
+        table = pool.block_tables[slots, q_pos // bs].to(torch.int64)
+        full = _Rows(None, table * bs + q_pos % bs, None)
+        ring = full
+        if r:
+            kept = slots * r + q_pos % r
+            ring = _Rows(None, torch.where(q_pos >= keep_from, kept, pool.pad_slot * r), None)
+        return cls(pool, cu_q, q_pos, 0, full, ring, flat=True)
 
     @classmethod
     def plan(cls, segments: list[tuple[int, int, object]], q_pos: torch.Tensor,
@@ -113,7 +132,8 @@ class PassAttention:
         if rows.cache is not None:
             cache = (p.k[layer], p.v[layer], p.pos[layer], *rows.cache)
         kk, vv = k.to(q.dtype), v.to(q.dtype)
-        return prefill_attention(q, kk, vv, self.q_pos, self.cu_q, self.max_rows, window, cache)
+        return prefill_attention(q, kk, vv, self.q_pos, self.cu_q, self.max_rows, window, cache,
+                                 flat=self.flat)  # fmt: skip
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """The pass's keys and values into the pool (a ring keeps each chunk's tail)."""

@@ -64,17 +64,34 @@ def _keys_into(
     return m, l_sum, acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["segments"])  # one compile for one segment and for several
 def _prefill_attention_kernel(
     q_ptr, k_ptr, v_ptr, qpos_ptr, ck_ptr, cv_ptr, cpos_ptr, crows_ptr, cu_q_ptr, cu_c_ptr,
-    out_ptr, window,
+    out_ptr, window, segments,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_ckt, stride_ckh, stride_cvt, stride_cvh, stride_ot, stride_oh,
     GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    WINDOW: tl.constexpr, HAS_CACHE: tl.constexpr,
+    WINDOW: tl.constexpr, HAS_CACHE: tl.constexpr, FLAT: tl.constexpr = False,
+    SEGS: tl.constexpr = 1,
 ):  # fmt: skip
-    """Program (row block, segment, query head): rows of one segment, one head."""
-    blk, seg, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    """Program (row block, segment, query head): rows of one segment, one head. FLAT: program
+    (g, 0, head) takes the g-th row block of the pass, segment after segment (SEGS a power of
+    two above `segments`), and programs past the last block do nothing."""
+    h = tl.program_id(2)
+    if FLAT:
+        g = tl.program_id(0)
+        offs = tl.arange(0, SEGS)
+        inside = offs < segments
+        first_rows = tl.load(cu_q_ptr + offs, mask=inside, other=0)
+        end_rows = tl.load(cu_q_ptr + offs + 1, mask=inside, other=0)
+        blocks = (end_rows - first_rows + BLOCK_M - 1) // BLOCK_M
+        ends = tl.cumsum(blocks, 0)
+        seg = tl.sum((ends <= g).to(tl.int32), 0)
+        first = tl.sum(tl.where(offs == seg, ends - blocks, 0), 0)
+        blk = tl.where(seg < segments, g - first, 1 << 24)  # past the last block: no rows
+        seg = tl.minimum(seg, segments - 1)
+    else:
+        blk, seg = tl.program_id(0), tl.program_id(1)
     q0 = tl.load(cu_q_ptr + seg)
     q1 = tl.load(cu_q_ptr + seg + 1)
     m0 = q0 + blk * BLOCK_M
@@ -136,6 +153,7 @@ def prefill_attention(
     window: int | None,
     cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None,
     tiles: tuple[int, int, int, int] | None = None,
+    flat: bool = False,
 ) -> torch.Tensor:
     """Attention of every segment of a pass: [T, Hq, D].
 
@@ -144,7 +162,10 @@ def prefill_attention(
     segment; window None for a full layer. cache: (k_pool, v_pool, pos_pool, rows, cu_rows), the
     layer's pool tensors [R, Hkv, D] / [R], then int64 rows of them per segment, concatenated,
     and int32 [B+1] their offsets; None when no segment has cached keys. tiles: (BLOCK_M,
-    BLOCK_N, warps, stages) instead of `tiling`'s (tests, benchmarks)."""
+    BLOCK_N, warps, stages) instead of `tiling`'s (tests, benchmarks). flat: one program per row
+    block of the pass whatever the segments' lengths (a grid of T / BLOCK_M + B row blocks
+    instead of max_rows / BLOCK_M x B): for a CUDA graph, whose grid is fixed at capture while
+    its segments vary (engine/fast/prefill_graph.py); max_rows is then not read."""
     t, hq, d = q.shape
     hkv = k.shape[1]
     if d & (d - 1) or hq % hkv or q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
@@ -157,13 +178,18 @@ def prefill_attention(
         ck, cv, cpos, rows, cu_rows = k, v, q_pos, q_pos, cu_q
     else:
         ck, cv, cpos, rows, cu_rows = cache
-    grid = (triton.cdiv(max(max_rows, 1), block_m), segments, hq)
+    if flat:
+        grid = (t // block_m + segments, 1, hq)
+        flags = {"FLAT": True, "SEGS": triton.next_power_of_2(segments + 1)}
+    else:
+        grid = (triton.cdiv(max(max_rows, 1), block_m), segments, hq)
+        flags = {}
     run_kernel(
         _prefill_attention_kernel, grid, q, k, v, q_pos, ck, cv, cpos, rows, cu_q, cu_rows, out,
-        0 if window is None else int(window),
+        0 if window is None else int(window), segments,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         ck.stride(0), ck.stride(1), cv.stride(0), cv.stride(1), out.stride(0), out.stride(1),
         GROUP=hq // hkv, D=d, BLOCK_M=block_m, BLOCK_N=block_n, WINDOW=window is not None,
-        HAS_CACHE=cache is not None, num_warps=warps, num_stages=stages,
+        HAS_CACHE=cache is not None, num_warps=warps, num_stages=stages, **flags,
     )  # fmt: skip
     return out

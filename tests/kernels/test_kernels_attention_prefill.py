@@ -116,6 +116,31 @@ def test_one_segment_alone_equals_itself_in_a_pass(device) -> None:
     assert torch.equal(both[7:28], one)
 
 
+@pytest.mark.parametrize(("lengths", "starts", "window", "ring"), [CASES[1], CASES[3]])
+def test_flat_grid_equals_the_segment_grid(device, lengths, starts, window, ring) -> None:
+    """A CUDA graph's grid (`flat`): one program per row block of the pass, the segments' blocks
+    one after another, with padding rows past the last segment and empty segments (cu_q
+    repeating T) as a captured pass has them. The real rows equal the per-segment grid's bit
+    for bit; padding rows are not read."""
+    args, _ = make_pass(lengths, starts, 4, 2, 32, window, torch.float32, device, ring=ring)
+    want = attention_prefill.prefill_attention(**args, tiles=SMALL)
+    t, pad = sum(lengths), 19
+
+    def padded(x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([x, torch.full((pad, *x.shape[1:]), 7, dtype=x.dtype, device=device)])
+
+    cu = torch.cat([args["cu_q"], torch.full((3,), t, dtype=torch.int32, device=device)])
+    graph_like = dict(args, q=padded(args["q"]), k=padded(args["k"]), v=padded(args["v"]),
+                      q_pos=padded(args["q_pos"]), cu_q=cu, max_rows=0)  # fmt: skip
+    if args["cache"] is not None:  # three more segments with no cached rows
+        kp, vp, pp, rows, cu_c = args["cache"]
+        cu_c = torch.cat([cu_c, cu_c[-1:].repeat(3)])
+        graph_like["cache"] = (kp, vp, pp, rows, cu_c)
+    got = attention_prefill.prefill_attention(**graph_like, tiles=SMALL, flat=True)
+    assert got.shape[0] == t + pad
+    assert torch.equal(got[:t], want)
+
+
 def test_unsupported_shapes_are_refused(device) -> None:
     args, _ = make_pass([4], [0], 2, 1, 24, None, torch.float32, device)
     with pytest.raises(ValueError, match="power of two"):
@@ -158,16 +183,17 @@ def _compile_for_targets(targets: list[int]) -> None:
     from triton.compiler import ASTSource
 
     for sm in targets:
-        for dim, window in ((256, True), (512, False)):
+        for dim, window, flat in ((256, True, False), (512, False, False), (256, True, True),
+                                  (512, False, True)):  # fmt: skip
             block_m, block_n, warps, stages = attention_prefill.tiling(dim)
             sig = {n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "ck_ptr", "cv_ptr", "out_ptr")}
             sig |= {n: "*i64" for n in ("qpos_ptr", "cpos_ptr", "crows_ptr")}
-            sig |= {"cu_q_ptr": "*i32", "cu_c_ptr": "*i32", "window": "i32"}
+            sig |= {"cu_q_ptr": "*i32", "cu_c_ptr": "*i32", "window": "i32", "segments": "i32"}
             sig |= {n: "i32" for n in ("stride_qt", "stride_qh", "stride_kt", "stride_kh",
                                        "stride_vt", "stride_vh", "stride_ckt", "stride_ckh",
                                        "stride_cvt", "stride_cvh", "stride_ot", "stride_oh")}  # fmt: skip
             consts = {"GROUP": 8, "D": dim, "BLOCK_M": block_m, "BLOCK_N": block_n,
-                      "WINDOW": window, "HAS_CACHE": True}  # fmt: skip
+                      "WINDOW": window, "HAS_CACHE": True, "FLAT": flat, "SEGS": 32}  # fmt: skip
             sig |= {n: "constexpr" for n in consts}
             compiled = triton.compile(
                 ASTSource(fn=attention_prefill._prefill_attention_kernel, signature=sig,
@@ -184,19 +210,20 @@ def _compile_for_targets(targets: list[int]) -> None:
                      f.name, "-o", os.devnull], capture_output=True, text=True, check=False,
                 ).stderr  # fmt: skip
             spills = [ln for ln in report.splitlines() if "spill stores" in ln]
-            print(json.dumps({"sm": sm, "dim": dim, "shared": compiled.metadata.shared,
+            print(json.dumps({"sm": sm, "dim": dim, "flat": flat,
+                              "shared": compiled.metadata.shared,
                               "mma": "mma" in compiled.asm["ptx"], "spills": spills}),
                   flush=True)  # fmt: skip
 
 
 def test_kernel_fits_each_gpu_and_keeps_its_tiles_in_registers() -> None:
     """Shared memory within each generation's limit, tensor cores used, and at most a few
-    words spilled: ptxas gave 4 bytes for sm_80 at D = 512 under Triton 3.8, 116 under 3.6; the
+    words spilled, on both grids (per segment, and flat for captured passes): ptxas gave 4 bytes for sm_80 at D = 512 under Triton 3.8, 116 under 3.6; the
     first choice of tiles (64 x 64 on 4 warps) spilled 3.7-29 KB."""
     import re
 
     rows = compiled_rows(__file__, list(_SMEM_LIMIT))
-    assert len(rows) == 2 * len(_SMEM_LIMIT)
+    assert len(rows) == 4 * len(_SMEM_LIMIT)  # two layer kinds, each grid
     for row in rows:
         assert row["shared"] <= _SMEM_LIMIT[row["sm"]] and row["mma"], row
         stores = [int(re.search(r"(\d+) bytes spill stores", s).group(1)) for s in row["spills"]]
