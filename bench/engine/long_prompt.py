@@ -96,6 +96,8 @@ def run(cap: int | None, lengths=LENGTHS, checks: bool = False, save=None) -> di
     res["load_s"] = round(time.perf_counter() - t0, 1)
     res["loaded_mib"] = mib(torch.cuda.memory_allocated())
     res["max_chunk"] = eng.prefill_chunk
+    passes = eng.runner.reader.graphs if eng.runner.reader is not None else None
+    res["pass_graphs"] = passes is not None and passes.captured  # captured at load's warm-up
     res["expandable_segments"] = eng.options.expandable_segments
     res["prefix_sdpa_runs"] = _sdpa_probe()
     try:
