@@ -2,6 +2,7 @@
 
     python3 -m bench.sweep_e2b --out DIR [--preset e2b] [--emb4] [--input-lens 512,4096]
         [--concurrency 1,4,8,16] [--repeats 3] [--output-len 128] [--ckpt DIR]
+        [--server-args '--prefill-budget 4096']
 
 Writes the random-weight checkpoint (unless --ckpt names one), then run_sweep with one `server`
 target: the sweep starts `gpurig engine serve` through the lifecycle tools, measures it (the
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -33,6 +35,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--device", default=None, help="the engine's device (default: cuda)")
+    ap.add_argument("--server-args", default="",
+                    help="more `gpurig engine serve` flags, e.g. '--prefill-budget 4096'")  # fmt: skip
     args = ap.parse_args(argv)
 
     from bench.sweep import run_sweep
@@ -52,6 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     server = {"model": str(ckpt), "backend": "engine", "timeout_s": 900}
     if args.device:
         server["device"] = args.device
+    if args.server_args:
+        server["extra_args"] = shlex.split(args.server_args)
     sweep_dir = out / "sweep"
     resume = str(sweep_dir) if (sweep_dir / "sweep.json").is_file() else None
     result = run_sweep(
