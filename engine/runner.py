@@ -146,6 +146,12 @@ class ModelRunner:
             )
             passes.capture_all(available_bytes(self.device, self.memory_cap_mib), need)
 
+    @property
+    def passes_captured(self) -> bool:
+        """Prompt passes of fresh prompts replay as CUDA graphs (captured at warm-up)."""
+        return self.reader is not None and self.reader.graphs is not None and (
+            self.reader.graphs.captured)  # fmt: skip
+
     def compile_steps(self) -> None:
         """Every bucket's step once without capturing (inside engine.kernels.launch's
         compile_ahead: queues their kernels' compiles), and every prompt-pass bucket's pass."""

@@ -97,9 +97,11 @@ class Scheduler:
     """The waiting line, the running set and the blocks; `add` is safe from any thread."""
 
     def __init__(
-        self, blocks: BlockManager, max_num_seqs: int, prefill_budget: int, max_context: int
-    ) -> None:
+        self, blocks: BlockManager, max_num_seqs: int, prefill_budget: int, max_context: int,
+        whole_prompts: bool = False,
+    ) -> None:  # fmt: skip
         self.blocks = blocks
+        self.whole_prompts = whole_prompts  # see _prompt_chunks
         self.max_num_seqs = max_num_seqs
         self.prefill_budget = max(1, prefill_budget)
         self.max_context = max_context
@@ -189,9 +191,11 @@ class Scheduler:
     ) -> tuple[tuple[PromptChunk, ...], int | None]:
         """Up to prefill_budget prompt tokens, oldest sequence first, one piece per sequence
         (its next piece follows in the next step), the pass no longer than the smallest chunk
-        the memory plan allowed any of them. A prompt that one later pass reads whole is not
-        cut to fill this one (the pass's first piece always goes): a pass of fresh prompts
-        replays as a CUDA graph (engine/fast/prefill_graph.py), a continuing piece does not."""
+        the memory plan allowed any of them. With `whole_prompts` (the engine's prompt passes
+        replay as CUDA graphs, engine/fast/prefill_graph.py, which read fresh prompts only) a
+        prompt that one later pass reads whole is not cut to fill this one; the pass's first
+        piece always goes. Without, the budget is filled (an eager pass costs the host about
+        the same whatever its size)."""
         pending = [s for s in self.running.values() if not s.prompt_read]
         if not pending:
             return (), None
@@ -202,7 +206,7 @@ class Scheduler:
         for s in pending:
             whole = min(s.body - s.read, s.chunk)
             n = min(whole, budget)
-            if n <= 0 or (chunks and n < whole):
+            if n <= 0 or (self.whole_prompts and chunks and n < whole):
                 break
             self._grow(s, s.read + n, grants)
             chunks.append(PromptChunk(s.id, s.slot, s.read, n))

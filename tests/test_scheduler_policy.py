@@ -22,8 +22,9 @@ from engine.sequence import Output, Sequence
 BLOCK = 4
 
 
-def _scheduler(blocks: int = 33, seqs: int = 4, budget: int = 16, ctx: int = 64) -> Scheduler:
-    return Scheduler(BlockManager(blocks, seqs, BLOCK, ctx), seqs, budget, ctx)
+def _scheduler(blocks: int = 33, seqs: int = 4, budget: int = 16, ctx: int = 64,
+               whole: bool = False) -> Scheduler:  # fmt: skip
+    return Scheduler(BlockManager(blocks, seqs, BLOCK, ctx), seqs, budget, ctx, whole_prompts=whole)
 
 
 def _seq(n: int, max_tokens: int, stops=(), chunk: int = 8, outputs=None) -> Sequence:
@@ -99,6 +100,20 @@ def test_first_come_first_served_the_head_waits_for_blocks_and_nobody_overtakes(
 
 def test_prompt_reading_is_shared_within_the_budget_oldest_first():
     sch = _scheduler(budget=10)
+    a, b, c = _seq(9, 2, chunk=8), _seq(9, 2, chunk=8), _seq(9, 2, chunk=8)
+    for s in (a, b, c):
+        sch.add(s)
+    plan = sch.schedule()
+    assert [(x.seq, x.start, x.length) for x in plan.chunks] == [(a.id, 0, 8), (b.id, 0, 2)]
+    plan = sch.schedule()
+    assert [(x.seq, x.start, x.length) for x in plan.chunks] == [(b.id, 2, 6), (c.id, 0, 4)]
+    # a's prompt was read: it decodes meanwhile; b's is read now, so b's first row joins too
+    assert [r.seq for r in plan.rows] == [a.id, b.id]
+
+
+def test_with_graphed_passes_a_prompt_read_whole_later_is_not_cut():
+    """whole_prompts (the engine's passes replay as CUDA graphs, which read fresh prompts only)."""
+    sch = _scheduler(budget=10, whole=True)
     a, b, c = _seq(9, 2, chunk=8), _seq(9, 2, chunk=8), _seq(4, 2, chunk=8)
     for s in (a, b, c):
         sch.add(s)
@@ -113,8 +128,8 @@ def test_prompt_reading_is_shared_within_the_budget_oldest_first():
     assert [(x.seq, x.start, x.length) for x in plan.chunks] == [(c.id, 0, 3)]
 
 
-def test_a_prompt_longer_than_its_chunk_is_read_in_pieces_beside_others():
-    sch = _scheduler(budget=10)
+def test_with_graphed_passes_a_long_prompt_is_still_read_in_pieces():
+    sch = _scheduler(budget=10, whole=True)
     a, b = _seq(4, 2, chunk=8), _seq(21, 2, chunk=8)
     for s in (a, b):
         sch.add(s)
