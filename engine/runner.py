@@ -124,7 +124,8 @@ class ModelRunner:
                 reader.graphs = PassGraphs(reader, pool, self.prefill_budget, self.max_batch)
         if batch_decode.supported(model, fused):
             decoder = batch_decode.BatchDecoder(model, pool, fused, kernels, self.max_batch,
-                                                fold_residual=options.fold_residual)  # fmt: skip
+                                                fold_residual=options.fold_residual,
+                                                batch_prologue=options.batch_prologue)  # fmt: skip
             self._step = decoder.step
             self.batched = True
 

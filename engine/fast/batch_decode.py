@@ -20,6 +20,11 @@ buffers, since a prologue reads one while its program 0 writes the other. Other 
 (residual+norm in GEMV epilogues, q/k/v work inside the attention, a gate|up prologue, PDL and
 L2 prefetch) were measured no faster; their numbers stay in bench/NOTES.md.
 
+With `batch_prologue` (EngineOptions, off until measured on a GPU) a batch of up to
+PROLOGUE_ROWS rows makes the residual+norm before the per-layer gate in that GEMV's prologue too,
+one grid row per batch row (the gate is 256 x 1,536 on E2B: its GEMV at 8 rows took 2.5 us
+against the mma kernel's 3.2, v13, and the residual+norm launch before it 2.3 us, v19).
+
 With `fold_residual` (EngineOptions, off: measured slower on the H200, bench/NOTES.md v18) a
 batch step folds each residual+norm into the product before it, the o, down and per-layer
 projections: the warp-level mma kernel's programs make h' and the next norm after a grid barrier
@@ -47,6 +52,8 @@ from engine.kv_pool import KVPool
 GEMM_ROWS = 16  # the most rows one int4 GEMM launch takes
 GEMV_ROWS = 1  # rows past this go to w4_gemm (see BatchDecoder._mm)
 GEMV_MAX_N = 65536  # the lm_head (262,144 rows) is read once by the GEMM at any row count
+PROLOGUE_ROWS = 8  # batch_prologue: the most rows whose per-layer gate takes the GEMV prologue
+PROLOGUE_MAX_N = 512  # ... and the widest matrix (E2B's per-layer gate: 256 rows)
 
 
 def qkv_matrices(model, fused: list[FusedLayer]) -> list:
@@ -106,10 +113,11 @@ class BatchDecoder:
 
     def __init__(
         self, model, pool: KVPool, fused: list[FusedLayer], kernels: FastOps, max_batch: int,
-        *, fold_residual: bool = False,
+        *, fold_residual: bool = False, batch_prologue: bool = False,
     ) -> None:  # fmt: skip
         self.model = model
         self.fold_residual = fold_residual
+        self.batch_prologue = batch_prologue
         self.pool = pool
         self.fused = fused
         self.ops = kernels
@@ -202,13 +210,13 @@ class BatchDecoder:
             """The residual+norm h += norm(y) (* scalar), then the product of its norm by w_next
             (or of h itself): one launch for a single row, two for a batch."""
             nonlocal h, spare
-            if single:
+            if single or (self.batch_prologue and b <= PROLOGUE_ROWS and packed_ok(mat)
+                          and mat.out_features <= PROLOGUE_MAX_N):  # fmt: skip
                 out = w4_gemv_after_residual(y, h, w_post, eps, mat.packed, mat.scales, spare,
-                                             scalar=scalar, w_next=w_next, epi=epi,
-                                             aux=None if aux is None else aux.reshape(-1),
+                                             scalar=scalar, w_next=w_next, epi=epi, aux=aux,
                                              half2=half2)  # fmt: skip
                 h, spare = spare, h
-                return out.reshape(1, -1)
+                return out.reshape(b, -1)
             h, x = residual_norm(h, y, w_post, eps, scalar=scalar, w_next=w_next, h_out=h)
             return self._mm(x if w_next is not None else h, mat, epi=epi, aux=aux)
 

@@ -112,26 +112,34 @@ def w4_gemv_after_residual(
     aux: torch.Tensor | None = None,
     half2: bool = True,
 ) -> torch.Tensor:
-    """One token: `residual_norm(h, y, w_post, eps, scalar, w_next)` and the GEMV that reads
-    its output, in ONE launch. h' = h + rms_norm(y, w_post) [* scalar] goes to h_out (a buffer
-    other than h: every program reads h while one writes h'); the GEMV reads
-    x = rms_norm(h', w_next), or h' itself without w_next. epi 1: GLU over interleaved gate|up
-    rows ([1, N/2]); epi 2: gelu(.) * aux; 0: plain."""
-    k = h.numel()
+    """`residual_norm(h, y, w_post, eps, scalar, w_next)` and the GEMV that reads its output, in
+    ONE launch, for M rows (y, h, h_out [M, K] or one token's [K]). h' = h + rms_norm(y, w_post)
+    [* scalar] goes to h_out (a buffer other than h: every program of a row reads h while one
+    writes h'); the GEMV reads x = rms_norm(h', w_next), or h' itself without w_next. epi 1:
+    GLU over interleaved gate|up rows ([M, N/2]); epi 2: gelu(.) * aux (aux [N] for one
+    token, [M, N] with unit stride along N for M rows); 0: plain. The tiling is the one-row
+    GEMV's: each row is its own grid row, as `w4_gemv` runs several."""
+    k = h.shape[-1]
+    m = h.numel() // k
     n = packed.shape[0]
-    if (y.numel() != k or packed.shape[1] * 8 != k or scales.shape != (n, k // 32)
-            or h_out.numel() != k or h_out.data_ptr() in (h.data_ptr(), y.data_ptr())
-            or not y.dtype == h.dtype == h_out.dtype):  # fmt: skip
+    if (y.numel() != m * k or packed.shape[1] * 8 != k or scales.shape != (n, k // 32)
+            or h_out.numel() != m * k or h_out.data_ptr() in (h.data_ptr(), y.data_ptr())
+            or not y.dtype == h.dtype == h_out.dtype
+            or not (y.is_contiguous() and h.is_contiguous() and h_out.is_contiguous())):  # fmt: skip
         raise ValueError(
-            "w4_gemv_after_residual: y, h, h_out and the GEMV's K must agree (one token, one "
-            "dtype), and h_out must be a buffer other than h and y"
+            "w4_gemv_after_residual: y, h, h_out (contiguous rows) and the GEMV's K must agree "
+            "in shape and dtype, and h_out must be a buffer other than h and y"
         )
-    y2 = y.reshape(1, k)
+    if aux is not None:
+        aux = aux.reshape(m, n) if m > 1 else aux.reshape(-1)
+        if aux.stride(-1) != 1:
+            aux = aux.contiguous()
+    y2 = y.reshape(m, k)
     cfg = dict(config_for(n, k, y.dtype, 1, y.device, half2))
     if epi == 1 and cfg["BLOCK_N"] % 2:
         cfg["BLOCK_N"] = 2
-    out = torch.empty(1, n // 2 if epi == 1 else n, device=y.device, dtype=y.dtype)
+    out = torch.empty(m, n // 2 if epi == 1 else n, device=y.device, dtype=y.dtype)
     launch(y2, packed.contiguous(), scales.contiguous(), out, cfg, epi=epi, half2=half2,
-            aux=aux.contiguous() if aux is not None else None, eps=eps,
-            pro=(y2, h.reshape(-1), w_post, scalar, w_next, h_out.reshape(-1)))  # fmt: skip
+            aux=aux, eps=eps, pro=(y2, h.reshape(-1), w_post, scalar, w_next,
+                                   h_out.reshape(-1)))  # fmt: skip
     return out

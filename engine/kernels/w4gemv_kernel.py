@@ -243,7 +243,7 @@ def _tile_step(acc, w, s, x0, x1, x2, x3, x4, x5, x6, x7, H2: tl.constexpr,
 def _w4_gemv_kernel(
     x_ptr, w_ptr, s_ptr, y_ptr,
     N, K, KW, G, stride_xm, stride_ym,
-    aux_ptr, eps, py_ptr, ph_ptr, pwp_ptr, psc_ptr, pwn_ptr, ph_out_ptr,
+    aux_ptr, stride_am, eps, py_ptr, ph_ptr, pwp_ptr, psc_ptr, pwn_ptr, ph_out_ptr,
     BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr, EVEN_K: tl.constexpr,
     USE_ASM: tl.constexpr = False, EPI: tl.constexpr = 0, H2: tl.constexpr = False,
     PIPE: tl.constexpr = True, PRO: tl.constexpr = False, PRO_SCALAR: tl.constexpr = False,
@@ -252,12 +252,17 @@ def _w4_gemv_kernel(
     """EPI 0: y = x W^T. 1: GLU over interleaved (gate, up) rows -> gelu(gate) * up, N/2 wide.
     2: gelu(y) * aux[row]. Intermediates round where the reference rounds.
 
-    PRO (one token): the activations are not read from x but made from the previous GEMV's
-    output y (py), the residual h (ph) and the norm weights, as `residual_norm` makes them;
-    every program computes the two norms itself and program 0 writes h' (ph_out, never ph:
-    the other programs still read it). One launch fewer per residual+norm in the decode step."""
+    PRO: the activations are not read from x but made from the previous GEMV's output y (py),
+    the residual h (ph) and the norm weights, as `residual_norm` makes them; every program
+    computes the two norms of its row itself and the row's program 0 writes h' (ph_out, never
+    ph: the other programs still read it). Rows are K apart in py, ph and ph_out. One launch
+    fewer per residual+norm in the decode step."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
+    if PRO:  # this program's row of the residual stream
+        py_ptr += pid_m * K
+        ph_ptr += pid_m * K
+        ph_out_ptr += pid_m * K
     # KW (= K/8 words) and G (= K/32 scales) come as arguments, not K // 8: Triton then knows
     # their divisibility and loads 16 bytes of a row at a time
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -306,7 +311,7 @@ def _w4_gemv_kernel(
         rp = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
         tl.store(y_ptr + pid_m * stride_ym + rp, act, mask=rp < N // 2)
     elif EPI == 2:
-        a = tl.load(aux_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)
+        a = tl.load(aux_ptr + pid_m * stride_am + rn, mask=n_mask, other=0.0).to(tl.float32)
         out = round_to(round_to(gelu_tanh(round_to(y, DT)), DT) * a, DT)
         tl.store(y_ptr + pid_m * stride_ym + rn, out, mask=n_mask)
     else:
@@ -343,9 +348,11 @@ def launch(x2, packed, scales, y, cfg: dict[str, Any], epi: int = 0, aux=None,
     grid = (triton.cdiv(n, cfg["BLOCK_N"]), m)
     # pro: (y, h, w_post, scalar, w_next, h_out) of the residual+norm made in the prologue
     py, ph, pwp, psc, pwn, ph_out = pro if pro is not None else (y,) * 6
+    # aux: one row for every activation row (1-D), or a row each ([M, N], any row stride)
+    stride_am = aux.stride(0) if aux is not None and aux.dim() == 2 else 0
     run_kernel(_w4_gemv_kernel, grid,
         x2, packed, scales, y, n, k, k // 8, k // 32, x2.stride(0), y.stride(0),
-        aux if aux is not None else y, eps,
+        aux if aux is not None else y, stride_am, eps,
         py, ph, pwp, psc if psc is not None else py, pwn if pwn is not None else py, ph_out,
         PRO=pro is not None, PRO_SCALAR=psc is not None and pro is not None,
         PRO_NEXT=pwn is not None and pro is not None,

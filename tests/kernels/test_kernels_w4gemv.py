@@ -181,6 +181,40 @@ def test_residual_norm_made_in_the_gemv_prologue_equals_the_two_kernels(
         w4_gemv_after_residual(y, h, w_post, 1e-6, packed, scales, h, w_next=w_next)
 
 
+@pytest.mark.parametrize("epi", [0, 2])
+def test_prologue_over_several_rows_equals_each_row_alone(device, epi) -> None:
+    """Three rows (a batch step's per-layer gate): each row's h' and output equal what the
+    one-token launch gives that row alone, bit for bit; aux is a strided view (one layer's
+    column of the per-layer inputs), as the batched step passes it."""
+    from engine.kernels.w4gemv import w4_gemv_after_residual
+
+    n, k, m, dtype = 48, 256, 3, torch.float32
+    packed, scales = _random_layer(n, k, dtype, device)
+    y = torch.randn(m, k, device=device)
+    h = torch.randn(m, k, device=device) * 4
+    w_post = torch.rand(k, device=device) + 0.5
+    w_next = torch.rand(k, device=device) + 0.5
+    scalar = torch.tensor([0.75], device=device)
+    ple = torch.randn(m, 5, n, device=device)  # [rows, layers, width]: layer 2's column
+    aux = ple[:, 2] if epi == 2 else None
+    cfg = {"BLOCK_N": 16, "BLOCK_KW": 16, "num_warps": 2, "num_stages": 2}
+    h_out = torch.full_like(h, float("nan"))
+    with pytest.MonkeyPatch.context() as mp:
+        from engine.kernels import w4gemv
+
+        mp.setattr(w4gemv, "config_for", lambda *a, **kw: cfg)
+        got = w4_gemv_after_residual(y, h, w_post, 1e-6, packed, scales, h_out, scalar=scalar,
+                                     w_next=w_next, epi=epi, aux=aux)  # fmt: skip
+        for r in range(m):
+            one_h = torch.full_like(h[r], float("nan"))
+            one = w4_gemv_after_residual(y[r], h[r].clone(), w_post, 1e-6, packed, scales,
+                                         one_h, scalar=scalar, w_next=w_next, epi=epi,
+                                         aux=None if aux is None else aux[r])  # fmt: skip
+            assert torch.equal(h_out[r], one_h), r
+            assert torch.equal(got[r], one[0]), r
+    assert got.shape == (m, n)
+
+
 @pytest.mark.parametrize(
     ("k", "cfg"),
     [
