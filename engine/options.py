@@ -19,9 +19,9 @@ the environment.
 |                           |                     | replayed as CUDA graphs (fresh prompts, CUDA)    |         |
 | GPURIG_FOLD_RESIDUAL      | fold_residual       | "1": a batch step's residual+norm by the last    | off     |
 |                           |                     | program of the product before it (w4mma)         |         |
-| GPURIG_BATCH_PROLOGUE     | batch_prologue      | "1": a batch step of up to 8 rows makes the       | off     |
-|                           |                     | residual+norm before the per-layer gate in its   |         |
-|                           |                     | GEMV's prologue (one launch fewer a layer)       |         |
+| GPURIG_BATCH_PROLOGUE     | batch_prologue      | "0": a batch step of up to 8 rows launches the   | on      |
+|                           |                     | residual+norm before the per-layer gate apart,   |         |
+|                           |                     | not in that GEMV's prologue                      |         |
 | GPURIG_GEMV_H2            | half2_gemv          | "0": exact fp32-unpack GEMV instead of half2     | on      |
 | GPURIG_PREFIX_SDPA        | prefix_sdpa         | "0": a full layer's cached prefix by the online  | on      |
 |                           |                     | softmax slices instead of torch's efficient SDPA |         |
@@ -67,7 +67,7 @@ class EngineOptions:
     pass_attention: bool = True  # a pass's segments in one kernel per layer
     pass_graphs: bool = True  # passes of fresh prompts replayed as CUDA graphs (CUDA only)
     fold_residual: bool = False  # batch steps: residual+norm in the product's last program
-    batch_prologue: bool = False  # batch steps <= 8 rows: per-layer gate GEMV's prologue
+    batch_prologue: bool = True  # batch steps <= 8 rows: per-layer gate GEMV's prologue
     half2_gemv: bool = True  # 16-bit GEMV multiplies in half2 (fp32 unpack when False)
     prefix_sdpa: bool = True  # a full layer's prefix through torch's efficient attention
     expandable_segments: bool = True  # under a memory cap, grow allocator segments in place
@@ -103,7 +103,7 @@ class EngineOptions:
             pass_attention=_flag(env, "GPURIG_PASS_ATTENTION"),
             pass_graphs=_flag(env, "GPURIG_PASS_GRAPHS"),
             fold_residual=_flag(env, "GPURIG_FOLD_RESIDUAL", default=False),
-            batch_prologue=_flag(env, "GPURIG_BATCH_PROLOGUE", default=False),
+            batch_prologue=_flag(env, "GPURIG_BATCH_PROLOGUE"),
             half2_gemv=_flag(env, "GPURIG_GEMV_H2"),
             prefix_sdpa=_flag(env, "GPURIG_PREFIX_SDPA"),
             expandable_segments=_flag(env, "GPURIG_EXPANDABLE_SEGMENTS"),

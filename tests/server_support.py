@@ -151,7 +151,10 @@ class ServerProcess:
         )
         self._wait_ready()
 
-    def _wait_ready(self, timeout: float = 60.0) -> None:
+    def _wait_ready(self, timeout: float = 180.0) -> None:
+        """Until /health answers. The bound is generous: on a 2-core CI host the server starts
+        beside vLLM's CPU build and the other test worker (60 s once ran out there after the
+        server had logged that it was serving)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

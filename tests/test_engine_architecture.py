@@ -114,11 +114,13 @@ def test_options_from_the_environment() -> None:
                                    "GPURIG_FAST_PREFILL": "0", "GPURIG_GEMV_H2": "0",
                                    "GPURIG_PREFIX_SDPA": "0", "GPURIG_EXPANDABLE_SEGMENTS": "0",
                                    "GPURIG_KERNEL_AUTOTUNE": "0", "GPURIG_PASS_ATTENTION": "0",
-                                   "GPURIG_KERNEL_CACHE": "/tmp/k", "GPURIG_PASS_GRAPHS": "0"})  # fmt: skip
+                                   "GPURIG_KERNEL_CACHE": "/tmp/k", "GPURIG_PASS_GRAPHS": "0",
+                                   "GPURIG_BATCH_PROLOGUE": "0"})  # fmt: skip
     assert opts == EngineOptions(fast="force", cuda_graph=False, fused_prefill=False,
                                  half2_gemv=False, prefix_sdpa=False, expandable_segments=False,
                                  autotune=False, tuning_cache_dir=Path("/tmp/k"),
-                                 pass_attention=False, pass_graphs=False)  # fmt: skip
+                                 pass_attention=False, pass_graphs=False,
+                                 batch_prologue=False)  # fmt: skip
     assert EngineOptions.from_env({"GPURIG_FAST": "0"}).fast == "off"
     with pytest.raises(ValueError, match="fast"):
         EngineOptions(fast="sometimes")  # type: ignore[arg-type]

@@ -20,10 +20,11 @@ buffers, since a prologue reads one while its program 0 writes the other. Other 
 (residual+norm in GEMV epilogues, q/k/v work inside the attention, a gate|up prologue, PDL and
 L2 prefetch) were measured no faster; their numbers stay in bench/NOTES.md.
 
-With `batch_prologue` (EngineOptions, off until measured on a GPU) a batch of up to
-PROLOGUE_ROWS rows makes the residual+norm before the per-layer gate in that GEMV's prologue too,
-one grid row per batch row (the gate is 256 x 1,536 on E2B: its GEMV at 8 rows took 2.5 us
-against the mma kernel's 3.2, v13, and the residual+norm launch before it 2.3 us, v19).
+With `batch_prologue` (EngineOptions, on) a batch of up to PROLOGUE_ROWS rows makes the
+residual+norm before the per-layer gate in that GEMV's prologue too, one grid row per batch row
+(the gate is 256 x 1,536 on E2B: its GEMV at 8 rows took 2.5 us against the mma kernel's 3.2,
+and the residual+norm launch before it 2.3 us). On the H100 the 2- and 4-row steps fell by 5%,
+the 8-row step by 0.5% (bench/NOTES.md v19).
 
 With `fold_residual` (EngineOptions, off: measured slower on the H200, bench/NOTES.md v18) a
 batch step folds each residual+norm into the product before it, the o, down and per-layer
@@ -113,7 +114,7 @@ class BatchDecoder:
 
     def __init__(
         self, model, pool: KVPool, fused: list[FusedLayer], kernels: FastOps, max_batch: int,
-        *, fold_residual: bool = False, batch_prologue: bool = False,
+        *, fold_residual: bool = False, batch_prologue: bool = True,
     ) -> None:  # fmt: skip
         self.model = model
         self.fold_residual = fold_residual
