@@ -31,8 +31,9 @@ pytestmark = pytest.mark.slow
 # suite runs on two pytest-xdist workers, the other worker's tests share the 2 cores while the
 # two drivers take their turns: TPOT means 12.3 against 8.9 ms (39%), and in another run
 # output tok/s 53% apart, with nothing wrong. So the gate is a ratio: the larger figure at most
-# AGREE_RATIO times the smaller, each driver read at its best turn (`_best`); the gross errors
-# are off by the stream's length (about 30x).
+# AGREE_RATIO times the smaller, at the turn where the two drivers (run back to back) agree
+# best (`_closest_turn`); the gross errors are off by the stream's length (about 30x) at every
+# turn. Each driver's best turn (`_best`) is printed beside them for bench/NOTES.md.
 AGREE_GOAL = 0.15
 AGREE_RATIO = 3.0
 PLAN = {
@@ -263,35 +264,34 @@ def test_the_builtin_driver_agrees_with_vllm_bench_serve(sweeps, concurrency, re
     print(
         {m: f"{v:.1%}" + (" (over the 15% goal)" if v > AGREE_GOAL else "") for m, v in off.items()}
     )
-    ratio = _ratios(ours, theirs)
     bursts = [d for d in ("builtin", "vllm-bench") if _all_bursts(sweeps[d], concurrency)]
-    if bursts:  # every turn of a driver came in bursts: only the tokens over time still compare
+    if bursts:
         record_property("driver_agreement_bursts", json.dumps(bursts))
-        print(f"c={concurrency}: every turn of {bursts} came in one burst per stream; only "
-              "output tok/s is compared, turn by turn")  # fmt: skip
-        ratio = {"output_tok_s": _closest_turn(sweeps, concurrency)}
+        print(f"c={concurrency}: every turn of {bursts} came in one burst per stream")
+    ratio = _closest_turn(sweeps, concurrency)
     assert all(v <= AGREE_RATIO for v in ratio.values()), {
         m: f"{v:.2f}x" for m, v in ratio.items()
     } | {"values (builtin, vllm bench)": pairs, "turns": len(sweeps["builtin"])}
 
 
-def _closest_turn(sweeps: dict[str, list], concurrency: int) -> float:
-    """Output tok/s of the two drivers within one turn (run back to back), at the turn where
-    they agree best. Each driver's best turn alone is not comparable here: in one suite run the
-    bursty driver's best turn read 136 tok/s and the steady driver's 30, turns apart, while the
-    other test worker's load came and went (a driver counting tokens wrongly parts at every
-    turn)."""
-    pairs = zip(sweeps["builtin"], sweeps["vllm-bench"], strict=False)
-    return min(
-        max(a, b) / max(min(a, b), 1e-9)
-        for a, b in (
-            (
-                _figures(ours, concurrency)["output_tok_s"],
-                _figures(theirs, concurrency)["output_tok_s"],
-            )
-            for (_, ours), (_, theirs) in pairs
-        )
-    )
+def _closest_turn(sweeps: dict[str, list], concurrency: int) -> dict[str, float]:
+    """The asserted figures' ratios at the turn where the two drivers agree best. Both drivers
+    run back to back in each turn, so within a turn they meet the same load; each driver's best
+    turn alone is not comparable on this 2-core host, where the other test worker's load comes
+    and goes (one suite run read 136 against 30 tok/s at the drivers' best turns, another
+    TPOT means 4.1x apart). A driver that measures wrongly parts at every turn. Where either
+    side of a turn came in one burst per stream (`_steady`), that turn compares output tok/s
+    only: its times measure the host's delivery."""
+    best: dict[str, float] | None = None
+    for (_, ours), (_, theirs) in zip(sweeps["builtin"], sweeps["vllm-bench"], strict=False):
+        a, b = _figures(ours, concurrency), _figures(theirs, concurrency)
+        ratio = _ratios(a, b)
+        if not (_steady(a) and _steady(b)):
+            ratio = {"output_tok_s": ratio["output_tok_s"]}
+        if best is None or max(ratio.values()) < max(best.values()):
+            best = ratio
+    assert best is not None
+    return best
 
 
 def _ratios(ours: dict[str, float], theirs: dict[str, float]) -> dict[str, float]:
@@ -303,10 +303,10 @@ def _ratios(ours: dict[str, float], theirs: dict[str, float]) -> dict[str, float
 
 
 def _parted(out: dict[str, list]) -> bool:
-    """Whether the drivers' best turns so far part beyond the gate at some concurrency, or a
+    """Whether no turn so far has the drivers within the gate at some concurrency, or a
     driver has had no steady turn there yet (another turn may give one)."""
     return any(
-        max(_ratios(_best(out["builtin"], c), _best(out["vllm-bench"], c)).values()) > AGREE_RATIO
+        max(_closest_turn(out, c).values()) > AGREE_RATIO
         or _all_bursts(out["builtin"], c)
         or _all_bursts(out["vllm-bench"], c)
         for c in PLAN["concurrency"]
