@@ -25,7 +25,7 @@ from engine.kv_pool import (
     plan_geometry,
     ring_bytes_per_seq,
 )
-from engine.memory import MIB, available_bytes, reader_bytes_per_token, reader_fixed_bytes
+from engine.memory import MIB, available_bytes, reader_peak_bytes
 
 AUTO_SEQS = (16, 8, 4, 2, 1)
 DEFAULT_SEQ_TOKENS = 4096
@@ -64,9 +64,7 @@ def plan(
             budget = CPU_POOL_BYTES
         else:
             elem = torch.empty((), dtype=dtype).element_size()
-            reader = reader_fixed_bytes(model, elem) + prefill_budget * reader_bytes_per_token(
-                cfg, elem
-            )
+            reader = reader_peak_bytes(model, prefill_budget, elem)
             budget = int(left - reader - MARGIN_BYTES - 0.05 * left)
     if max_num_seqs == "auto":
         want = min(max_context, DEFAULT_SEQ_TOKENS)

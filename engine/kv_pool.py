@@ -238,6 +238,17 @@ class KVPool:
         table = self.block_tables[slot].to(torch.int64)
         return table[positions // self.block_size] * self.block_size + positions % self.block_size
 
+    def write_rows(self, slots: torch.Tensor, positions: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """The rows tokens at `positions` of the sequences in `slots` (int tensors, one per
+        token) write: (full layers' rows through the block tables, sliding layers' ring rows),
+        int64, computed on the device (a CUDA graph captures it; the padding slot's rows are
+        block 0 and its own ring)."""
+        slots64 = slots.to(torch.int64)
+        bs, r = self.block_size, self.ring_slots
+        table = self.block_tables[slots64, positions // bs].to(torch.int64)
+        return table * bs + positions % bs, slots64 * r + positions % max(r, 1)
+
     def nbytes(self) -> int:
         tensors = [*self.k.values(), *self.v.values(), *self.pos.values()]
         return sum(t.numel() * t.element_size() for t in tensors) + (self.block_tables.numel() * 4)

@@ -172,6 +172,16 @@ def reader_fixed_bytes(model, weight_elem: int) -> int:
     return max(rows) * h * weight_elem + SAFETY_BYTES
 
 
+def reader_peak_bytes(model, tokens: int, weight_elem: int) -> int:
+    """What reading a pass of `tokens` prompt tokens holds at its peak: the largest dequantised
+    matrix (`weight_elem` bytes an element) and the per-token temporaries in the model's dtype.
+    The batching plan leaves it free beside the KV pool; captured prompt passes hold it."""
+    act_elem = torch.empty((), dtype=model.dtype).element_size()
+    return reader_fixed_bytes(model, weight_elem) + tokens * reader_bytes_per_token(
+        model.cfg, act_elem
+    )
+
+
 def _expandable_segments() -> None:
     """Under a cap, let the allocator grow segments in place instead of carving fixed ones.
 

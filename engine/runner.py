@@ -138,13 +138,10 @@ class ModelRunner:
         passes = self.reader.graphs if self.reader is not None else None
         if passes is not None and not passes.captured:
             from engine.fast.ops_fast import prefill_dtype
-            from engine.memory import available_bytes, reader_bytes_per_token, reader_fixed_bytes
+            from engine.memory import available_bytes, reader_peak_bytes
 
-            model = self.model
-            elem = prefill_dtype(self.device.index or 0, model.dtype).itemsize
-            need = reader_fixed_bytes(model, elem) + passes.buckets[-1] * reader_bytes_per_token(
-                model.cfg, model.dtype.itemsize
-            )
+            elem = prefill_dtype(self.device.index or 0, self.model.dtype).itemsize
+            need = reader_peak_bytes(self.model, passes.buckets[-1], elem)
             passes.capture_all(available_bytes(self.device, self.memory_cap_mib), need)
 
     @property

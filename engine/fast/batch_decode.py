@@ -200,11 +200,7 @@ class BatchDecoder:
         spare = torch.empty_like(h)
         rope = m.rope(positions)
         # the pool rows this step writes: one set for the full layers, one for the rings
-        bs = pool.block_size
-        slots64 = slots.to(torch.int64)
-        table = pool.block_tables[slots64, positions // bs].to(torch.int64)
-        full_rows = table * bs + positions % bs
-        ring_rows = slots64 * pool.ring_slots + positions % max(pool.ring_slots, 1)
+        full_rows, ring_rows = pool.write_rows(slots, positions)
         half2 = self.ops.half2
 
         def then(y, w_post, mat, scalar=None, w_next=None, epi=0, aux=None):

@@ -64,13 +64,11 @@ class PassAttention:
         q_pos / slots / keep_from: int64 [T] per row; a ring keeps rows at positions >=
         keep_from (a chunk's tail), the rest go to the padding slot's ring, as padding rows
         (slot = the pool's padding slot, position 0) go to its rows."""
-        bs, r = pool.block_size, pool.ring_slots
-        table = pool.block_tables[slots, q_pos // bs].to(torch.int64)
-        full = _Rows(None, table * bs + q_pos % bs, None)
-        ring = full
-        if r:
-            kept = slots * r + q_pos % r
-            ring = _Rows(None, torch.where(q_pos >= keep_from, kept, pool.pad_slot * r), None)
+        full_rows, ring_rows = pool.write_rows(slots, q_pos)
+        full = ring = _Rows(None, full_rows, None)
+        if pool.ring_slots:
+            dropped = pool.pad_slot * pool.ring_slots
+            ring = _Rows(None, torch.where(q_pos >= keep_from, ring_rows, dropped), None)
         return cls(pool, cu_q, q_pos, 0, full, ring, flat=True)
 
     @classmethod
