@@ -22,6 +22,9 @@ the environment.
 | GPURIG_BATCH_PROLOGUE     | batch_prologue      | "0": a batch step of up to 8 rows launches the   | on      |
 |                           |                     | residual+norm before the per-layer gate apart,   |         |
 |                           |                     | not in that GEMV's prologue                      |         |
+| GPURIG_PDL                | pdl                 | "0": kernels launch after the one before ends,   | on      |
+|                           |                     | not overlapping its tail (programmatic dependent |         |
+|                           |                     | launch, sm_90 on: engine/kernels/pdl.py)         |         |
 | GPURIG_GEMV_H2            | half2_gemv          | "0": exact fp32-unpack GEMV instead of half2     | on      |
 | GPURIG_PREFIX_SDPA        | prefix_sdpa         | "0": a full layer's cached prefix by the online  | on      |
 |                           |                     | softmax slices instead of torch's efficient SDPA |         |
@@ -68,6 +71,7 @@ class EngineOptions:
     pass_graphs: bool = True  # passes of fresh prompts replayed as CUDA graphs (CUDA only)
     fold_residual: bool = False  # batch steps: residual+norm in the product's last program
     batch_prologue: bool = True  # batch steps <= 8 rows: per-layer gate GEMV's prologue
+    pdl: bool = True  # sm_90 on: a kernel launches during the one before and waits in it
     half2_gemv: bool = True  # 16-bit GEMV multiplies in half2 (fp32 unpack when False)
     prefix_sdpa: bool = True  # a full layer's prefix through torch's efficient attention
     expandable_segments: bool = True  # under a memory cap, grow allocator segments in place
@@ -104,6 +108,7 @@ class EngineOptions:
             pass_graphs=_flag(env, "GPURIG_PASS_GRAPHS"),
             fold_residual=_flag(env, "GPURIG_FOLD_RESIDUAL", default=False),
             batch_prologue=_flag(env, "GPURIG_BATCH_PROLOGUE"),
+            pdl=_flag(env, "GPURIG_PDL"),
             half2_gemv=_flag(env, "GPURIG_GEMV_H2"),
             prefix_sdpa=_flag(env, "GPURIG_PREFIX_SDPA"),
             expandable_segments=_flag(env, "GPURIG_EXPANDABLE_SEGMENTS"),

@@ -38,10 +38,14 @@ Reader = Callable[[list[tuple[torch.Tensor, int, int]], int | None], None]
 
 def make_kernels(options: EngineOptions, device: torch.device) -> ops.Ops:
     """The dispatch points a model on `device` is built with: FastOps when the fast path serves
-    the device, else the reference set."""
+    the device, else the reference set. Sets how this process launches the kernels (PDL where
+    the options ask for it and the device has it)."""
     if options.fast_on(device):
         from engine.fast.ops_fast import FastOps
+        from engine.kernels.launch import set_pdl
+        from engine.kernels.pdl import pdl_supported
 
+        set_pdl(options.pdl and pdl_supported(device))
         return FastOps(prefix_sdpa=options.prefix_sdpa, half2=options.half2_gemv)
     return ops.Ops(prefix_sdpa=options.prefix_sdpa)
 

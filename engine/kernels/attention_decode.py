@@ -37,6 +37,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels.launch import run_kernel
+from engine.kernels.pdl import wait_inputs
 
 # The combine: BLOCK_D head_dim columns per program (8 heads x 256 / 32 = 64 programs) and at
 # most COMBINE_TILE fp32 partial outputs in registers at a time (64 a thread at 4 warps), so up
@@ -160,7 +161,9 @@ def _attn_split_kernel(
     S, window, scale, stride_qh, stride_ks, stride_vs,
     H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr,
     RING: tl.constexpr, USE_DOT: tl.constexpr, HAS_KPOS: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
+    wait_inputs(PDL)
     pid = tl.program_id(0)
     pos, start, end = _my_slice(pos_ptr, S, window, BLOCK_S, RING)
 
@@ -213,6 +216,7 @@ def _attn_combine_kernel(
     po_ptr, pm_ptr, pl_ptr, pos_ptr, o_ptr, S, window, P, stride_oh,
     H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
     BLOCK_P: tl.constexpr, CHUNK_P: tl.constexpr, RING: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
     """One program per (head, BLOCK_D columns): out = sum_i w_i o_i / sum_i w_i l_i, with
     w_i = exp(m_i - max_j m_j) over the `used` slices that got work (fp32 throughout).
@@ -221,6 +225,7 @@ def _attn_combine_kernel(
     partial outputs in blocks of CHUNK_P slices x BLOCK_D columns, weighted and summed over
     the slices axis. No dependent scalar load per slice: a handful of wide loads in all.
     """
+    wait_inputs(PDL)
     h = tl.program_id(0)
     pid_d = tl.program_id(1)
     pos = tl.load(pos_ptr).to(tl.int32)

@@ -50,6 +50,7 @@ from engine.kernels.attention_decode import (
     use_tensor_core_dot,
 )
 from engine.kernels.launch import run_kernel
+from engine.kernels.pdl import wait_inputs
 
 
 @triton.jit
@@ -77,8 +78,10 @@ def _paged_split_kernel(
     R, window, max_keys, scale, stride_qb, stride_qh, stride_ks, stride_vs, stride_bt,
     H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr,
     BLOCK_KV: tl.constexpr, RING: tl.constexpr, USE_DOT: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
     """Program (split, row): online softmax of the row's q [HP, D] over its slice of keys."""
+    wait_inputs(PDL)
     pid = tl.program_id(0)
     b = tl.program_id(1)
     P = tl.num_programs(0)
@@ -139,9 +142,11 @@ def _paged_combine_kernel(
     po_ptr, pm_ptr, pl_ptr, pos_ptr, o_ptr, R, window, max_keys, P, stride_ob, stride_oh,
     H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
     BLOCK_P: tl.constexpr, CHUNK_P: tl.constexpr, RING: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
     """Program (head, BLOCK_D columns, row): out = sum_i w_i o_i / sum_i w_i l_i over the row's
     used slices, w_i = exp(m_i - max_j m_j); fp32 throughout (see attention_decode's combine)."""
+    wait_inputs(PDL)
     h = tl.program_id(0)
     pid_d = tl.program_id(1)
     b = tl.program_id(2)

@@ -32,6 +32,7 @@ import triton.language as tl
 
 from engine.kernels.attention_decode import softmax_update, tile_scores, tile_values
 from engine.kernels.launch import run_kernel
+from engine.kernels.pdl import wait_inputs
 
 
 @triton.jit
@@ -73,10 +74,12 @@ def _prefill_attention_kernel(
     GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     WINDOW: tl.constexpr, HAS_CACHE: tl.constexpr, FLAT: tl.constexpr = False,
     SEGS: tl.constexpr = 1,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
     """Program (row block, segment, query head): rows of one segment, one head. FLAT: program
     (g, 0, head) takes the g-th row block of the pass, segment after segment (SEGS a power of
     two above `segments`), and programs past the last block do nothing."""
+    wait_inputs(PDL)
     h = tl.program_id(2)
     if FLAT:
         g = tl.program_id(0)

@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels.launch import run_kernel
+from engine.kernels.pdl import wait_inputs
 
 
 @triton.jit
@@ -58,7 +59,9 @@ def gelu_tanh(x):
 
 @triton.jit
 def _rmsnorm_rows_kernel(x_ptr, w_ptr, out_ptr, D, stride_x, stride_o, eps,
-                         HAS_W: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+                         HAS_W: tl.constexpr, BLOCK: tl.constexpr,
+                         PDL: tl.constexpr = False):  # fmt: skip
+    wait_inputs(PDL)
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     mask = offs < D
@@ -71,9 +74,11 @@ def _rmsnorm_rows_kernel(x_ptr, w_ptr, out_ptr, D, stride_x, stride_o, eps,
 def _residual_norm_kernel(
     h_ptr, y_ptr, w_post_ptr, scalar_ptr, w_next_ptr, h_out_ptr, x_out_ptr, D, eps,
     HAS_SCALAR: tl.constexpr, HAS_NEXT: tl.constexpr, BLOCK: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
     """h' = round(h + rms(y) * w_post) [* scalar]; x' = rms(h') * w_next (the next norm).
     One program per row of D contiguous elements (one row when decoding)."""
+    wait_inputs(PDL)
     DT: tl.constexpr = h_out_ptr.dtype.element_ty
     row = tl.program_id(0).to(tl.int64) * D
     h_ptr = h_ptr + row
@@ -93,9 +98,11 @@ def _residual_norm_kernel(
 
 
 @triton.jit
-def _gelu_mul_kernel(g_ptr, u_ptr, out_ptr, n, BLOCK: tl.constexpr, STRIDE: tl.constexpr = 1):  # fmt: skip
+def _gelu_mul_kernel(g_ptr, u_ptr, out_ptr, n, BLOCK: tl.constexpr, STRIDE: tl.constexpr = 1,
+                     PDL: tl.constexpr = False):  # fmt: skip
     """round(round(gelu_tanh(g)) * u); g and u read every STRIDE-th element (2: pairs).
     Offsets in int64: a prompt chunk's T x 2F pair index passes 2^31 (31B: T ~ 50k)."""
+    wait_inputs(PDL)
     DT: tl.constexpr = out_ptr.dtype.element_ty
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
@@ -157,9 +164,11 @@ def _qkv_rope_kernel(
     cache_k_ptr, cache_v_ptr, cache_pos_ptr, pos_ptr, slots, eps,
     HQ: tl.constexpr, D: tl.constexpr, OWN_KV: tl.constexpr, V_FROM_K: tl.constexpr,
     RING: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
     """Per head: RMSNorm (q, k with weights; v without), RoPE on q and k (NeoX half split),
     and for own-KV layers the key/value written into the cache slot of this position."""
+    wait_inputs(PDL)
     DT: tl.constexpr = q_out_ptr.dtype.element_ty
     head = tl.program_id(0)
     offs, partner, sign, mask = _rope_lanes(D)
@@ -191,10 +200,12 @@ def _qkv_rope_rows_kernel(
     qkv_ptr, q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr, v_out_ptr,
     stride_row, eps, rows_ptr, HQ: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr,
     V_FROM_K: tl.constexpr, SCATTER: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
     """Prompt rows: program (t, head) norms one head of row t of the q|k|v output (q and k with
     their weights, v without) and rotates q and k with row t's cos / sin, as qkv_rope does for
     one token; outputs [T, heads, D] each."""
+    wait_inputs(PDL)
     DT: tl.constexpr = q_out_ptr.dtype.element_ty
     t = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
@@ -276,8 +287,9 @@ def qkv_rope_rows(
 
 @triton.jit
 def _ple_mix_kernel(proj_ptr, tok_ptr, w_ptr, out_ptr, P, eps, c_proj, c_mix,
-                    BLOCK: tl.constexpr):  # fmt: skip
+                    BLOCK: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
     """Per layer l: round(round(rms(round(proj*c_proj)) * w + tok) * c_mix) (the PLE input)."""
+    wait_inputs(PDL)
     DT: tl.constexpr = out_ptr.dtype.element_ty
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)

@@ -19,6 +19,7 @@ store wrong choices.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -26,10 +27,28 @@ from contextvars import ContextVar
 from typing import Any
 
 _COMPILE_ONLY: ContextVar[bool] = ContextVar("gpurig_compile_only", default=False)
+_PDL = {"on": False}  # launch with programmatic dependent launch (engine/kernels/pdl.py)
+
+
+def set_pdl(on: bool) -> None:
+    """Launch the kernels that declare `PDL` with programmatic dependent launch from now on (the
+    engine sets it when it builds its kernels: EngineOptions.pdl where `pdl_supported`)."""
+    _PDL["on"] = on
+
+
+def pdl_enabled() -> bool:
+    return _PDL["on"]
+
+
+@functools.cache
+def _declares_pdl(kernel: Any) -> bool:
+    return "PDL" in getattr(kernel, "arg_names", ())
 
 
 def run_kernel(kernel: Any, grid: Any, *args: Any, **kwargs: Any) -> None:
     """`kernel[grid](*args, **kwargs)`, or inside `compile_ahead` only its compile (queued)."""
+    if _PDL["on"] and _declares_pdl(kernel):
+        kwargs = {**kwargs, "PDL": True, "launch_pdl": True}
     if _COMPILE_ONLY.get():
         kernel.warmup(*args, grid=grid, **kwargs)
     else:

@@ -19,13 +19,16 @@ import triton
 import triton.language as tl
 
 from engine.kernels.launch import run_kernel
+from engine.kernels.pdl import wait_inputs
 
 
 @triton.jit
 def _w4_rows_kernel(
     ids_ptr, w_ptr, s_ptr, out_ptr, mul_ptr, K, stride_out,
     HAS_IDS: tl.constexpr, BLOCK_KW: tl.constexpr, HAS_MUL: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
+    wait_inputs(PDL)
     row = tl.program_id(0)
     pid_k = tl.program_id(1)
     KW = K // 8
@@ -49,9 +52,12 @@ def _w4_rows_kernel(
 
 
 @triton.jit
-def _w4_flat_kernel(w_ptr, s_ptr, out_ptr, total_words, BLOCK: tl.constexpr):
+def _w4_flat_kernel(
+    w_ptr, s_ptr, out_ptr, total_words, BLOCK: tl.constexpr, PDL: tl.constexpr = False
+):
     """Whole-matrix unpack: word i of the flattened [N, K/8] codes becomes out[8i .. 8i+7] and
     uses scale i // 4 (a row's K/8 words and K/32 scales line up), so one flat index does."""
+    wait_inputs(PDL)
     idx = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = idx < total_words
     w = tl.load(w_ptr + idx, mask=mask, other=0)

@@ -39,6 +39,7 @@ import triton.language as tl
 
 from engine.kernels.fused import gelu_tanh, round_to
 from engine.kernels.launch import run_kernel
+from engine.kernels.pdl import wait_inputs
 from engine.kernels.w4gemv_kernel import ws_loads  # one K step's words and scales (fp32)
 from engine.options import triton_interpreted
 
@@ -144,10 +145,12 @@ def _w4_gemm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr,
     EVEN_K: tl.constexpr, TC: tl.constexpr, SWAP: tl.constexpr, IEEE: tl.constexpr,
     SPLIT: tl.constexpr, FUSED: tl.constexpr, EPI: tl.constexpr, PIPE: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
     """Program (n, s): rows pid_n*BLOCK_N.. of the weight over K words [s*chunk_kw, +chunk_kw)
     against all M activation rows. SPLIT == 1: the epilogue straight away; else the partial
     goes to the workspace and (FUSED) the tile's last program reduces it."""
+    wait_inputs(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -268,10 +271,12 @@ def _w4_gemm_slab_kernel(
     EVEN_K: tl.constexpr, SWAP: tl.constexpr, IEEE: tl.constexpr,
     SPLIT: tl.constexpr, FUSED: tl.constexpr, EPI: tl.constexpr, PIPE: tl.constexpr = True,
     TC: tl.constexpr = True,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
     """The tensor-core path with K taken nibble by nibble: each K step is 8 dots of K=BLOCK_KW
     (nibble j of every word against the activations at k = 8i + j), which sums the same
     products as one dot over the unpacked tile. Grid and epilogue as _w4_gemm_kernel."""
+    wait_inputs(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -315,8 +320,9 @@ def _w4_gemm_slab_kernel(
 @triton.jit
 def _w4_gemm_reduce_kernel(ws_ptr, y_ptr, aux_ptr, M, N, stride_ym, stride_am,
                            SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                           EPI: tl.constexpr):  # fmt: skip
+                           EPI: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
     """The unfused split-K reduction: the SPLIT partials of one column tile, in order."""
+    wait_inputs(PDL)
     pid_n = tl.program_id(0)
     rm = tl.arange(0, BLOCK_M)
     m_mask = rm < M

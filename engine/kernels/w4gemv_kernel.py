@@ -36,6 +36,7 @@ import triton.language as tl
 
 from engine.kernels.fused import gelu_tanh, inv_rms, round_to, scale_w
 from engine.kernels.launch import run_kernel
+from engine.kernels.pdl import wait_inputs
 from engine.options import triton_interpreted
 
 KERNEL_NAME = "w4gemv"
@@ -248,6 +249,7 @@ def _w4_gemv_kernel(
     USE_ASM: tl.constexpr = False, EPI: tl.constexpr = 0, H2: tl.constexpr = False,
     PIPE: tl.constexpr = True, PRO: tl.constexpr = False, PRO_SCALAR: tl.constexpr = False,
     PRO_NEXT: tl.constexpr = False, BLOCK_P: tl.constexpr = 16,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
     """EPI 0: y = x W^T. 1: GLU over interleaved (gate, up) rows -> gelu(gate) * up, N/2 wide.
     2: gelu(y) * aux[row]. Intermediates round where the reference rounds.
@@ -276,6 +278,7 @@ def _w4_gemv_kernel(
     # the first step's weights are requested before the prologue's reductions: its latency
     # hides behind the weight loads
     w, s = ws_loads(w_ptrs, s_ptrs, rk, 0, KW, EVEN_K)
+    wait_inputs(PDL)  # the first step's weights are on their way before the wait
     if PRO:
         inv1, inv2, sc = _prologue(py_ptr, ph_ptr, pwp_ptr, psc_ptr, ph_out_ptr, K, eps,
                                    pid_n == 0, BLOCK_P, PRO_SCALAR, PRO_NEXT, DTA)  # fmt: skip

@@ -52,12 +52,16 @@ import triton.language as tl
 
 from engine.kernels.fused import gelu_tanh, round_to
 from engine.kernels.launch import run_kernel
+from engine.kernels.pdl import wait_inputs
 from engine.kernels.w4mma_residual import ResidualFold, residual_tail, rows_per_chunk, spread_ok
 from engine.options import triton_interpreted
 
 ASM = {"ok": True}
 
-_LD_V4 = tl.constexpr("ld.global.nc.v4.b32 {$0, $1, $2, $3}, [$4];")
+_LD_V4 = tl.constexpr("ld.global.nc.v4.b32 {$0, $1, $2, $3}, [$4];")  # weights: read-only
+# activations: written by the kernel before, which may still run (PDL, engine/kernels/pdl.py):
+# a coherent load, kept after the wait (not pure)
+_LD_V4_X = tl.constexpr("ld.global.v4.b32 {$0, $1, $2, $3}, [$4];")
 # per 16-bit pair: (w >> 4j) & 0x000F000F | exponent of 128 (bf16) -> 128 + code; fma -136 (-8
 # net, exact); fma * scale (one rounding). sm_80 has bf16x2 fma but not bf16x2 sub/mul.
 _UNPACK_BF16 = tl.constexpr(
@@ -94,12 +98,13 @@ _PRMT = tl.constexpr("prmt.b32 $0, $2, $3, 0x5410; prmt.b32 $1, $2, $3, 0x7632;"
 
 
 @triton.jit
-def _ld4(ptr, ASM_ON: tl.constexpr):
-    """Four consecutive int32 words at each lane's `ptr` (16-byte aligned): one vector load."""
+def _ld4(ptr, ASM_ON: tl.constexpr, X: tl.constexpr = False):
+    """Four consecutive int32 words at each lane's `ptr` (16-byte aligned): one vector load
+    (X: of activations)."""
     if ASM_ON:
         return tl.inline_asm_elementwise(
-            _LD_V4, "=r,=r,=r,=r,l", [ptr.to(tl.int64)],
-            dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1,
+            _LD_V4_X if X else _LD_V4, "=r,=r,=r,=r,l", [ptr.to(tl.int64)],
+            dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=not X, pack=1,
         )  # fmt: skip
     return tl.load(ptr), tl.load(ptr + 1), tl.load(ptr + 2), tl.load(ptr + 3)
 
@@ -203,16 +208,16 @@ def _mma(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, NW: tl.constexpr, F16: tl.const
 def _x_pairs(xp, ASM_ON: tl.constexpr):
     """One lane's 32 activations of a step (four 16-byte loads) -> 16 B pairs: for word i,
     (x[8i+j], x[8i+j+4]) for j = 0..3."""
-    r0, r1, r2, r3 = _ld4(xp, ASM_ON)
+    r0, r1, r2, r3 = _ld4(xp, ASM_ON, True)
     q0, q1 = _prmt(r0, r2, ASM_ON)
     q2, q3 = _prmt(r1, r3, ASM_ON)
-    r0, r1, r2, r3 = _ld4(xp + 4, ASM_ON)
+    r0, r1, r2, r3 = _ld4(xp + 4, ASM_ON, True)
     q4, q5 = _prmt(r0, r2, ASM_ON)
     q6, q7 = _prmt(r1, r3, ASM_ON)
-    r0, r1, r2, r3 = _ld4(xp + 8, ASM_ON)
+    r0, r1, r2, r3 = _ld4(xp + 8, ASM_ON, True)
     q8, q9 = _prmt(r0, r2, ASM_ON)
     q10, q11 = _prmt(r1, r3, ASM_ON)
-    r0, r1, r2, r3 = _ld4(xp + 12, ASM_ON)
+    r0, r1, r2, r3 = _ld4(xp + 12, ASM_ON, True)
     q12, q13 = _prmt(r0, r2, ASM_ON)
     q14, q15 = _prmt(r1, r3, ASM_ON)
     return q0, q1, q2, q3, q4, q5, q6, q7, q8, q9, q10, q11, q12, q13, q14, q15
@@ -347,6 +352,7 @@ def _w4_mma_kernel(
     F16: tl.constexpr, ASM_ON: tl.constexpr, MT: tl.constexpr = 1, RES: tl.constexpr = False,
     HAS_SCALAR: tl.constexpr = False, HAS_NEXT: tl.constexpr = False, RB: tl.constexpr = 1,
     BLOCK_D: tl.constexpr = 16, SPREAD: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
     """EPI 0: Y = X W^T. 1: rows interleaved (gate, up) -> gelu_tanh(gate) * up, [M, N/2].
     2: gelu_tanh(Y) * aux. STEPS: 128-element K steps per warp (K = 128 * STEPS * NWK). MT: 16-row
@@ -384,6 +390,7 @@ def _w4_mma_kernel(
     else:
         u0, u1, u2, u3 = a0, a1, a2, a3
         v0, v1, v2, v3 = b0, b1, b2, b3
+    wait_inputs(PDL)  # the first step's weights are on their way before the wait
     for s in range(0, STEPS):  # the next step's words are requested before this step's math
         sn = tl.minimum(s + 1, STEPS - 1) * 16  # the last step re-requests itself (from L1)
         na0, na1, na2, na3 = _ld4(wpa + sn, ASM_ON)
@@ -486,15 +493,3 @@ def launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, y: torch
         SPREAD=res is not None and spread_ok(grid[0], x.device),
         num_warps=nwn * nwk, num_stages=1,
     )  # fmt: skip
-
-
-def candidate_configs(n: int, k: int) -> list[dict[str, Any]]:
-    """Every (NWN, NWK, MT) of at most 16 warps whose K split divides the 128-element steps."""
-    steps = k // 128
-    return [
-        {"NWN": nwn, "NWK": nwk, "MT": mt}
-        for mt in (1, 2)
-        for nwk in (1, 2, 4, 8, 16)
-        for nwn in (1, 2, 4, 8)
-        if nwn * nwk <= 16 and steps % nwk == 0 and triton.cdiv(n, 16 * mt) >= nwn
-    ]

@@ -18,8 +18,19 @@ import torch
 import triton
 
 from engine.kernels import tuning
-from engine.kernels.w4mma_kernel import candidate_configs
 from engine.options import triton_interpreted
+
+
+def candidate_configs(n: int, k: int) -> list[dict[str, Any]]:
+    """Every (NWN, NWK, MT) of at most 16 warps whose K split divides the 128-element steps."""
+    steps = k // 128
+    return [
+        {"NWN": nwn, "NWK": nwk, "MT": mt}
+        for mt in (1, 2)
+        for nwk in (1, 2, 4, 8, 16)
+        for nwn in (1, 2, 4, 8)
+        if nwn * nwk <= 16 and steps % nwk == 0 and triton.cdiv(n, 16 * mt) >= nwn
+    ]
 
 
 def tuned_table(gpu: str) -> dict[str, dict[str, Any]]:

@@ -26,7 +26,7 @@ def main(targets: list[int]) -> None:
                     "pl_ptr": "*fp32", "S": "i32", "window": "i32", "scale": "fp32",
                     "stride_qh": "i32", "stride_ks": "i32", "stride_vs": "i32"}  # fmt: skip
             consts = {"H": 8, "HP": heads_padded, "D": head_dim, "BLOCK_S": block_s,
-                      "RING": ring, "USE_DOT": use_dot, "HAS_KPOS": ring}  # fmt: skip
+                      "RING": ring, "USE_DOT": use_dot, "HAS_KPOS": ring, "PDL": sm >= 90}  # fmt: skip
             sig |= {name: "constexpr" for name in consts}
             compiled = triton.compile(
                 ASTSource(fn=_attn_split_kernel, signature=sig, constexprs=consts),

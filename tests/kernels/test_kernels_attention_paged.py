@@ -325,7 +325,7 @@ def _compile_for_targets(targets: list[int]) -> None:
             sig |= {n: "i32" for n in ("R", "window", "max_keys", "stride_qb", "stride_qh",
                                        "stride_ks", "stride_vs", "stride_bt")}  # fmt: skip
             consts = {"H": H, "HP": heads_padded, "D": dim, "BLOCK_S": block_s,
-                      "BLOCK_KV": block_kv, "RING": ring, "USE_DOT": use_dot}  # fmt: skip
+                      "BLOCK_KV": block_kv, "RING": ring, "USE_DOT": use_dot, "PDL": sm >= 90}  # fmt: skip
             sig |= {n: "constexpr" for n in consts}
             compiled = triton.compile(
                 ASTSource(fn=attention_paged._paged_split_kernel, signature=sig, constexprs=consts),

@@ -193,7 +193,8 @@ def _compile_for_targets(targets: list[int]) -> None:
                                        "stride_vt", "stride_vh", "stride_ckt", "stride_ckh",
                                        "stride_cvt", "stride_cvh", "stride_ot", "stride_oh")}  # fmt: skip
             consts = {"GROUP": 8, "D": dim, "BLOCK_M": block_m, "BLOCK_N": block_n,
-                      "WINDOW": window, "HAS_CACHE": True, "FLAT": flat, "SEGS": 32}  # fmt: skip
+                      "WINDOW": window, "HAS_CACHE": True, "FLAT": flat, "SEGS": 32,
+                      "PDL": sm >= 90}  # fmt: skip
             sig |= {n: "constexpr" for n in consts}
             compiled = triton.compile(
                 ASTSource(fn=attention_prefill._prefill_attention_kernel, signature=sig,

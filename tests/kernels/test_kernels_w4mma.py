@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from engine.kernels.w4gemm import w4_gemm_reference
-from engine.kernels.w4mma_kernel import candidate_configs, launch, mma_ok
-from engine.kernels.w4mma_tune import default_config
+from engine.kernels.w4mma_kernel import launch, mma_ok
+from engine.kernels.w4mma_tune import candidate_configs, default_config
 
 TOL = {torch.float16: 4e-3, torch.bfloat16: 3e-2}  # as the tl.dot GEMM's (one 16-bit rounding)
 

@@ -1,0 +1,64 @@
+"""Programmatic dependent launch (PDL): a kernel of the decode step starts while the one before
+it is still finishing, and requests what does not depend on it (its weights) before it waits.
+
+Why: the decode step is hundreds of short dependent kernels (bench/NOTES.md, v19: 384 at one
+row), and each one pays a launch, a ramp and a first round trip to memory before it streams
+anything. With PDL (sm_90 on, CUDA 12.3 on; kept by stream capture as a programmatic edge of
+the graph) the launch and the first weight loads overlap the previous kernel's tail.
+
+The contract every kernel that declares `PDL: tl.constexpr = False` keeps:
+- before `wait_inputs(PDL)` it only reads memory that no kernel writes (weights, scales) and
+  writes nothing, since the kernel before it may still be reading and writing;
+- every program calls `wait_inputs` once, unconditionally: it returns when the previous
+  kernel has finished and its writes are visible. Since every kernel waits for the one before,
+  a kernel also sees everything earlier kernels wrote;
+- `wait_inputs` then lets the next kernel launch (its programs wait in turn).
+
+`engine.kernels.launch.run_kernel` adds `PDL=True` and Triton's `launch_pdl` to the kernels
+that declare PDL while `pdl_on` was set for the process (EngineOptions.pdl, where
+`pdl_supported` says the device and Triton can). Kernels that do not declare it launch as
+before and wait for the whole kernel before them.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from engine.options import triton_interpreted
+
+
+@triton.jit
+def wait_inputs(PDL: tl.constexpr):
+    """Wait for the previous kernel (its writes visible), then let the next one launch."""
+    if PDL:
+        tl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=tl.int32,
+                                  is_pure=False, pack=1)  # fmt: skip
+        tl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [],
+                                  dtype=tl.int32, is_pure=False, pack=1)  # fmt: skip
+
+
+def pdl_supported(device: torch.device) -> bool:
+    """PDL can be used on this device: an NVIDIA GPU of sm_90 or later (griddepcontrol), not
+    the interpreter, and a Triton whose launcher sets the launch attribute (`launch_pdl`)."""
+    if device.type != "cuda" or torch.version.hip is not None or triton_interpreted():
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _capable(index) and _triton_launches_pdl()
+
+
+@functools.cache
+def _capable(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) >= (9, 0)
+
+
+@functools.cache
+def _triton_launches_pdl() -> bool:
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except ImportError:
+        return False
+    return "launch_pdl" in getattr(CUDAOptions, "__dataclass_fields__", {})

@@ -1,0 +1,189 @@
+"""Programmatic dependent launch (engine/kernels/pdl.py): every kernel the engine launches keeps
+the contract (declares PDL and waits for its inputs), `run_kernel` asks for PDL only where it
+is set and declared, the sm_90 binaries request the weights before the wait and the activations
+after it, and on a Hopper GPU an engine with PDL makes the same tokens as one without."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import inspect
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from compile_support import compiled_rows
+
+import engine
+from engine.checkpoint_maker import make_checkpoint
+from engine.kernels import launch
+from engine.kernels.pdl import pdl_supported
+from engine.options import EngineOptions, triton_interpreted
+from engine.sampling import SamplingParams
+
+KERNELS = Path(engine.__file__).parent / "kernels"
+
+
+def _launched_kernels() -> list[tuple[str, str]]:
+    """(module, kernel name) of every `run_kernel(<kernel>, ...)` call in engine/kernels."""
+    found = []
+    for path in sorted(KERNELS.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                    and node.func.id == "run_kernel" and isinstance(node.args[0], ast.Name)):  # fmt: skip
+                found.append((f"engine.kernels.{path.stem}", node.args[0].id))
+    return found
+
+
+def test_every_launched_kernel_declares_pdl_and_waits_for_its_inputs() -> None:
+    kernels = _launched_kernels()
+    assert len(kernels) >= 15  # the decode step's, the prompt pass's and the dequant kernels
+    for module, name in kernels:
+        kernel = getattr(importlib.import_module(module), name)
+        assert "PDL" in kernel.arg_names, f"{module}.{name} does not declare PDL"
+        assert inspect.signature(kernel.fn).parameters["PDL"].default is False, name
+        body = inspect.getsource(kernel.fn)
+        assert body.count("wait_inputs(PDL)") == 1, f"{module}.{name} must wait once"
+
+
+class _Recorder:
+    """Stands for a compiled kernel: what `kernel[grid](...)` was given (no launch here)."""
+
+    def __init__(self, arg_names: list[str]) -> None:
+        self.arg_names = arg_names
+        self.calls: list[dict] = []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.calls.append({"grid": grid, **kwargs})
+
+
+def test_run_kernel_asks_for_pdl_only_when_set_and_declared() -> None:
+    declares, plain = _Recorder(["x_ptr", "PDL"]), _Recorder(["x_ptr"])
+    before = launch.pdl_enabled()  # an engine loaded on a Hopper GPU earlier sets it
+    launch.set_pdl(False)
+    try:
+        launch.run_kernel(declares, (1,), 0, num_warps=4)
+        launch.set_pdl(True)
+        launch.run_kernel(declares, (2,), 0, num_warps=4)
+        launch.run_kernel(plain, (3,), 0, num_warps=4)
+    finally:
+        launch.set_pdl(before)
+    assert declares.calls == [
+        {"grid": (1,), "num_warps": 4},
+        {"grid": (2,), "num_warps": 4, "PDL": True, "launch_pdl": True},
+    ]
+    assert plain.calls == [{"grid": (3,), "num_warps": 4}]
+
+
+def test_pdl_only_on_hopper_and_later() -> None:
+    assert not pdl_supported(torch.device("cpu"))
+    if torch.cuda.is_available():
+        expect = torch.cuda.get_device_capability() >= (9, 0)
+        assert pdl_supported(torch.device("cuda")) == expect
+
+
+@pytest.mark.skipif(not triton_interpreted(), reason="the Triton path on the CPU: interpreter")
+def test_an_engine_off_hopper_launches_without_pdl(tmp_path) -> None:
+    make_checkpoint(tmp_path, preset="tiny", seed=1)
+    engine.load(tmp_path, device="cpu", max_context=64, options=EngineOptions(fast="force"))
+    assert not launch.pdl_enabled()
+
+
+def _compile_for_targets(targets: list[int]) -> None:
+    """One JSON line per target: where the mma product's and the GEMV's loads sit against the
+    wait in their PTX with PDL on (sm_90) or off. Run as a script (no interpreter)."""
+    import json
+
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, compile
+
+    from engine.kernels import w4gemv_kernel, w4mma_kernel
+
+    def ptx_of(fn, sig, consts, warps):
+        src = ASTSource(fn=fn, signature=sig | dict.fromkeys(consts, "constexpr"),
+                        constexprs=consts)  # fmt: skip
+        return compile(src, target=GPUTarget("cuda", sm, 32),
+                       options={"num_warps": warps, "num_stages": 1}).asm["ptx"]  # fmt: skip
+
+    def around_wait(ptx: str, loads: str) -> dict:
+        at = ptx.find("griddepcontrol.wait")
+        head, tail = (ptx[:at], ptx[at:]) if at >= 0 else ("", ptx)
+        return {"waits": ptx.count("griddepcontrol.wait"),
+                "launches": ptx.count("griddepcontrol.launch_dependents"),
+                "launch_first": "griddepcontrol.launch_dependents" in head,
+                "before": head.count(loads), "after": tail.count(loads)}  # fmt: skip
+
+    for sm in targets:
+        pdl = sm >= 90
+        mma_ptrs = ("x_ptr", "w_ptr", "s_ptr", "y_ptr", "aux_ptr", "h_ptr", "wp_ptr", "sc_ptr",
+                    "wn_ptr", "xo_ptr", "tk_ptr")  # fmt: skip
+        sig = {n: "*i32" if n in ("x_ptr", "w_ptr", "tk_ptr") else "*bf16" for n in mma_ptrs}
+        sig |= dict.fromkeys(("M", "N", "KW", "G", "STEPS", "stride_xm", "stride_ym",
+                              "stride_am"), "i32") | {"eps": "fp32"}  # fmt: skip
+        consts = {"NWN": 1, "NWK": 4, "NB": 1, "EPI": 0, "F16": False, "ASM_ON": True, "MT": 1,
+                  "RES": False, "HAS_SCALAR": False, "HAS_NEXT": False, "RB": 1, "BLOCK_D": 16,
+                  "SPREAD": False, "PDL": pdl}  # fmt: skip
+        ptx = ptx_of(w4mma_kernel._w4_mma_kernel, sig, consts, 4)
+        weights = around_wait(ptx, "ld.global.nc.v4.b32")
+        acts = around_wait(ptx, "ld.global.v4.b32")
+        gemv_ptrs = ("x_ptr", "w_ptr", "s_ptr", "y_ptr", "aux_ptr", "py_ptr", "ph_ptr", "pwp_ptr",
+                     "psc_ptr", "pwn_ptr", "ph_out_ptr")  # fmt: skip
+        sig = {n: "*i32" if n == "w_ptr" else "*bf16" for n in gemv_ptrs}
+        sig |= dict.fromkeys(("N", "K", "KW", "G", "stride_xm", "stride_ym", "stride_am"), "i32")
+        sig["eps"] = "fp32"
+        consts = {"BLOCK_N": 4, "BLOCK_KW": 64, "EVEN_K": True, "USE_ASM": True, "H2": True,
+                  "EPI": 0, "PIPE": True, "PRO": False, "PRO_SCALAR": False, "PRO_NEXT": False,
+                  "BLOCK_P": 16, "PDL": pdl}  # fmt: skip
+        gemv = around_wait(ptx_of(w4gemv_kernel._w4_gemv_kernel, sig, consts, 4), "ld.global")
+        print(json.dumps({"sm": sm, "mma_weights": weights, "mma_acts": acts, "gemv": gemv}),
+              flush=True)  # fmt: skip
+
+
+def test_hopper_binaries_request_weights_before_the_wait_and_activations_after() -> None:
+    rows = {row["sm"]: row for row in compiled_rows(__file__, [80, 90])}
+    hopper, ampere = rows[90], rows[80]
+    assert hopper["mma_weights"]["waits"] == 1 and hopper["mma_weights"]["launches"] == 1
+    assert hopper["mma_weights"]["before"] >= 2  # the first step's two weight rows
+    assert hopper["mma_acts"]["before"] == 0 and hopper["mma_acts"]["after"] >= 4
+    assert hopper["gemv"]["before"] >= 1 and hopper["gemv"]["after"] >= 1
+    for part in ("mma_weights", "gemv"):  # the next kernel launches after the wait
+        assert not hopper[part]["launch_first"]
+    for part in ("mma_weights", "gemv"):
+        assert ampere[part]["waits"] == 0 and ampere[part]["launches"] == 0  # nothing to wait
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not (torch.cuda.is_available() and pdl_supported(torch.device("cuda"))),
+    reason="needs an sm_90+ GPU (programmatic dependent launch)",
+)
+def test_an_engine_with_pdl_makes_the_tokens_of_one_without(tmp_path) -> None:
+    """Greedy tokens of eight overlapping requests (batched graph steps, pass graphs) and of
+    one alone (the one-row graph) with PDL and without, at bf16 on the small preset."""
+    make_checkpoint(tmp_path, preset="small", seed=5, emb4=True)
+    prompts = [[2] + [(11 * i + 7 * j) % 900 + 20 for i in range(30 + 17 * j)] for j in range(8)]
+
+    def tokens(pdl: bool) -> list[list[int]]:
+        eng = engine.load(tmp_path, device="cuda", dtype=torch.bfloat16, max_context=1024,
+                          max_num_seqs=8, options=EngineOptions(pdl=pdl))  # fmt: skip
+        assert launch.pdl_enabled() == pdl
+        params = SamplingParams(max_tokens=40, stop_ids=())
+        got: dict[int, list[int]] = {-1: eng.generate(prompts[0], params)}
+        threads = [threading.Thread(target=lambda j=j: got.__setitem__(j, eng.generate(
+            prompts[j], params))) for j in range(8)]  # fmt: skip
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        eng.close()
+        return [got[j] for j in range(-1, 8)]
+
+    with_pdl = tokens(True)
+    assert with_pdl == tokens(False)
+    launch.set_pdl(False)
+
+
+if __name__ == "__main__":
+    _compile_for_targets([int(a) for a in sys.argv[1:]])
