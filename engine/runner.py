@@ -38,14 +38,10 @@ Reader = Callable[[list[tuple[torch.Tensor, int, int]], int | None], None]
 
 def make_kernels(options: EngineOptions, device: torch.device) -> ops.Ops:
     """The dispatch points a model on `device` is built with: FastOps when the fast path serves
-    the device, else the reference set. Sets how this process launches the kernels (PDL where
-    the options ask for it and the device has it)."""
+    the device, else the reference set."""
     if options.fast_on(device):
         from engine.fast.ops_fast import FastOps
-        from engine.kernels.launch import set_pdl
-        from engine.kernels.pdl import pdl_supported
 
-        set_pdl(options.pdl and pdl_supported(device))
         return FastOps(prefix_sdpa=options.prefix_sdpa, half2=options.half2_gemv)
     return ops.Ops(prefix_sdpa=options.prefix_sdpa)
 
@@ -97,11 +93,12 @@ class ModelRunner:
         if options.fast_on(model.device):
             self._choose_fast(options)
         if self.batched and options.graphs_on(model.device):
-            from engine.fast.batch_graph import BatchGraphs, buckets_for
+            from engine.fast.batch_graph import PDL_ROWS, BatchGraphs, buckets_for
+            from engine.kernels.pdl import pdl_supported
 
-            self.graphs = BatchGraphs(
-                self._step, buckets_for(max_batch), model.device, pool.pad_slot
-            )
+            pdl_rows = PDL_ROWS if options.pdl and pdl_supported(model.device) else 0
+            self.graphs = BatchGraphs(self._step, buckets_for(max_batch), model.device,
+                                      pool.pad_slot, pdl_rows=pdl_rows)  # fmt: skip
         self._requests: dict[int, _Request] = {}
         self._previous: Launched | None = None
 

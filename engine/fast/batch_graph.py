@@ -6,6 +6,12 @@ the smallest bucket >= B; the spare rows are padding pointed at the pool's paddi
 writes land in block 0, which no sequence holds, and their logits are ignored). All buckets share
 one memory pool for their intermediates (replays never overlap), captured largest first, as vLLM
 does.
+
+Buckets of up to `pdl_rows` rows are captured with programmatic dependent launch
+(engine/kernels/pdl.py): each kernel launches while the one before finishes and requests its
+first weights before it waits. It pays where the step is many short kernels (one row most); at
+16 rows, and in the prompt passes, it measured slower (bench/NOTES.md, v20), so those launch as
+before.
 """
 
 from __future__ import annotations
@@ -14,11 +20,12 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from engine.kernels.launch import compiling_only
+from engine.kernels.launch import compiling_only, pdl_launches
 
 Step = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 BUCKETS = (1, 2, 4, 8, 16)
+PDL_ROWS = 8  # the largest bucket captured with PDL where the device has it (EngineOptions.pdl)
 
 
 def buckets_for(max_batch: int) -> list[int]:
@@ -54,8 +61,9 @@ class BatchGraphs:
     """`run(tokens [B], positions [B], slots [B]) -> logits [B, V]` by graph replay."""
 
     def __init__(self, step: Step, buckets: Sequence[int], device: torch.device,
-                 pad_slot: int) -> None:  # fmt: skip
+                 pad_slot: int, pdl_rows: int = 0) -> None:  # fmt: skip
         self.step = step
+        self.pdl_rows = pdl_rows
         self.buckets = sorted(buckets)
         self.device = device
         self.pad_slot = pad_slot
@@ -74,11 +82,16 @@ class BatchGraphs:
         with torch.inference_mode():
             for b in reversed(self.buckets):
                 bucket = self._by_size[b]
-                self.step(bucket.tokens, bucket.positions, bucket.slots)
+                with pdl_launches(b <= self.pdl_rows):
+                    self.step(bucket.tokens, bucket.positions, bucket.slots)
 
     def _capture(self, bucket: _Bucket) -> None:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
+        with pdl_launches(bucket.size <= self.pdl_rows):
+            self._capture_as_launched(bucket)
+
+    def _capture_as_launched(self, bucket: _Bucket) -> None:
         stream = torch.cuda.Stream(device=self.device)
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream), torch.inference_mode():
@@ -103,7 +116,8 @@ class BatchGraphs:
             bucket.positions[rows:].zero_()
             bucket.slots[rows:].fill_(self.pad_slot)
         if compiling_only():  # the warm-up's compile pass: launches compile, nothing is captured
-            return self.step(bucket.tokens, bucket.positions, bucket.slots)[:rows]
+            with pdl_launches(bucket.size <= self.pdl_rows):
+                return self.step(bucket.tokens, bucket.positions, bucket.slots)[:rows]
         if bucket.graph is None:
             self._capture(bucket)
         assert bucket.graph is not None and bucket.logits is not None

@@ -27,17 +27,23 @@ from contextvars import ContextVar
 from typing import Any
 
 _COMPILE_ONLY: ContextVar[bool] = ContextVar("gpurig_compile_only", default=False)
-_PDL = {"on": False}  # launch with programmatic dependent launch (engine/kernels/pdl.py)
+_PDL: ContextVar[bool] = ContextVar("gpurig_pdl", default=False)
 
 
-def set_pdl(on: bool) -> None:
-    """Launch the kernels that declare `PDL` with programmatic dependent launch from now on (the
-    engine sets it when it builds its kernels: EngineOptions.pdl where `pdl_supported`)."""
-    _PDL["on"] = on
+@contextlib.contextmanager
+def pdl_launches(on: bool = True) -> Iterator[None]:
+    """Inside: the kernels that declare `PDL` launch with programmatic dependent launch
+    (engine/kernels/pdl.py; the decode graphs of few rows are captured so, where
+    `pdl_supported`)."""
+    token = _PDL.set(on)
+    try:
+        yield
+    finally:
+        _PDL.reset(token)
 
 
 def pdl_enabled() -> bool:
-    return _PDL["on"]
+    return _PDL.get()
 
 
 @functools.cache
@@ -47,7 +53,7 @@ def _declares_pdl(kernel: Any) -> bool:
 
 def run_kernel(kernel: Any, grid: Any, *args: Any, **kwargs: Any) -> None:
     """`kernel[grid](*args, **kwargs)`, or inside `compile_ahead` only its compile (queued)."""
-    if _PDL["on"] and _declares_pdl(kernel):
+    if _PDL.get() and _declares_pdl(kernel):
         kwargs = {**kwargs, "PDL": True, "launch_pdl": True}
     if _COMPILE_ONLY.get():
         kernel.warmup(*args, grid=grid, **kwargs)

@@ -1,6 +1,6 @@
 """Programmatic dependent launch (engine/kernels/pdl.py): every kernel the engine launches keeps
 the contract (declares PDL and waits for its inputs), `run_kernel` asks for PDL only where it
-is set and declared, the sm_90 binaries request the weights before the wait and the activations
+is asked for and declared, the sm_90 binaries request the weights before the wait and the activations
 after it, and on a Hopper GPU an engine with PDL makes the same tokens as one without."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import engine
 from engine.checkpoint_maker import make_checkpoint
 from engine.kernels import launch
 from engine.kernels.pdl import pdl_supported
-from engine.options import EngineOptions, triton_interpreted
+from engine.options import EngineOptions
 from engine.sampling import SamplingParams
 
 KERNELS = Path(engine.__file__).parent / "kernels"
@@ -61,18 +61,20 @@ class _Recorder:
 
 def test_run_kernel_asks_for_pdl_only_when_set_and_declared() -> None:
     declares, plain = _Recorder(["x_ptr", "PDL"]), _Recorder(["x_ptr"])
-    before = launch.pdl_enabled()  # an engine loaded on a Hopper GPU earlier sets it
-    launch.set_pdl(False)
-    try:
-        launch.run_kernel(declares, (1,), 0, num_warps=4)
-        launch.set_pdl(True)
+    launch.run_kernel(declares, (1,), 0, num_warps=4)
+    with launch.pdl_launches():
+        assert launch.pdl_enabled()
         launch.run_kernel(declares, (2,), 0, num_warps=4)
         launch.run_kernel(plain, (3,), 0, num_warps=4)
-    finally:
-        launch.set_pdl(before)
+        with launch.pdl_launches(False):
+            launch.run_kernel(declares, (4,), 0, num_warps=4)
+    launch.run_kernel(declares, (5,), 0, num_warps=4)
+    assert not launch.pdl_enabled()
     assert declares.calls == [
         {"grid": (1,), "num_warps": 4},
         {"grid": (2,), "num_warps": 4, "PDL": True, "launch_pdl": True},
+        {"grid": (4,), "num_warps": 4},
+        {"grid": (5,), "num_warps": 4},
     ]
     assert plain.calls == [{"grid": (3,), "num_warps": 4}]
 
@@ -82,13 +84,6 @@ def test_pdl_only_on_hopper_and_later() -> None:
     if torch.cuda.is_available():
         expect = torch.cuda.get_device_capability() >= (9, 0)
         assert pdl_supported(torch.device("cuda")) == expect
-
-
-@pytest.mark.skipif(not triton_interpreted(), reason="the Triton path on the CPU: interpreter")
-def test_an_engine_off_hopper_launches_without_pdl(tmp_path) -> None:
-    make_checkpoint(tmp_path, preset="tiny", seed=1)
-    engine.load(tmp_path, device="cpu", max_context=64, options=EngineOptions(fast="force"))
-    assert not launch.pdl_enabled()
 
 
 def _compile_for_targets(targets: list[int]) -> None:
@@ -168,7 +163,7 @@ def test_an_engine_with_pdl_makes_the_tokens_of_one_without(tmp_path) -> None:
     def tokens(pdl: bool) -> list[list[int]]:
         eng = engine.load(tmp_path, device="cuda", dtype=torch.bfloat16, max_context=1024,
                           max_num_seqs=8, options=EngineOptions(pdl=pdl))  # fmt: skip
-        assert launch.pdl_enabled() == pdl
+        assert eng.runner.graphs.pdl_rows == (8 if pdl else 0)
         params = SamplingParams(max_tokens=40, stop_ids=())
         got: dict[int, list[int]] = {-1: eng.generate(prompts[0], params)}
         threads = [threading.Thread(target=lambda j=j: got.__setitem__(j, eng.generate(
@@ -182,7 +177,6 @@ def test_an_engine_with_pdl_makes_the_tokens_of_one_without(tmp_path) -> None:
 
     with_pdl = tokens(True)
     assert with_pdl == tokens(False)
-    launch.set_pdl(False)
 
 
 if __name__ == "__main__":
