@@ -93,8 +93,7 @@ class ModelRunner:
         if options.fast_on(model.device):
             self._choose_fast(options)
         if self.batched and options.graphs_on(model.device):
-            from engine.fast.batch_graph import PDL_ROWS, BatchGraphs, buckets_for
-            from engine.kernels.pdl import pdl_supported
+            from engine.fast.batch_graph import PDL_ROWS, BatchGraphs, buckets_for, pdl_supported
 
             pdl_rows = PDL_ROWS if options.pdl and pdl_supported(model.device) else 0
             self.graphs = BatchGraphs(self._step, buckets_for(max_batch), model.device,

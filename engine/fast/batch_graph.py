@@ -16,16 +16,41 @@ before.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 
 import torch
 
 from engine.kernels.launch import compiling_only, pdl_launches
+from engine.options import triton_interpreted
 
 Step = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 BUCKETS = (1, 2, 4, 8, 16)
 PDL_ROWS = 8  # the largest bucket captured with PDL where the device has it (EngineOptions.pdl)
+
+
+def pdl_supported(device: torch.device) -> bool:
+    """PDL can be used on this device: an NVIDIA GPU of sm_90 or later (griddepcontrol), not
+    the interpreter, and a Triton whose launcher sets the launch attribute (`launch_pdl`)."""
+    if device.type != "cuda" or torch.version.hip is not None or triton_interpreted():
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _capable(index) and _triton_launches_pdl()
+
+
+@functools.cache
+def _capable(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) >= (9, 0)
+
+
+@functools.cache
+def _triton_launches_pdl() -> bool:
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except ImportError:
+        return False
+    return "launch_pdl" in getattr(CUDAOptions, "__dataclass_fields__", {})
 
 
 def buckets_for(max_batch: int) -> list[int]:

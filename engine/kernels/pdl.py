@@ -15,20 +15,16 @@ The contract every kernel that declares `PDL: tl.constexpr = False` keeps:
 - `wait_inputs` then lets the next kernel launch (its programs wait in turn).
 
 `engine.kernels.launch.run_kernel` adds `PDL=True` and Triton's `launch_pdl` to the kernels
-that declare PDL while `pdl_on` was set for the process (EngineOptions.pdl, where
-`pdl_supported` says the device and Triton can). Kernels that do not declare it launch as
-before and wait for the whole kernel before them.
+that declare PDL inside `pdl_launches()`: engine/fast/batch_graph.py captures the decode graphs
+of few rows so, where EngineOptions.pdl asks for it and `pdl_supported` says the device and
+Triton can. Kernels that do not declare it, and every launch outside the block, start after
+the whole kernel before them.
 """
 
 from __future__ import annotations
 
-import functools
-
-import torch
 import triton
 import triton.language as tl
-
-from engine.options import triton_interpreted
 
 
 @triton.jit
@@ -39,26 +35,3 @@ def wait_inputs(PDL: tl.constexpr):
                                   is_pure=False, pack=1)  # fmt: skip
         tl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [],
                                   dtype=tl.int32, is_pure=False, pack=1)  # fmt: skip
-
-
-def pdl_supported(device: torch.device) -> bool:
-    """PDL can be used on this device: an NVIDIA GPU of sm_90 or later (griddepcontrol), not
-    the interpreter, and a Triton whose launcher sets the launch attribute (`launch_pdl`)."""
-    if device.type != "cuda" or torch.version.hip is not None or triton_interpreted():
-        return False
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return _capable(index) and _triton_launches_pdl()
-
-
-@functools.cache
-def _capable(index: int) -> bool:
-    return torch.cuda.get_device_capability(index) >= (9, 0)
-
-
-@functools.cache
-def _triton_launches_pdl() -> bool:
-    try:
-        from triton.backends.nvidia.compiler import CUDAOptions
-    except ImportError:
-        return False
-    return "launch_pdl" in getattr(CUDAOptions, "__dataclass_fields__", {})

@@ -18,8 +18,8 @@ from compile_support import compiled_rows
 
 import engine
 from engine.checkpoint_maker import make_checkpoint
+from engine.fast.batch_graph import pdl_supported
 from engine.kernels import launch
-from engine.kernels.pdl import pdl_supported
 from engine.options import EngineOptions
 from engine.sampling import SamplingParams
 
