@@ -30,13 +30,31 @@ BUCKETS = (1, 2, 4, 8, 16)
 PDL_ROWS = 8  # the largest bucket captured with PDL where the device has it (EngineOptions.pdl)
 
 
+PDL_DRIVER = 12030  # CUDA 12.3: stream capture keeps a programmatic launch as a graph edge
+
+
 def pdl_supported(device: torch.device) -> bool:
-    """PDL can be used on this device: an NVIDIA GPU of sm_90 or later (griddepcontrol), not
-    the interpreter, and a Triton whose launcher sets the launch attribute (`launch_pdl`)."""
+    """PDL can be used on this device: an NVIDIA GPU of sm_90 or later (griddepcontrol), a
+    driver that captures it into graphs, not the interpreter, and a Triton whose launcher sets
+    the launch attribute (`launch_pdl`)."""
     if device.type != "cuda" or torch.version.hip is not None or triton_interpreted():
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
-    return _capable(index) and _triton_launches_pdl()
+    return _capable(index) and _driver_version() >= PDL_DRIVER and _triton_launches_pdl()
+
+
+@functools.cache
+def _driver_version() -> int:
+    """The CUDA driver's version (12030 for 12.3), 0 where it cannot be asked."""
+    import ctypes
+
+    try:
+        version = ctypes.c_int(0)
+        if ctypes.CDLL("libcuda.so.1").cuDriverGetVersion(ctypes.byref(version)) != 0:
+            return 0
+    except (OSError, AttributeError):
+        return 0
+    return version.value
 
 
 @functools.cache

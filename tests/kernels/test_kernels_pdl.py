@@ -18,7 +18,7 @@ from compile_support import compiled_rows
 
 import engine
 from engine.checkpoint_maker import make_checkpoint
-from engine.fast.batch_graph import pdl_supported
+from engine.fast.batch_graph import PDL_DRIVER, _driver_version, pdl_supported
 from engine.kernels import launch
 from engine.options import EngineOptions
 from engine.sampling import SamplingParams
@@ -82,7 +82,7 @@ def test_run_kernel_asks_for_pdl_only_when_set_and_declared() -> None:
 def test_pdl_only_on_hopper_and_later() -> None:
     assert not pdl_supported(torch.device("cpu"))
     if torch.cuda.is_available():
-        expect = torch.cuda.get_device_capability() >= (9, 0)
+        expect = torch.cuda.get_device_capability() >= (9, 0) and _driver_version() >= PDL_DRIVER
         assert pdl_supported(torch.device("cuda")) == expect
 
 
