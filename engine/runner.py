@@ -125,7 +125,8 @@ class ModelRunner:
         if batch_decode.supported(model, fused):
             decoder = batch_decode.BatchDecoder(model, pool, fused, kernels, self.max_batch,
                                                 fold_residual=options.fold_residual,
-                                                batch_prologue=options.batch_prologue)  # fmt: skip
+                                                batch_prologue=options.batch_prologue,
+                                                mma_ahead=options.mma_ahead)  # fmt: skip
             self._step = decoder.step
             self.batched = True
 

@@ -114,10 +114,11 @@ class BatchDecoder:
 
     def __init__(
         self, model, pool: KVPool, fused: list[FusedLayer], kernels: FastOps, max_batch: int,
-        *, fold_residual: bool = False, batch_prologue: bool = True,
+        *, fold_residual: bool = False, batch_prologue: bool = True, mma_ahead: bool = False,
     ) -> None:  # fmt: skip
         self.model = model
         self.fold_residual = fold_residual
+        self.mma_ahead = mma_ahead
         self.batch_prologue = batch_prologue
         self.pool = pool
         self.fused = fused
@@ -160,7 +161,7 @@ class BatchDecoder:
                 return w4_gemv_glu(x, w.packed, w.scales, half2=self.ops.half2)
             return w4_gemv(x, w.packed, w.scales, half2=self.ops.half2)
         if rows <= GEMM_ROWS:
-            return w4_gemm(x, w.packed, w.scales, epi=epi, aux=aux)
+            return w4_gemm(x, w.packed, w.scales, epi=epi, aux=aux, ahead=self.mma_ahead)
         parts = [
             w4_gemm(
                 x[r : r + GEMM_ROWS],
@@ -168,6 +169,7 @@ class BatchDecoder:
                 w.scales,
                 epi=epi,
                 aux=None if aux is None else aux[r : r + GEMM_ROWS],
+                ahead=self.mma_ahead,
             )  # fmt: skip
             for r in range(0, x.shape[0], GEMM_ROWS)
         ]
@@ -182,7 +184,7 @@ class BatchDecoder:
         one launch where the fold applies (2..16 rows, a packed matrix), else two."""
         if self.fold_residual and 2 <= x.shape[0] <= GEMM_ROWS and packed_ok(w):
             return w4_gemm_residual(x, w.packed, w.scales, h, w_post, eps, scalar=scalar,
-                                    w_next=w_next)  # fmt: skip
+                                    w_next=w_next, ahead=self.mma_ahead)  # fmt: skip
         y = self._linear(x, w)
         return residual_norm(h, y, w_post, eps, scalar=scalar, w_next=w_next, h_out=h)[1]
 

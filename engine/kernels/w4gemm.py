@@ -66,6 +66,7 @@ def w4_gemm(
     aux: torch.Tensor | None = None,
     *,
     config: dict[str, Any] | None = None,
+    ahead: bool = False,
 ) -> torch.Tensor:
     """Y[M, N] = x[M, K] @ dequant(packed, scales).T (fp32 accumulation), in x's dtype or into
     `out` ([M, N], or [M, N/2] for epi 1; any float dtype: intermediates round to out's dtype).
@@ -75,7 +76,8 @@ def w4_gemm(
     config: a tiling to use instead of the tuned one (tests, benchmarks): {"NWN", "NWK"} forces
     the warp-level mma kernel, any other the tl.dot GEMM's; M == 1 with no config runs the GEMV.
     Without one, 2..16 rows of bf16/fp16 go to the warp-level mma kernel where `mma_ok` allows
-    (sm_80 on, K % 128 == 0), else to the tl.dot GEMM."""
+    (sm_80 on, K % 128 == 0), else to the tl.dot GEMM. ahead: the mma kernel requests a step's
+    scales and activations one step early (its AHEAD)."""
     m, n, k = _check(x, packed, scales, epi, aux)
     width = n // 2 if epi == 1 else n
     if out is None:
@@ -94,7 +96,7 @@ def w4_gemm(
                              "aligned rows and sm_80 or newer")  # fmt: skip
         if takes:
             mma_launch(x, packed, scales, out, config or mma_config_for(n, k, m, x.device), epi,
-                       aux)  # fmt: skip
+                       aux, ahead=ahead)  # fmt: skip
             return out
     cfg = config or config_for(n, k, x.dtype, m, x.device)
     ws = tk = None
@@ -116,6 +118,7 @@ def w4_gemm_residual(
     scalar: torch.Tensor | None = None,
     w_next: torch.Tensor | None = None,
     config: dict[str, Any] | None = None,
+    ahead: bool = False,
 ) -> torch.Tensor | None:
     """y = x @ dequant(W).T, then h += rms_norm(y, w_post) [then * scalar] in place, and returns
     rms_norm(h, w_next) (None without w_next): what `w4_gemm` then `residual_norm(h, y, ...,
@@ -127,9 +130,10 @@ def w4_gemm_residual(
     fold.check(m, n, x.dtype)
     if m >= 2 and x.stride(1) == 1 and mma_ok(x, packed, scales):
         y = torch.empty(m, n, device=x.device, dtype=x.dtype)
-        mma_launch(x, packed, scales, y, config or mma_config_for(n, k, m, x.device), res=fold)
+        mma_launch(x, packed, scales, y, config or mma_config_for(n, k, m, x.device), res=fold,
+                   ahead=ahead)  # fmt: skip
         return x_out
-    y = w4_gemm(x, packed, scales, config=config)
+    y = w4_gemm(x, packed, scales, config=config, ahead=ahead)
     return residual_norm(h, y, w_post, eps, scalar=scalar, w_next=w_next, h_out=h)[1]
 
 

@@ -53,7 +53,7 @@ import triton.language as tl
 from engine.kernels.fused import gelu_tanh, round_to
 from engine.kernels.launch import run_kernel
 from engine.kernels.pdl import wait_inputs
-from engine.kernels.w4mma_lanes import ASM, ld4, step_tile, xs
+from engine.kernels.w4mma_lanes import ASM, ld4, step_tile, xs, xs_words
 from engine.kernels.w4mma_residual import ResidualFold, residual_tail, rows_per_chunk, spread_ok
 from engine.options import triton_interpreted
 
@@ -125,19 +125,60 @@ def _store(c0, c1, c2, c3, e0, e1, e2, e3, t, M, N, y_ptr, stride_ym, aux_ptr, s
 
 
 @triton.jit
+def _w_words(wpa, wpb, wpc, wpd, off, MT: tl.constexpr, ASM_ON: tl.constexpr):
+    """The lane's weight words of a step: 4 of each of its rows (tile 1's rows: MT == 2)."""
+    wa = ld4(wpa + off, ASM_ON)
+    wb = ld4(wpb + off, ASM_ON)
+    if MT == 2:
+        wu = ld4(wpc + off, ASM_ON)
+        wv = ld4(wpd + off, ASM_ON)
+    else:
+        wu = wa
+        wv = wb
+    return wa, wb, wu, wv
+
+
+@triton.jit
+def _scales(s_ptr, ra, rb, rc, rd, G, grp, MT: tl.constexpr):
+    """The group scale of each of the lane's rows at group `grp`, as loaded."""
+    sa = tl.load(s_ptr + ra * G + grp)
+    sb = tl.load(s_ptr + rb * G + grp)
+    if MT == 2:
+        sc = tl.load(s_ptr + rc * G + grp)
+        sd = tl.load(s_ptr + rd * G + grp)
+    else:
+        sc = sa
+        sd = sb
+    return sa, sb, sc, sd
+
+
+@triton.jit
+def _tiles(wa, wb, wu, wv, sa, sb, sc, sd, rx, ry, acc, acc_t1, NB: tl.constexpr,
+           NW: tl.constexpr, F16: tl.constexpr, ASM_ON: tl.constexpr, MT: tl.constexpr):  # fmt: skip
+    """One K step of the warp's tiles (tile 1 when MT == 2) from loaded words and scales."""
+    x = xs(rx, ry, NB, ASM_ON)
+    acc = step_tile(wa, wb, sa, sb, x, acc, NB, NW, F16, ASM_ON)
+    if MT == 2:
+        acc_t1 = step_tile(wu, wv, sc, sd, x, acc_t1, NB, NW, F16, ASM_ON)
+    return acc, acc_t1
+
+
+@triton.jit
 def _w4_mma_kernel(
     x_ptr, w_ptr, s_ptr, y_ptr, aux_ptr, h_ptr, wp_ptr, sc_ptr, wn_ptr, xo_ptr, tk_ptr,
     M, N, KW, G, STEPS, stride_xm, stride_ym, stride_am, eps,
     NWN: tl.constexpr, NWK: tl.constexpr, NB: tl.constexpr, EPI: tl.constexpr,
     F16: tl.constexpr, ASM_ON: tl.constexpr, MT: tl.constexpr = 1, RES: tl.constexpr = False,
     HAS_SCALAR: tl.constexpr = False, HAS_NEXT: tl.constexpr = False, RB: tl.constexpr = 1,
-    BLOCK_D: tl.constexpr = 16, SPREAD: tl.constexpr = False,
+    BLOCK_D: tl.constexpr = 16, SPREAD: tl.constexpr = False, AHEAD: tl.constexpr = False,
     PDL: tl.constexpr = False,
 ):  # fmt: skip
     """EPI 0: Y = X W^T. 1: rows interleaved (gate, up) -> gelu_tanh(gate) * up, [M, N/2].
     2: gelu_tanh(Y) * aux. STEPS: 128-element K steps per warp (K = 128 * STEPS * NWK). MT: 16-row
     tiles per warp (2: each step's activation pairs serve twice the weights). RES (EPI 0): the
-    residual+norm over Y after the stores (engine/kernels/w4mma_residual.py).
+    residual+norm over Y after the stores (engine/kernels/w4mma_residual.py). AHEAD: a step's
+    scales and activations are requested one step early with its weights (the first step's
+    scales before the PDL wait), not in the step that uses them.
 
     x is read as int32 pairs of 16-bit values (x_ptr: the same memory as int32, stride_xm in
     int32 words)."""
@@ -159,47 +200,32 @@ def _w4_mma_kernel(
     wpd = w_ptr + rd.to(tl.int64) * KW + kw
     xpa = x_ptr + tl.minimum(g, M - 1) * stride_xm + s_begin * 64 + 16 * c  # batch row g
     xpb = x_ptr + tl.minimum(8 + g, M - 1) * stride_xm + s_begin * 64 + 16 * c  # and 8 + g
-    c0 = tl.zeros([NW * 32], dtype=tl.float32)
-    c1, c2, c3, e0, e1, e2, e3 = c0, c0, c0, c0, c0, c0, c0
-    f0, f1, f2, f3, h0, h1, h2, h3 = c0, c0, c0, c0, c0, c0, c0, c0  # tile 1's accumulators
-    a0, a1, a2, a3 = ld4(wpa, ASM_ON)
-    b0, b1, b2, b3 = ld4(wpb, ASM_ON)
-    if MT == 2:
-        u0, u1, u2, u3 = ld4(wpc, ASM_ON)
-        v0, v1, v2, v3 = ld4(wpd, ASM_ON)
-    else:
-        u0, u1, u2, u3 = a0, a1, a2, a3
-        v0, v1, v2, v3 = b0, b1, b2, b3
+    z = tl.zeros([NW * 32], dtype=tl.float32)
+    acc = (z, z, z, z, z, z, z, z)  # tile 0: c0..c3 (batch tile 0), e0..e3 (batch tile 1)
+    acc_t1 = acc  # tile 1's (MT == 2)
+    wa, wb, wu, wv = _w_words(wpa, wpb, wpc, wpd, 0, MT, ASM_ON)
+    if AHEAD:  # the first step's scales are read-only too: requested before the wait
+        sa, sb, sc, sd = _scales(s_ptr, ra, rb, rc, rd, G, s_begin * 4 + c, MT)
     wait_inputs(PDL)  # the first step's weights are on their way before the wait
-    for s in range(0, STEPS):  # the next step's words are requested before this step's math
-        sn = tl.minimum(s + 1, STEPS - 1) * 16  # the last step re-requests itself (from L1)
-        na0, na1, na2, na3 = ld4(wpa + sn, ASM_ON)
-        nb0, nb1, nb2, nb3 = ld4(wpb + sn, ASM_ON)
-        if MT == 2:
-            nu0, nu1, nu2, nu3 = ld4(wpc + sn, ASM_ON)
-            nv0, nv1, nv2, nv3 = ld4(wpd + sn, ASM_ON)
-        else:
-            nu0, nu1, nu2, nu3 = na0, na1, na2, na3
-            nv0, nv1, nv2, nv3 = nb0, nb1, nb2, nb3
-        grp = (s_begin + s) * 4 + c
-        (x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
-         y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14, y15) = xs(
-            xpa + s * 64, xpb + s * 64, NB, ASM_ON)  # fmt: skip
-        c0, c1, c2, c3, e0, e1, e2, e3 = step_tile(
-            a0, a1, a2, a3, b0, b1, b2, b3, s_ptr, ra, rb, G, grp,
-            x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
-            y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14, y15,
-            c0, c1, c2, c3, e0, e1, e2, e3, NB, NW, F16, ASM_ON)  # fmt: skip
-        if MT == 2:
-            f0, f1, f2, f3, h0, h1, h2, h3 = step_tile(
-                u0, u1, u2, u3, v0, v1, v2, v3, s_ptr, rc, rd, G, grp,
-                x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
-                y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14, y15,
-                f0, f1, f2, f3, h0, h1, h2, h3, NB, NW, F16, ASM_ON)  # fmt: skip
-        a0, a1, a2, a3 = na0, na1, na2, na3
-        b0, b1, b2, b3 = nb0, nb1, nb2, nb3
-        u0, u1, u2, u3 = nu0, nu1, nu2, nu3
-        v0, v1, v2, v3 = nv0, nv1, nv2, nv3
+    if AHEAD:
+        rx, ry = xs_words(xpa, xpb, NB, ASM_ON)
+    for s in range(0, STEPS):  # the next step's weights (AHEAD: all its operands) go out first
+        sn = tl.minimum(s + 1, STEPS - 1)  # the last step re-requests itself (from L1)
+        na, nb, nu, nv = _w_words(wpa, wpb, wpc, wpd, sn * 16, MT, ASM_ON)
+        if AHEAD:
+            nsa, nsb, nsc, nsd = _scales(s_ptr, ra, rb, rc, rd, G, (s_begin + sn) * 4 + c, MT)
+            nrx, nry = xs_words(xpa + sn * 64, xpb + sn * 64, NB, ASM_ON)
+        else:  # this step's scales and activations, in it
+            sa, sb, sc, sd = _scales(s_ptr, ra, rb, rc, rd, G, (s_begin + s) * 4 + c, MT)
+            rx, ry = xs_words(xpa + s * 64, xpb + s * 64, NB, ASM_ON)
+        acc, acc_t1 = _tiles(wa, wb, wu, wv, sa, sb, sc, sd, rx, ry, acc, acc_t1, NB, NW, F16,
+                             ASM_ON, MT)  # fmt: skip
+        wa, wb, wu, wv = na, nb, nu, nv
+        if AHEAD:
+            sa, sb, sc, sd = nsa, nsb, nsc, nsd
+            rx, ry = nrx, nry
+    c0, c1, c2, c3, e0, e1, e2, e3 = acc
+    f0, f1, f2, f3, h0, h1, h2, h3 = acc_t1
     _store(c0, c1, c2, c3, e0, e1, e2, e3, 0, M, N, y_ptr, stride_ym, aux_ptr, stride_am, NWN,
            NWK, MT, NB, EPI)  # fmt: skip
     if MT == 2:
@@ -240,7 +266,7 @@ def _has_mma_sync(device_index: int) -> bool:
 
 def launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, y: torch.Tensor,
            cfg: dict[str, Any], epi: int = 0, aux: torch.Tensor | None = None,
-           res: ResidualFold | None = None) -> None:  # fmt: skip
+           res: ResidualFold | None = None, ahead: bool = False) -> None:  # fmt: skip
     """One launch on checked operands (`mma_ok`); y [M, N] (or [M, N/2] for epi 1). res (epi
     0, y contiguous): the residual+norm folded in after the stores (cfg "RB": the serial tail's
     rows at once)."""
@@ -270,6 +296,6 @@ def launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, y: torch
         HAS_NEXT=res is not None and res.w_next is not None,
         RB=(cfg.get("RB") or rows_per_chunk(m, n, nwn * nwk)) if res is not None else 1,
         BLOCK_D=triton.next_power_of_2(n) if res is not None else 16,
-        SPREAD=res is not None and spread_ok(grid[0], x.device),
+        SPREAD=res is not None and spread_ok(grid[0], x.device), AHEAD=ahead,
         num_warps=nwn * nwk, num_stages=1,
     )  # fmt: skip

@@ -81,10 +81,9 @@ def _half(p, HI: tl.constexpr, F16: tl.constexpr):
 
 
 @triton.jit
-def scale_pair(s_ptr, off, F16: tl.constexpr):
-    """A group scale in the activations' 16-bit type, in both halves of an int32."""
-    s = tl.load(s_ptr + off).to(tl.float32)
-    b = _bits16(s, F16)
+def scale_pair(s, F16: tl.constexpr):
+    """A loaded group scale in the activations' 16-bit type, in both halves of an int32."""
+    b = _bits16(s.to(tl.float32), F16)
     return b | (b << 16)
 
 
@@ -158,21 +157,27 @@ def _mma(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, NW: tl.constexpr, F16: tl.const
 
 
 @triton.jit
-def _x_pairs(xp, ASM_ON: tl.constexpr):
-    """One lane's 32 activations of a step (four 16-byte loads) -> 16 B pairs: for word i,
-    (x[8i+j], x[8i+j+4]) for j = 0..3."""
+def _x_words(xp, ASM_ON: tl.constexpr):
+    """One lane's 32 activations of a step as loaded (four 16-byte loads): 16 words."""
     r0, r1, r2, r3 = ld4(xp, ASM_ON, True)
-    q0, q1 = _prmt(r0, r2, ASM_ON)
-    q2, q3 = _prmt(r1, r3, ASM_ON)
-    r0, r1, r2, r3 = ld4(xp + 4, ASM_ON, True)
-    q4, q5 = _prmt(r0, r2, ASM_ON)
-    q6, q7 = _prmt(r1, r3, ASM_ON)
-    r0, r1, r2, r3 = ld4(xp + 8, ASM_ON, True)
-    q8, q9 = _prmt(r0, r2, ASM_ON)
-    q10, q11 = _prmt(r1, r3, ASM_ON)
-    r0, r1, r2, r3 = ld4(xp + 12, ASM_ON, True)
-    q12, q13 = _prmt(r0, r2, ASM_ON)
-    q14, q15 = _prmt(r1, r3, ASM_ON)
+    r4, r5, r6, r7 = ld4(xp + 4, ASM_ON, True)
+    r8, r9, r10, r11 = ld4(xp + 8, ASM_ON, True)
+    r12, r13, r14, r15 = ld4(xp + 12, ASM_ON, True)
+    return r0, r1, r2, r3, r4, r5, r6, r7, r8, r9, r10, r11, r12, r13, r14, r15
+
+
+@triton.jit
+def _x_pairs(r, ASM_ON: tl.constexpr):
+    """A step's 16 loaded activation words -> 16 B pairs: for word i, (x[8i+j], x[8i+j+4]) for
+    j = 0..3."""
+    q0, q1 = _prmt(r[0], r[2], ASM_ON)
+    q2, q3 = _prmt(r[1], r[3], ASM_ON)
+    q4, q5 = _prmt(r[4], r[6], ASM_ON)
+    q6, q7 = _prmt(r[5], r[7], ASM_ON)
+    q8, q9 = _prmt(r[8], r[10], ASM_ON)
+    q10, q11 = _prmt(r[9], r[11], ASM_ON)
+    q12, q13 = _prmt(r[12], r[14], ASM_ON)
+    q14, q15 = _prmt(r[13], r[15], ASM_ON)
     return q0, q1, q2, q3, q4, q5, q6, q7, q8, q9, q10, q11, q12, q13, q14, q15
 
 
@@ -193,12 +198,24 @@ def _word_mma(wa, wb, sa, sb, xa, xb, xc, xd, ya, yb, yc, yd, c0, c1, c2, c3, e0
 
 
 @triton.jit
-def xs(xp0, xp1, NB: tl.constexpr, ASM_ON: tl.constexpr):
-    """A step's activation pairs of both batch tiles (tile 1's are tile 0's when NB == 1)."""
-    x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15 = _x_pairs(xp0, ASM_ON)
+def xs_words(xp0, xp1, NB: tl.constexpr, ASM_ON: tl.constexpr):
+    """A step's activation words of both batch tiles, as loaded (tile 1's are tile 0's when
+    NB == 1): requested apart from their use, so a step can ask for the next step's."""
+    rx = _x_words(xp0, ASM_ON)
+    if NB == 2:  # noqa: SIM108 - a constexpr branch
+        ry = _x_words(xp1, ASM_ON)
+    else:
+        ry = rx
+    return rx, ry
+
+
+@triton.jit
+def xs(rx, ry, NB: tl.constexpr, ASM_ON: tl.constexpr):
+    """A step's activation pairs of both batch tiles from their loaded words (`xs_words`)."""
+    x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15 = _x_pairs(rx, ASM_ON)
     if NB == 2:
         y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14, y15 = _x_pairs(
-            xp1, ASM_ON)  # fmt: skip
+            ry, ASM_ON)  # fmt: skip
     else:
         y0, y1, y2, y3, y4, y5, y6, y7 = x0, x1, x2, x3, x4, x5, x6, x7
         y8, y9, y10, y11, y12, y13, y14, y15 = x8, x9, x10, x11, x12, x13, x14, x15
@@ -207,25 +224,16 @@ def xs(xp0, xp1, NB: tl.constexpr, ASM_ON: tl.constexpr):
 
 
 @triton.jit
-def step_tile(a0, a1, a2, a3, b0, b1, b2, b3, s_ptr, ra, rb, G, grp,
-          x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
-          y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14, y15,
-          c0, c1, c2, c3, e0, e1, e2, e3, NB: tl.constexpr, NW: tl.constexpr,
-          F16: tl.constexpr, ASM_ON: tl.constexpr):  # fmt: skip
-    """One 16-row tile's 128-element K step: the lane's 4 words of each of its two rows (a*,
-    b*), their scales and the step's activation pairs (x*: batch tile 0, y*: tile 1)."""
-    sa = scale_pair(s_ptr, ra * G + grp, F16)
-    sb = scale_pair(s_ptr, rb * G + grp, F16)
-    c0, c1, c2, c3, e0, e1, e2, e3 = _word_mma(
-        a0, b0, sa, sb, x0, x1, x2, x3, y0, y1, y2, y3, c0, c1, c2, c3, e0, e1, e2, e3, NB, NW,
-        F16, ASM_ON)  # fmt: skip
-    c0, c1, c2, c3, e0, e1, e2, e3 = _word_mma(
-        a1, b1, sa, sb, x4, x5, x6, x7, y4, y5, y6, y7, c0, c1, c2, c3, e0, e1, e2, e3, NB, NW,
-        F16, ASM_ON)  # fmt: skip
-    c0, c1, c2, c3, e0, e1, e2, e3 = _word_mma(
-        a2, b2, sa, sb, x8, x9, x10, x11, y8, y9, y10, y11, c0, c1, c2, c3, e0, e1, e2, e3, NB,
-        NW, F16, ASM_ON)  # fmt: skip
-    c0, c1, c2, c3, e0, e1, e2, e3 = _word_mma(
-        a3, b3, sa, sb, x12, x13, x14, x15, y12, y13, y14, y15, c0, c1, c2, c3, e0, e1, e2, e3,
-        NB, NW, F16, ASM_ON)  # fmt: skip
-    return c0, c1, c2, c3, e0, e1, e2, e3
+def step_tile(wa, wb, scale_a, scale_b, x, acc, NB: tl.constexpr, NW: tl.constexpr,
+              F16: tl.constexpr, ASM_ON: tl.constexpr):  # fmt: skip
+    """One 16-row tile's 128-element K step: the lane's 4 words of each of its two rows (wa,
+    wb), their loaded group scales, the step's 32 activation pairs (`xs`: 16 of batch tile 0,
+    16 of tile 1) and the 8 accumulators (c0..c3 of tile 0, e0..e3 of tile 1)."""
+    sa = scale_pair(scale_a, F16)
+    sb = scale_pair(scale_b, F16)
+    for j in tl.static_range(4):  # word j: activation pairs 4j..4j+3 of each batch tile
+        acc = _word_mma(wa[j], wb[j], sa, sb, x[4 * j], x[4 * j + 1], x[4 * j + 2], x[4 * j + 3],
+                        x[16 + 4 * j], x[17 + 4 * j], x[18 + 4 * j], x[19 + 4 * j], acc[0],
+                        acc[1], acc[2], acc[3], acc[4], acc[5], acc[6], acc[7], NB, NW, F16,
+                        ASM_ON)  # fmt: skip
+    return acc

@@ -119,6 +119,7 @@ def _compile_for_targets(targets: list[int]) -> None:
                               "stride_am"), "i32") | {"eps": "fp32"}  # fmt: skip
         consts = {"NWN": 1, "NWK": 4, "NB": 1, "EPI": 0, "F16": False, "ASM_ON": True, "MT": 1,
                   "RES": False, "HAS_SCALAR": False, "HAS_NEXT": False, "RB": 1, "BLOCK_D": 16,
+                  "AHEAD": True,
                   "SPREAD": False, "PDL": pdl}  # fmt: skip
         ptx = ptx_of(w4mma_kernel._w4_mma_kernel, sig, consts, 4)
         weights = around_wait(ptx, "ld.global.nc.v4.b32")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from compile_support import compiled_rows
 
 from engine.kernels.w4gemm import w4_gemm_reference
 from engine.kernels.w4mma_kernel import launch, mma_ok
@@ -25,12 +26,12 @@ def _operands(m, n, k, dtype, device, seed, epi=0):
     return to(packed), to(scales), to(x), None if aux is None else to(aux)
 
 
-def _check(device, m, n, k, dtype, epi, cfg, seed=0, out_dtype=None):
+def _check(device, m, n, k, dtype, epi, cfg, seed=0, out_dtype=None, ahead=False):
     packed, scales, x, aux = _operands(m, n, k, dtype, device, seed, epi)
     assert mma_ok(x, packed, scales)
     width = n // 2 if epi == 1 else n
     y = torch.full((m, width), float("nan"), device=device, dtype=out_dtype or dtype)  # all written
-    launch(x, packed, scales, y, cfg, epi=epi, aux=aux)
+    launch(x, packed, scales, y, cfg, epi=epi, aux=aux, ahead=ahead)
     assert not torch.isnan(y).any()
     ref = w4_gemm_reference(x, packed, scales, epi=epi, aux=aux, out_dtype=out_dtype)
     err = ((y.double() - ref.double()).norm() / ref.double().norm()).item()
@@ -60,6 +61,17 @@ def test_warp_splits_of_n_and_k_compute_the_same_function(device, cfg) -> None:
     y = _check(device, 11, 40, 512, torch.bfloat16, 0, cfg, seed=3)
     again = _check(device, 11, 40, 512, torch.bfloat16, 0, cfg, seed=3)
     assert torch.equal(y, again)  # the warp sum runs in a fixed order
+
+
+@pytest.mark.parametrize(
+    ("m", "cfg"), [(5, {"NWN": 1, "NWK": 2}), (11, {"NWN": 1, "NWK": 2, "MT": 2})]
+)
+def test_asking_a_step_ahead_changes_when_operands_load_not_the_result(device, m, cfg) -> None:
+    """AHEAD requests a step's scales and activations one step early; without it (the default)
+    they load in the step. K = 512 gives each warp two steps, so both orders run."""
+    ahead = _check(device, m, 40, 512, torch.bfloat16, 1, cfg, seed=m, ahead=True)
+    in_step = _check(device, m, 40, 512, torch.bfloat16, 1, cfg, seed=m)
+    assert torch.equal(ahead, in_step)
 
 
 def test_fp32_out_from_bf16_rows(device) -> None:
@@ -104,3 +116,65 @@ def test_every_e2b_shape_on_the_gpu(n, k) -> None:
     two = {**default_config(n, k, 16), "MT": 2, "NWN": 1}
     for m in (8, 16):  # two 16-row tiles a warp
         _check(dev, m, n, k, torch.bfloat16, 1, two, seed=m + 1)
+
+
+def _compile_for_targets(targets: list[int]) -> None:
+    """One JSON line per (tiling, AHEAD): the kernel at sm_90 with PDL, ptxas's registers and
+    spill report, for the tilings with the most live values (MT 2 with two batch tiles; 16
+    warps, whose registers are bounded at 128 a thread; a plain one). Run as a script."""
+    import json
+    import os
+    import re
+    import subprocess
+    import tempfile
+
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import get_ptxas
+    from triton.compiler import ASTSource, compile
+
+    from engine.kernels import w4mma_kernel
+
+    ptrs = ("x_ptr", "w_ptr", "s_ptr", "y_ptr", "aux_ptr", "h_ptr", "wp_ptr", "sc_ptr", "wn_ptr",
+            "xo_ptr", "tk_ptr")  # fmt: skip
+    sig = {n: "*i32" if n in ("x_ptr", "w_ptr", "tk_ptr") else "*bf16" for n in ptrs}
+    sig |= dict.fromkeys(("M", "N", "KW", "G", "STEPS", "stride_xm", "stride_ym", "stride_am"),
+                         "i32") | {"eps": "fp32"}  # fmt: skip
+    for sm in targets:
+        for nwn, nwk, mt, nb in ((1, 4, 2, 2), (1, 16, 1, 2), (2, 4, 1, 1)):
+            for ahead in (False, True):
+                consts = {"NWN": nwn, "NWK": nwk, "NB": nb, "EPI": 1, "F16": False, "ASM_ON": True,
+                          "MT": mt, "RES": False, "HAS_SCALAR": False, "HAS_NEXT": False, "RB": 1,
+                          "BLOCK_D": 16, "SPREAD": False, "AHEAD": ahead, "PDL": sm >= 90}  # fmt: skip
+                src = ASTSource(fn=w4mma_kernel._w4_mma_kernel, constexprs=consts,
+                                signature=sig | dict.fromkeys(consts, "constexpr"))  # fmt: skip
+                ptx = compile(src, target=GPUTarget("cuda", sm, 32),
+                              options={"num_warps": nwn * nwk, "num_stages": 1}).asm["ptx"]  # fmt: skip
+                ptxas = get_ptxas(sm)
+                with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+                    f.write(ptx)
+                    f.flush()
+                    report = subprocess.run(
+                        [getattr(ptxas, "path", ptxas), "-v",
+                         f"--gpu-name=sm_{sm}{'a' * (sm == 90)}", f.name, "-o", os.devnull],
+                        capture_output=True, text=True, check=False,
+                    ).stderr  # fmt: skip
+                regs = re.search(r"Used (\d+) registers", report)
+                spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
+                print(json.dumps({"sm": sm, "warps": nwn * nwk, "mt": mt, "nb": nb, "ahead": ahead,
+                                  "registers": int(regs.group(1)) if regs else None,
+                                  "spilled": sum(map(int, spills.groups())) if spills else None}),
+                      flush=True)  # fmt: skip
+
+
+def test_tilings_with_the_most_live_values_compile_without_spills() -> None:
+    rows = compiled_rows(__file__, [90])
+    assert len(rows) == 6
+    for row in rows:
+        assert row["spilled"] == 0 and row["registers"] is not None, row
+        assert row["registers"] * 32 * row["warps"] <= 65536, row  # a program fits an SM
+
+
+if __name__ == "__main__":
+    import sys
+
+    _compile_for_targets([int(a) for a in sys.argv[1:]])

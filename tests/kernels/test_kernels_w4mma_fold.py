@@ -250,7 +250,8 @@ def _compile_for_targets(targets: list[int]) -> None:
         for spread in (False, True):
             consts = {"NWN": 1, "NWK": 4, "NB": 1, "EPI": 0, "F16": False, "ASM_ON": True,
                       "MT": 1, "RES": True, "HAS_SCALAR": True, "HAS_NEXT": True, "RB": 2,
-                      "BLOCK_D": 2048, "SPREAD": spread, "PDL": sm >= 90}  # fmt: skip
+                      "BLOCK_D": 2048, "SPREAD": spread, "AHEAD": True,
+                      "PDL": sm >= 90}  # fmt: skip
             compiled = triton.compile(
                 ASTSource(fn=w4mma_kernel._w4_mma_kernel, signature=sig | dict.fromkeys(
                     consts, "constexpr"), constexprs=consts),
