@@ -16,6 +16,7 @@ before.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable, Sequence
 
@@ -125,13 +126,17 @@ class BatchGraphs:
         with torch.inference_mode():
             for b in reversed(self.buckets):
                 bucket = self._by_size[b]
-                with pdl_launches(b <= self.pdl_rows):
+                with self._launches(bucket):
                     self.step(bucket.tokens, bucket.positions, bucket.slots)
+
+    def _launches(self, bucket: _Bucket) -> contextlib.AbstractContextManager[None]:
+        """How this bucket's kernels launch: with PDL up to `pdl_rows` rows."""
+        return pdl_launches(bucket.size <= self.pdl_rows)
 
     def _capture(self, bucket: _Bucket) -> None:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        with pdl_launches(bucket.size <= self.pdl_rows):
+        with self._launches(bucket):
             self._capture_as_launched(bucket)
 
     def _capture_as_launched(self, bucket: _Bucket) -> None:
@@ -159,7 +164,7 @@ class BatchGraphs:
             bucket.positions[rows:].zero_()
             bucket.slots[rows:].fill_(self.pad_slot)
         if compiling_only():  # the warm-up's compile pass: launches compile, nothing is captured
-            with pdl_launches(bucket.size <= self.pdl_rows):
+            with self._launches(bucket):
                 return self.step(bucket.tokens, bucket.positions, bucket.slots)[:rows]
         if bucket.graph is None:
             self._capture(bucket)

@@ -18,3 +18,46 @@ def compiled_rows(script: str, targets: list[int]) -> list[dict]:
                           capture_output=True, text=True, timeout=600, check=False)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
     return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+
+
+def ptxas_report(ptx: str, sm: int) -> str:
+    """`ptxas -v`'s report (registers, spill stores and loads) on a PTX module for sm_<sm>
+    (sm_90a for 90), by Triton's own ptxas. Run it in the script, not under the interpreter."""
+    import tempfile
+
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    ptxas = get_ptxas(sm)
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+        f.write(ptx)
+        f.flush()
+        return subprocess.run(
+            [getattr(ptxas, "path", ptxas), "-v", f"--gpu-name=sm_{sm}{'a' * (sm == 90)}", f.name,
+             "-o", os.devnull], capture_output=True, text=True, check=False,
+        ).stderr  # fmt: skip
+
+
+# the int4 mma kernel's (engine/kernels/w4mma_kernel.py) runtime arguments and its constexprs'
+# values where a compile test does not choose them
+MMA_POINTERS = ("x_ptr", "w_ptr", "s_ptr", "y_ptr", "aux_ptr", "h_ptr", "wp_ptr", "sc_ptr",
+                "wn_ptr", "xo_ptr", "tk_ptr")  # fmt: skip
+MMA_SIGNATURE = {n: "*i32" if n in ("x_ptr", "w_ptr", "tk_ptr") else "*bf16" for n in MMA_POINTERS}
+MMA_SIGNATURE |= dict.fromkeys(("M", "N", "KW", "G", "STEPS", "stride_xm", "stride_ym",
+                                "stride_am"), "i32") | {"eps": "fp32"}  # fmt: skip
+MMA_CONSTS = {"NWN": 1, "NWK": 4, "NB": 1, "EPI": 0, "F16": False, "ASM_ON": True, "MT": 1,
+              "RES": False, "HAS_SCALAR": False, "HAS_NEXT": False, "RB": 1, "BLOCK_D": 16,
+              "SPREAD": False, "AHEAD": False, "PDL": False}  # fmt: skip
+
+
+def mma_ptx(sm: int, warps: int, **consts: object) -> str:
+    """The mma kernel's PTX for sm_<sm> with `consts` over MMA_CONSTS."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, compile
+
+    from engine.kernels import w4mma_kernel
+
+    values = MMA_CONSTS | consts
+    src = ASTSource(fn=w4mma_kernel._w4_mma_kernel, constexprs=values,
+                    signature=MMA_SIGNATURE | dict.fromkeys(values, "constexpr"))  # fmt: skip
+    return compile(src, target=GPUTarget("cuda", sm, 32),
+                   options={"num_warps": warps, "num_stages": 1}).asm["ptx"]  # fmt: skip

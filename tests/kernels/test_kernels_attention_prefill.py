@@ -174,12 +174,10 @@ def _compile_for_targets(targets: list[int]) -> None:
     """One JSON line per (target, layer kind): the kernel compiled with `tiling`'s tiles, its
     shared memory and ptxas's spill report. Run as a script (no interpreter)."""
     import json
-    import subprocess
-    import tempfile
 
     import triton
+    from compile_support import ptxas_report
     from triton.backends.compiler import GPUTarget
-    from triton.backends.nvidia.compiler import get_ptxas
     from triton.compiler import ASTSource
 
     for sm in targets:
@@ -202,14 +200,7 @@ def _compile_for_targets(targets: list[int]) -> None:
                 target=GPUTarget("cuda", sm, 32),
                 options={"num_warps": warps, "num_stages": stages},
             )  # fmt: skip
-            ptxas = get_ptxas(sm)
-            with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
-                f.write(compiled.asm["ptx"])
-                f.flush()
-                report = subprocess.run(
-                    [getattr(ptxas, "path", ptxas), "-v", f"--gpu-name=sm_{sm}{'a' * (sm == 90)}",
-                     f.name, "-o", os.devnull], capture_output=True, text=True, check=False,
-                ).stderr  # fmt: skip
+            report = ptxas_report(compiled.asm["ptx"], sm)
             spills = [ln for ln in report.splitlines() if "spill stores" in ln]
             print(json.dumps({"sm": sm, "dim": dim, "flat": flat,
                               "shared": compiled.metadata.shared,

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from compile_support import compiled_rows
+from compile_support import compiled_rows, mma_ptx
 
 import engine
 from engine.checkpoint_maker import make_checkpoint
@@ -94,7 +94,7 @@ def _compile_for_targets(targets: list[int]) -> None:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, compile
 
-    from engine.kernels import w4gemv_kernel, w4mma_kernel
+    from engine.kernels import w4gemv_kernel
 
     def ptx_of(fn, sig, consts, warps):
         src = ASTSource(fn=fn, signature=sig | dict.fromkeys(consts, "constexpr"),
@@ -112,16 +112,7 @@ def _compile_for_targets(targets: list[int]) -> None:
 
     for sm in targets:
         pdl = sm >= 90
-        mma_ptrs = ("x_ptr", "w_ptr", "s_ptr", "y_ptr", "aux_ptr", "h_ptr", "wp_ptr", "sc_ptr",
-                    "wn_ptr", "xo_ptr", "tk_ptr")  # fmt: skip
-        sig = {n: "*i32" if n in ("x_ptr", "w_ptr", "tk_ptr") else "*bf16" for n in mma_ptrs}
-        sig |= dict.fromkeys(("M", "N", "KW", "G", "STEPS", "stride_xm", "stride_ym",
-                              "stride_am"), "i32") | {"eps": "fp32"}  # fmt: skip
-        consts = {"NWN": 1, "NWK": 4, "NB": 1, "EPI": 0, "F16": False, "ASM_ON": True, "MT": 1,
-                  "RES": False, "HAS_SCALAR": False, "HAS_NEXT": False, "RB": 1, "BLOCK_D": 16,
-                  "AHEAD": True,
-                  "SPREAD": False, "PDL": pdl}  # fmt: skip
-        ptx = ptx_of(w4mma_kernel._w4_mma_kernel, sig, consts, 4)
+        ptx = mma_ptx(sm, 4, AHEAD=True, PDL=pdl)
         weights = around_wait(ptx, "ld.global.nc.v4.b32")
         acts = around_wait(ptx, "ld.global.v4.b32")
         gemv_ptrs = ("x_ptr", "w_ptr", "s_ptr", "y_ptr", "aux_ptr", "py_ptr", "ph_ptr", "pwp_ptr",

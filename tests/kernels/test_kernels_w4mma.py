@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from compile_support import compiled_rows
+from compile_support import compiled_rows, mma_ptx, ptxas_report
 
 from engine.kernels.w4gemm import w4_gemm_reference
 from engine.kernels.w4mma_kernel import launch, mma_ok
@@ -123,41 +123,14 @@ def _compile_for_targets(targets: list[int]) -> None:
     spill report, for the tilings with the most live values (MT 2 with two batch tiles; 16
     warps, whose registers are bounded at 128 a thread; a plain one). Run as a script."""
     import json
-    import os
     import re
-    import subprocess
-    import tempfile
 
-    from triton.backends.compiler import GPUTarget
-    from triton.backends.nvidia.compiler import get_ptxas
-    from triton.compiler import ASTSource, compile
-
-    from engine.kernels import w4mma_kernel
-
-    ptrs = ("x_ptr", "w_ptr", "s_ptr", "y_ptr", "aux_ptr", "h_ptr", "wp_ptr", "sc_ptr", "wn_ptr",
-            "xo_ptr", "tk_ptr")  # fmt: skip
-    sig = {n: "*i32" if n in ("x_ptr", "w_ptr", "tk_ptr") else "*bf16" for n in ptrs}
-    sig |= dict.fromkeys(("M", "N", "KW", "G", "STEPS", "stride_xm", "stride_ym", "stride_am"),
-                         "i32") | {"eps": "fp32"}  # fmt: skip
     for sm in targets:
         for nwn, nwk, mt, nb in ((1, 4, 2, 2), (1, 16, 1, 2), (2, 4, 1, 1)):
             for ahead in (False, True):
-                consts = {"NWN": nwn, "NWK": nwk, "NB": nb, "EPI": 1, "F16": False, "ASM_ON": True,
-                          "MT": mt, "RES": False, "HAS_SCALAR": False, "HAS_NEXT": False, "RB": 1,
-                          "BLOCK_D": 16, "SPREAD": False, "AHEAD": ahead, "PDL": sm >= 90}  # fmt: skip
-                src = ASTSource(fn=w4mma_kernel._w4_mma_kernel, constexprs=consts,
-                                signature=sig | dict.fromkeys(consts, "constexpr"))  # fmt: skip
-                ptx = compile(src, target=GPUTarget("cuda", sm, 32),
-                              options={"num_warps": nwn * nwk, "num_stages": 1}).asm["ptx"]  # fmt: skip
-                ptxas = get_ptxas(sm)
-                with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
-                    f.write(ptx)
-                    f.flush()
-                    report = subprocess.run(
-                        [getattr(ptxas, "path", ptxas), "-v",
-                         f"--gpu-name=sm_{sm}{'a' * (sm == 90)}", f.name, "-o", os.devnull],
-                        capture_output=True, text=True, check=False,
-                    ).stderr  # fmt: skip
+                ptx = mma_ptx(sm, nwn * nwk, NWN=nwn, NWK=nwk, MT=mt, NB=nb, EPI=1, AHEAD=ahead,
+                              PDL=sm >= 90)  # fmt: skip
+                report = ptxas_report(ptx, sm)
                 regs = re.search(r"Used (\d+) registers", report)
                 spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
                 print(json.dumps({"sm": sm, "warps": nwn * nwk, "mt": mt, "nb": nb, "ahead": ahead,

@@ -229,43 +229,14 @@ def _compile_for_targets(targets: list[int]) -> None:
     shape (8 rows, N 1,536, 4 warps along K), whether its barrier spins on an acquire load,
     and ptxas's spill report. Run as a script (no interpreter)."""
     import json
-    import os
-    import subprocess
-    import tempfile
 
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.backends.nvidia.compiler import get_ptxas
-    from triton.compiler import ASTSource
+    from compile_support import mma_ptx, ptxas_report
 
-    from engine.kernels import w4mma_kernel
-
-    ptrs = ("x_ptr", "w_ptr", "s_ptr", "y_ptr", "aux_ptr", "h_ptr", "wp_ptr", "sc_ptr", "wn_ptr",
-            "xo_ptr", "tk_ptr")  # fmt: skip
-    sig = {n: "*i32" if n in ("x_ptr", "w_ptr", "tk_ptr") else "*bf16" for n in ptrs}
-    sig |= {n: "i32" for n in ("M", "N", "KW", "G", "STEPS", "stride_xm", "stride_ym",
-                               "stride_am")}  # fmt: skip
-    sig["eps"] = "fp32"
     for sm in targets:
         for spread in (False, True):
-            consts = {"NWN": 1, "NWK": 4, "NB": 1, "EPI": 0, "F16": False, "ASM_ON": True,
-                      "MT": 1, "RES": True, "HAS_SCALAR": True, "HAS_NEXT": True, "RB": 2,
-                      "BLOCK_D": 2048, "SPREAD": spread, "AHEAD": True,
-                      "PDL": sm >= 90}  # fmt: skip
-            compiled = triton.compile(
-                ASTSource(fn=w4mma_kernel._w4_mma_kernel, signature=sig | dict.fromkeys(
-                    consts, "constexpr"), constexprs=consts),
-                target=GPUTarget("cuda", sm, 32), options={"num_warps": 4, "num_stages": 1},
-            )  # fmt: skip
-            ptx = compiled.asm["ptx"]
-            ptxas = get_ptxas(sm)
-            with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
-                f.write(ptx)
-                f.flush()
-                report = subprocess.run(
-                    [getattr(ptxas, "path", ptxas), "-v", f"--gpu-name=sm_{sm}{'a' * (sm == 90)}",
-                     f.name, "-o", os.devnull], capture_output=True, text=True, check=False,
-                ).stderr  # fmt: skip
+            ptx = mma_ptx(sm, 4, RES=True, HAS_SCALAR=True, HAS_NEXT=True, RB=2, BLOCK_D=2048,
+                          SPREAD=spread, AHEAD=True, PDL=sm >= 90)  # fmt: skip
+            report = ptxas_report(ptx, sm)
             print(json.dumps({"sm": sm, "spread": spread,
                               "acquire_spin": "ld.global.gpu.acquire" in ptx,
                               "tickets": ptx.count("atom.global.gpu.acq_rel.add"),
