@@ -117,12 +117,12 @@ def test_options_from_the_environment() -> None:
                                    "GPURIG_KERNEL_AUTOTUNE": "0", "GPURIG_PASS_ATTENTION": "0",
                                    "GPURIG_KERNEL_CACHE": "/tmp/k", "GPURIG_PASS_GRAPHS": "0",
                                    "GPURIG_BATCH_PROLOGUE": "0", "GPURIG_PDL": "0",
-                                   "GPURIG_MMA_AHEAD": "1"})  # fmt: skip
+                                   "GPURIG_MMA_AHEAD": "0", "GPURIG_ROPE_ATTENTION": "1"})  # fmt: skip
     assert opts == EngineOptions(fast="force", cuda_graph=False, fused_prefill=False,
                                  half2_gemv=False, prefix_sdpa=False, expandable_segments=False,
                                  autotune=False, tuning_cache_dir=Path("/tmp/k"),
                                  pass_attention=False, pass_graphs=False,
-                                 batch_prologue=False, pdl=False, mma_ahead=True)  # fmt: skip
+                                 batch_prologue=False, pdl=False, mma_ahead=False, rope_attention=True)  # fmt: skip
     assert EngineOptions.from_env({"GPURIG_FAST": "0"}).fast == "off"
     with pytest.raises(ValueError, match="fast"):
         EngineOptions(fast="sometimes")  # type: ignore[arg-type]

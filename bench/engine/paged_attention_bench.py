@@ -62,6 +62,33 @@ SWEEPS = {
         ],
         (("full", 1, 4096, 1), (None, None, None, 3)),
     ],
+    # the sweep's decode depth (512-token prompts, 128 new tokens) at the buckets of c=1 / c=8
+    "short": [
+        *[
+            (("ring", r, 640, r), (*t, None))
+            for r in (8, 1)
+            for t in (
+                (None, None, None),
+                (32, 4, 16),
+                (16, 4, 32),
+                (32, 8, 16),
+                (16, 2, 32),
+                (64, 8, 8),
+            )  # fmt: skip
+        ],
+        *[
+            (("full", r, 640, r), (*t, None))
+            for r in (8, 1)
+            for t in (
+                (None, None, None),
+                (16, 4, None),
+                (32, 8, None),
+                (64, 4, None),
+                (16, 2, None),
+                (16, 4, 64),
+            )  # fmt: skip
+        ],
+    ],
 }
 MAX_COPIES = 32
 

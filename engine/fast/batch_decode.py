@@ -44,6 +44,7 @@ import torch
 from engine.fast.fuse import FusedLayer
 from engine.fast.ops_fast import FastOps, packed_ok
 from engine.kernels.attention_paged import PagedDecodeAttention
+from engine.kernels.attention_rope import rope_attention, rope_tiling
 from engine.kernels.fused import ple_mix, qkv_rope_rows, residual_norm, rmsnorm_rows
 from engine.kernels.w4dequant import w4_gather_rows
 from engine.kernels.w4gemm import w4_gemm, w4_gemm_residual
@@ -55,6 +56,7 @@ GEMV_ROWS = 1  # rows past this go to w4_gemm (see BatchDecoder._mm)
 GEMV_MAX_N = 65536  # the lm_head (262,144 rows) is read once by the GEMM at any row count
 PROLOGUE_ROWS = 8  # batch_prologue: the most rows whose per-layer gate takes the GEMV prologue
 PROLOGUE_MAX_N = 512  # ... and the widest matrix (E2B's per-layer gate: 256 rows)
+AHEAD_ROWS = 8  # mma_ahead: the most rows whose products request operands a step early
 
 
 def qkv_matrices(model, fused: list[FusedLayer]) -> list:
@@ -115,8 +117,10 @@ class BatchDecoder:
     def __init__(
         self, model, pool: KVPool, fused: list[FusedLayer], kernels: FastOps, max_batch: int,
         *, fold_residual: bool = False, batch_prologue: bool = True, mma_ahead: bool = False,
+        rope_attention: bool = False,
     ) -> None:  # fmt: skip
         self.model = model
+        self.rope_attention = rope_attention
         self.fold_residual = fold_residual
         self.mma_ahead = mma_ahead
         self.batch_prologue = batch_prologue
@@ -146,6 +150,8 @@ class BatchDecoder:
                 window=(cfg.sliding_window or 0) if sliding else 0,
                 block_size=pool.block_size,
             )
+            if self.rope_attention:  # a slice per tile of the one-launch kernel (a 512-slot
+                att.resplit(rope_tiling(att)[0])  # ring: 32 slices of 16, not 8 of 4 tiles)
             self._attention[key] = att
         return att
 
@@ -161,7 +167,7 @@ class BatchDecoder:
                 return w4_gemv_glu(x, w.packed, w.scales, half2=self.ops.half2)
             return w4_gemv(x, w.packed, w.scales, half2=self.ops.half2)
         if rows <= GEMM_ROWS:
-            return w4_gemm(x, w.packed, w.scales, epi=epi, aux=aux, ahead=self.mma_ahead)
+            return w4_gemm(x, w.packed, w.scales, epi=epi, aux=aux, ahead=self._ahead(rows))
         parts = [
             w4_gemm(
                 x[r : r + GEMM_ROWS],
@@ -169,11 +175,17 @@ class BatchDecoder:
                 w.scales,
                 epi=epi,
                 aux=None if aux is None else aux[r : r + GEMM_ROWS],
-                ahead=self.mma_ahead,
+                ahead=self._ahead(GEMM_ROWS),
             )  # fmt: skip
             for r in range(0, x.shape[0], GEMM_ROWS)
         ]
         return torch.cat(parts)
+
+    def _ahead(self, rows: int) -> bool:
+        """The mma product's operands a step early (`mma_ahead`) for products of few rows: on
+        the H100 it took 2-3% off the 2- and 4-row steps and 0.7% off the 8-row step, and put
+        1% on the 16-row step (bench/NOTES.md v21)."""
+        return self.mma_ahead and rows <= AHEAD_ROWS
 
     def _linear(self, x: torch.Tensor, w) -> torch.Tensor:
         return self._mm(x, w) if packed_ok(w) else self.ops.linear(x, w)
@@ -184,7 +196,7 @@ class BatchDecoder:
         one launch where the fold applies (2..16 rows, a packed matrix), else two."""
         if self.fold_residual and 2 <= x.shape[0] <= GEMM_ROWS and packed_ok(w):
             return w4_gemm_residual(x, w.packed, w.scales, h, w_post, eps, scalar=scalar,
-                                    w_next=w_next, ahead=self.mma_ahead)  # fmt: skip
+                                    w_next=w_next, ahead=self._ahead(x.shape[0]))  # fmt: skip
         y = self._linear(x, w)
         return residual_norm(h, y, w_post, eps, scalar=scalar, w_next=w_next, h_out=h)[1]
 
@@ -234,16 +246,22 @@ class BatchDecoder:
                 y, w_post, scalar = pending
                 qkv = then(y, w_post, self.qkv_lin[i], scalar=scalar, w_next=w.input_norm)
             own = w.k is not None
-            if own:
-                rows = ring_rows if cfg.is_sliding(i) else full_rows
-                q, _, _ = qkv_rope_rows(qkv, w.q_norm, w.k_norm, cos, sin, hq,
-                                        cfg.layer_kv_heads[i], hd, eps, v_from_k=w.v is None,
-                                        kv_out=(pool.k[i], pool.v[i], rows))  # fmt: skip
-            else:
-                q, _, _ = qkv_rope_rows(qkv, w.q_norm, w.q_norm, cos, sin, hq, 0, hd, eps)
+            rows = (ring_rows if cfg.is_sliding(i) else full_rows) if own else None
             src = cfg.kv_producer(i)
-            attn = self._attn(i, b)(q, pool.k[src][:, 0], pool.v[src][:, 0], positions, slots,
-                                    pool.block_tables)  # fmt: skip
+            if self.rope_attention:  # q/k/v norms, RoPE and the cache write in the split
+                attn = rope_attention(self._attn(i, b), qkv, w.q_norm, w.k_norm if own else None,
+                                      cos, sin.contiguous(), eps, pool.k[src][:, 0],
+                                      pool.v[src][:, 0], positions, slots, pool.block_tables,
+                                      new_rows=rows, v_from_k=w.v is None)  # fmt: skip
+            else:
+                if own:
+                    q, _, _ = qkv_rope_rows(qkv, w.q_norm, w.k_norm, cos, sin, hq,
+                                            cfg.layer_kv_heads[i], hd, eps, v_from_k=w.v is None,
+                                            kv_out=(pool.k[i], pool.v[i], rows))  # fmt: skip
+                else:
+                    q, _, _ = qkv_rope_rows(qkv, w.q_norm, w.q_norm, cos, sin, hq, 0, hd, eps)
+                attn = self._attn(i, b)(q, pool.k[src][:, 0], pool.v[src][:, 0], positions,
+                                        slots, pool.block_tables)  # fmt: skip
             attn = attn.reshape(b, hq * hd)
             if fold:
                 x2 = self._linear_residual(attn, w.o, h, w.post_attn_norm, eps,

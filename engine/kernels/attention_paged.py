@@ -54,7 +54,7 @@ from engine.kernels.pdl import wait_inputs
 
 
 @triton.jit
-def _row_chunk(pos, R, window, max_keys, P, BLOCK_S: tl.constexpr, RING: tl.constexpr):
+def row_chunk(pos, R, window, max_keys, P, BLOCK_S: tl.constexpr, RING: tl.constexpr):
     """(first visible key, first tile start, one past the last key, keys per slice) of a row.
 
     The tiles start on multiples of BLOCK_S (so a tile never straddles a block of BLOCK_S or
@@ -73,6 +73,33 @@ def _row_chunk(pos, R, window, max_keys, P, BLOCK_S: tl.constexpr, RING: tl.cons
 
 
 @triton.jit
+def tile_rows(s0, pos, seq, lo, end, R, window, bt_ptr, stride_bt, BLOCK_S: tl.constexpr,
+              BLOCK_KV: tl.constexpr, RING: tl.constexpr):  # fmt: skip
+    """The pool rows of the tile of BLOCK_S keys at s0, which of them lie in the slice (inb:
+    keys are read under it) and which are visible (values are read under it). A tile at or
+    past `end` reads no table entry."""
+    rs = s0 + tl.arange(0, BLOCK_S)
+    if RING:
+        inb = rs < end
+        slot_pos = pos - ((pos - rs + R) % R)
+        valid = inb & (slot_pos >= 0) & ((window <= 0) | (pos - slot_pos < window))
+        rows = seq * R + rs
+    else:
+        # keys before the window's start are masked out of every load, the table's too:
+        # a block that the window left behind may have been freed and its id be stale
+        inb = (rs < end) & (rs >= lo)
+        valid = inb
+        if BLOCK_S <= BLOCK_KV:  # the tile lies inside one block: one scalar id
+            blk = tl.load(bt_ptr + seq * stride_bt + s0 // BLOCK_KV, mask=s0 < end,
+                          other=0).to(tl.int64)  # fmt: skip
+        else:  # the id of each key's block, one vector load of the table row
+            blk = tl.load(bt_ptr + seq * stride_bt + rs // BLOCK_KV, mask=inb,
+                          other=0).to(tl.int64)  # fmt: skip
+        rows = blk * BLOCK_KV + rs % BLOCK_KV
+    return rows, inb, valid
+
+
+@triton.jit
 def _paged_split_kernel(
     q_ptr, k_ptr, v_ptr, pos_ptr, seq_ptr, bt_ptr, po_ptr, pm_ptr, pl_ptr,
     R, window, max_keys, scale, stride_qb, stride_qh, stride_ks, stride_vs, stride_bt,
@@ -80,16 +107,17 @@ def _paged_split_kernel(
     BLOCK_KV: tl.constexpr, RING: tl.constexpr, USE_DOT: tl.constexpr,
     PDL: tl.constexpr = False,
 ):  # fmt: skip
-    """Program (split, row): online softmax of the row's q [HP, D] over its slice of keys."""
-    wait_inputs(PDL)
+    """Program (split, row): online softmax of the row's q [HP, D] over its slice of keys.
+    The row's position, slot and slice come before the wait (the host wrote them)."""
     pid = tl.program_id(0)
     b = tl.program_id(1)
     P = tl.num_programs(0)
     pos = tl.load(pos_ptr + b).to(tl.int32)
     seq = tl.load(seq_ptr + b).to(tl.int64)
-    lo, lo_tile, hi, chunk = _row_chunk(pos, R, window, max_keys, P, BLOCK_S, RING)
+    lo, lo_tile, hi, chunk = row_chunk(pos, R, window, max_keys, P, BLOCK_S, RING)
     start = lo_tile + pid * chunk
     end = tl.minimum(start + chunk, hi)
+    wait_inputs(PDL)
 
     rh = tl.arange(0, HP)
     rd = tl.arange(0, D)
@@ -102,23 +130,8 @@ def _paged_split_kernel(
     l_sum = tl.zeros([HP], dtype=tl.float32)
     acc = tl.zeros([HP, D], dtype=tl.float32)
     for s0 in range(start, end, BLOCK_S):
-        rs = s0 + tl.arange(0, BLOCK_S)
-        if RING:
-            inb = rs < end
-            slot_pos = pos - ((pos - rs + R) % R)
-            valid = inb & (slot_pos >= 0) & ((window <= 0) | (pos - slot_pos < window))
-            rows = seq * R + rs
-        else:
-            # keys before the window's start are masked out of every load, the table's too:
-            # a block that the window left behind may have been freed and its id be stale
-            inb = (rs < end) & (rs >= lo)
-            valid = inb
-            if BLOCK_S <= BLOCK_KV:  # the tile lies inside one block: one scalar id
-                blk = tl.load(bt_ptr + seq * stride_bt + s0 // BLOCK_KV).to(tl.int64)
-            else:  # the id of each key's block, one vector load of the table row
-                blk = tl.load(bt_ptr + seq * stride_bt + rs // BLOCK_KV, mask=inb,
-                              other=0).to(tl.int64)  # fmt: skip
-            rows = blk * BLOCK_KV + rs % BLOCK_KV
+        rows, inb, valid = tile_rows(s0, pos, seq, lo, end, R, window, bt_ptr, stride_bt,
+                                     BLOCK_S, BLOCK_KV, RING)  # fmt: skip
         # keys under the bounds mask only (an invalid ring slot's score is -inf whatever its
         # key holds); values under the validity mask, as in the single-sequence kernel
         k = tl.load(k_ptr + rows[:, None] * stride_ks + rd[None, :], mask=inb[:, None],
@@ -145,26 +158,29 @@ def _paged_combine_kernel(
     PDL: tl.constexpr = False,
 ):  # fmt: skip
     """Program (head, BLOCK_D columns, row): out = sum_i w_i o_i / sum_i w_i l_i over the row's
-    used slices, w_i = exp(m_i - max_j m_j); fp32 throughout (see attention_decode's combine)."""
-    wait_inputs(PDL)
+    used slices, w_i = exp(m_i - max_j m_j); fp32 throughout (see attention_decode's combine).
+    The row's position and slice count come before the wait (the host wrote the position)."""
     h = tl.program_id(0)
     pid_d = tl.program_id(1)
     b = tl.program_id(2)
     pos = tl.load(pos_ptr + b).to(tl.int32)
-    lo, lo_tile, hi, chunk = _row_chunk(pos, R, window, max_keys, P, BLOCK_S, RING)
+    lo, lo_tile, hi, chunk = row_chunk(pos, R, window, max_keys, P, BLOCK_S, RING)
     used = tl.cdiv(hi - lo_tile, chunk)
+    wait_inputs(PDL)
     rd = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
     out = combine_slices(po_ptr, pm_ptr, pl_ptr, b * P, used, h, rd, H, D, BLOCK_D, BLOCK_P,
                           CHUNK_P)  # fmt: skip
     tl.store(o_ptr + b * stride_ob + h * stride_oh + rd, out.to(o_ptr.dtype.element_ty))
 
 
-def default_paged_splits(max_batch: int, keys: int, device: torch.device) -> int:
+def default_paged_splits(max_batch: int, keys: int, device: torch.device,
+                         slice_keys: int = 64) -> int:  # fmt: skip
     """Slices per row: about two programs per SM over a full batch, at least one, and no more
-    than one per 64 keys of the longest row (`keys`: the max context, or the ring size)."""
+    than one per `slice_keys` keys of the longest row (`keys`: the max context, or the ring
+    size)."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if (
         device.type == "cuda") else 4  # fmt: skip
-    return max(1, min(2 * sms // max(1, max_batch), triton.cdiv(keys, 64)))
+    return max(1, min(2 * sms // max(1, max_batch), triton.cdiv(keys, slice_keys)))
 
 
 def _is_pow2(n: int) -> bool:
@@ -214,12 +230,25 @@ class PagedDecodeAttention:
         self.num_stages = 2  # the single-sequence kernel's; a bench may try others
         if not _is_pow2(self.block_s) or (use_dot and self.block_s < 16):
             raise ValueError(f"block_s {self.block_s}: a power of two, >= 16 with tl.dot")
-        keys = min(self.ring_slots, max_context) if ring else max_context
-        self.splits = splits or default_paged_splits(max_batch, keys, device)
-        shape = (max_batch, self.splits, num_heads)
-        self.partial_o = torch.empty(*shape, head_dim, device=device, dtype=torch.float32)
-        self.partial_m = torch.empty(shape, device=device, dtype=torch.float32)
-        self.partial_l = torch.empty(shape, device=device, dtype=torch.float32)
+        self.device = device
+        self._allocate(splits or default_paged_splits(max_batch, self._keys(), device))
+
+    def _keys(self) -> int:
+        return min(self.ring_slots, self.max_context) if self.ring else self.max_context
+
+    def _allocate(self, splits: int) -> None:
+        self.splits = splits
+        shape = (self.max_batch, splits, self.num_heads)
+        f32, dev = torch.float32, self.device
+        self.partial_o = torch.empty(*shape, self.head_dim, device=dev, dtype=f32)
+        self.partial_m = torch.empty(shape, device=dev, dtype=f32)
+        self.partial_l = torch.empty(shape, device=dev, dtype=f32)
+
+    def resplit(self, slice_keys: int) -> None:
+        """Size the splits for a kernel whose slices may be as short as `slice_keys` (the
+        default sizing allows one per 64 keys). Before any graph captured the buffers."""
+        self._allocate(default_paged_splits(self.max_batch, self._keys(), self.device,
+                                            slice_keys))  # fmt: skip
 
     def __call__(
         self,
@@ -246,18 +275,10 @@ class PagedDecodeAttention:
             q = q.contiguous()
         if k_pool.stride(-1) != 1 or v_pool.stride(-1) != 1:
             raise ValueError("pool rows must be contiguous along head_dim")
-        if self.ring:
-            bt, stride_bt, max_keys = positions, 0, 0  # the table is not read
-        else:
-            if block_tables is None:
-                raise ValueError("a paged (non-ring) layer needs block_tables")
-            bt, stride_bt = block_tables, block_tables.stride(0)
-            max_keys = block_tables.shape[1] * self.block_size
+        bt, stride_bt, max_keys = self.table_args(positions, block_tables)
         if out is None:
             out = torch.empty(b, h, d, device=q.device, dtype=q.dtype)
-        o3 = out.view(-1, h, d)
-        if o3.stride(-1) != 1:
-            raise ValueError("out must be contiguous along head_dim")
+        o3 = self.output_view(out)
         run_kernel(_paged_split_kernel, (self.splits, b),
             q, k_pool, v_pool, positions, seq_slots, bt,
             self.partial_o, self.partial_m, self.partial_l,
@@ -267,15 +288,39 @@ class PagedDecodeAttention:
             RING=self.ring, USE_DOT=self.use_dot, num_warps=self.num_warps,
             num_stages=self.num_stages,
         )  # fmt: skip
+        self.combine(positions, o3, b, max_keys)
+        return out
+
+    def table_args(self, positions: torch.Tensor, block_tables: torch.Tensor | None
+                   ) -> tuple[torch.Tensor, int, int]:  # fmt: skip
+        """(table, its row stride, keys it can address) as the split kernels take them; a ring
+        layer reads no table (positions stand in for the pointer)."""
+        if self.ring:
+            return positions, 0, 0
+        if block_tables is None:
+            raise ValueError("a paged (non-ring) layer needs block_tables")
+        return block_tables, block_tables.stride(0), block_tables.shape[1] * self.block_size
+
+    def output_view(self, out: torch.Tensor) -> torch.Tensor:
+        """`out` as the [rows, H, D] the combine writes (checked contiguous along D)."""
+        o3 = out.view(-1, self.num_heads, self.head_dim)
+        if o3.stride(-1) != 1:
+            raise ValueError("out must be contiguous along head_dim")
+        return o3
+
+    def combine(self, positions: torch.Tensor, o3: torch.Tensor, b: int, max_keys: int,
+                block_s: int | None = None) -> None:  # fmt: skip
+        """Rows 0..b-1 of o3 [>= b, H, D] from the partial results a split kernel stored, its
+        slices cut on multiples of `block_s` (default: this object's)."""
+        h, d = self.num_heads, self.head_dim
         block_d = min(d, COMBINE_BLOCK_D)
         block_p = triton.next_power_of_2(self.splits)
         run_kernel(_paged_combine_kernel, (h, d // block_d, b),
             self.partial_o, self.partial_m, self.partial_l, positions, o3, self.ring_slots,
             self.window, max_keys, self.splits, o3.stride(0), o3.stride(1),
-            H=h, D=d, BLOCK_D=block_d, BLOCK_S=self.block_s, BLOCK_P=block_p,
+            H=h, D=d, BLOCK_D=block_d, BLOCK_S=block_s or self.block_s, BLOCK_P=block_p,
             CHUNK_P=min(block_p, COMBINE_TILE // block_d), RING=self.ring, num_warps=4,
         )  # fmt: skip
-        return out
 
 
 def paged_attention_reference(
