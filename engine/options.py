@@ -25,9 +25,6 @@ the environment.
 | GPURIG_MMA_AHEAD          | mma_ahead           | "0": the int4 mma product of 2-8 rows requests a | on      |
 |                           |                     | step's scales and activations in that step, not  |         |
 |                           |                     | one step early with its weights                  |         |
-| GPURIG_ROPE_ATTENTION     | rope_attention      | "1": a batch step's q/k/v norms, RoPE and cache  | off     |
-|                           |                     | write inside the attention's split kernel, whose |         |
-|                           |                     | reads move before the PDL wait (not measured)    |         |
 | GPURIG_PDL                | pdl                 | "0": kernels launch after the one before ends,   | on      |
 |                           |                     | not overlapping its tail (programmatic dependent |         |
 |                           |                     | launch, sm_90 on: engine/kernels/pdl.py)         |         |
@@ -78,7 +75,6 @@ class EngineOptions:
     fold_residual: bool = False  # batch steps: residual+norm in the product's last program
     batch_prologue: bool = True  # batch steps <= 8 rows: per-layer gate GEMV's prologue
     mma_ahead: bool = True  # mma product, 2-8 rows: a step's scales/activations a step early
-    rope_attention: bool = False  # batch steps: q/k/v norms + RoPE inside the split kernel
     pdl: bool = True  # sm_90 on: a kernel launches during the one before and waits in it
     half2_gemv: bool = True  # 16-bit GEMV multiplies in half2 (fp32 unpack when False)
     prefix_sdpa: bool = True  # a full layer's prefix through torch's efficient attention
@@ -117,7 +113,6 @@ class EngineOptions:
             fold_residual=_flag(env, "GPURIG_FOLD_RESIDUAL", default=False),
             batch_prologue=_flag(env, "GPURIG_BATCH_PROLOGUE"),
             mma_ahead=_flag(env, "GPURIG_MMA_AHEAD"),
-            rope_attention=_flag(env, "GPURIG_ROPE_ATTENTION", default=False),
             pdl=_flag(env, "GPURIG_PDL"),
             half2_gemv=_flag(env, "GPURIG_GEMV_H2"),
             prefix_sdpa=_flag(env, "GPURIG_PREFIX_SDPA"),

@@ -105,7 +105,7 @@ def test_deleted_experiments_stay_deleted() -> None:
     text = "\n".join(p.read_text() for p in MODULES.values())
     for name in ("pdl_enter", "prefetch_l2", "prefetch.global", "cp.async.bulk.prefetch",
                  "w4_gemv_residual", "attention_from_qkv", "GPURIG_PROLOGUE", "GPURIG_EPILOGUES",
-                 "GPURIG_FUSE_QKV_ATTN", "GPURIG_PREFETCH"):  # fmt: skip
+                 "GPURIG_FUSE_QKV_ATTN", "GPURIG_PREFETCH", "attention_rope", "rope_attention"):  # fmt: skip
         assert name not in text, name
 
 
@@ -117,12 +117,12 @@ def test_options_from_the_environment() -> None:
                                    "GPURIG_KERNEL_AUTOTUNE": "0", "GPURIG_PASS_ATTENTION": "0",
                                    "GPURIG_KERNEL_CACHE": "/tmp/k", "GPURIG_PASS_GRAPHS": "0",
                                    "GPURIG_BATCH_PROLOGUE": "0", "GPURIG_PDL": "0",
-                                   "GPURIG_MMA_AHEAD": "0", "GPURIG_ROPE_ATTENTION": "1"})  # fmt: skip
+                                   "GPURIG_MMA_AHEAD": "0"})  # fmt: skip
     assert opts == EngineOptions(fast="force", cuda_graph=False, fused_prefill=False,
                                  half2_gemv=False, prefix_sdpa=False, expandable_segments=False,
                                  autotune=False, tuning_cache_dir=Path("/tmp/k"),
                                  pass_attention=False, pass_graphs=False,
-                                 batch_prologue=False, pdl=False, mma_ahead=False, rope_attention=True)  # fmt: skip
+                                 batch_prologue=False, pdl=False, mma_ahead=False)  # fmt: skip
     assert EngineOptions.from_env({"GPURIG_FAST": "0"}).fast == "off"
     with pytest.raises(ValueError, match="fast"):
         EngineOptions(fast="sometimes")  # type: ignore[arg-type]

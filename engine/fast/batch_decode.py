@@ -44,7 +44,6 @@ import torch
 from engine.fast.fuse import FusedLayer
 from engine.fast.ops_fast import FastOps, packed_ok
 from engine.kernels.attention_paged import PagedDecodeAttention
-from engine.kernels.attention_rope import rope_attention, rope_tiling
 from engine.kernels.fused import ple_mix, qkv_rope_rows, residual_norm, rmsnorm_rows
 from engine.kernels.w4dequant import w4_gather_rows
 from engine.kernels.w4gemm import w4_gemm, w4_gemm_residual
@@ -117,10 +116,8 @@ class BatchDecoder:
     def __init__(
         self, model, pool: KVPool, fused: list[FusedLayer], kernels: FastOps, max_batch: int,
         *, fold_residual: bool = False, batch_prologue: bool = True, mma_ahead: bool = False,
-        rope_attention: bool = False,
     ) -> None:  # fmt: skip
         self.model = model
-        self.rope_attention = rope_attention
         self.fold_residual = fold_residual
         self.mma_ahead = mma_ahead
         self.batch_prologue = batch_prologue
@@ -150,8 +147,6 @@ class BatchDecoder:
                 window=(cfg.sliding_window or 0) if sliding else 0,
                 block_size=pool.block_size,
             )
-            if self.rope_attention:  # a slice per tile of the one-launch kernel (a 512-slot
-                att.resplit(rope_tiling(att)[0])  # ring: 32 slices of 16, not 8 of 4 tiles)
             self._attention[key] = att
         return att
 
@@ -248,20 +243,14 @@ class BatchDecoder:
             own = w.k is not None
             rows = (ring_rows if cfg.is_sliding(i) else full_rows) if own else None
             src = cfg.kv_producer(i)
-            if self.rope_attention:  # q/k/v norms, RoPE and the cache write in the split
-                attn = rope_attention(self._attn(i, b), qkv, w.q_norm, w.k_norm if own else None,
-                                      cos, sin.contiguous(), eps, pool.k[src][:, 0],
-                                      pool.v[src][:, 0], positions, slots, pool.block_tables,
-                                      new_rows=rows, v_from_k=w.v is None)  # fmt: skip
+            if own:
+                q, _, _ = qkv_rope_rows(qkv, w.q_norm, w.k_norm, cos, sin, hq,
+                                        cfg.layer_kv_heads[i], hd, eps, v_from_k=w.v is None,
+                                        kv_out=(pool.k[i], pool.v[i], rows))  # fmt: skip
             else:
-                if own:
-                    q, _, _ = qkv_rope_rows(qkv, w.q_norm, w.k_norm, cos, sin, hq,
-                                            cfg.layer_kv_heads[i], hd, eps, v_from_k=w.v is None,
-                                            kv_out=(pool.k[i], pool.v[i], rows))  # fmt: skip
-                else:
-                    q, _, _ = qkv_rope_rows(qkv, w.q_norm, w.q_norm, cos, sin, hq, 0, hd, eps)
-                attn = self._attn(i, b)(q, pool.k[src][:, 0], pool.v[src][:, 0], positions,
-                                        slots, pool.block_tables)  # fmt: skip
+                q, _, _ = qkv_rope_rows(qkv, w.q_norm, w.q_norm, cos, sin, hq, 0, hd, eps)
+            attn = self._attn(i, b)(q, pool.k[src][:, 0], pool.v[src][:, 0], positions, slots,
+                                    pool.block_tables)  # fmt: skip
             attn = attn.reshape(b, hq * hd)
             if fold:
                 x2 = self._linear_residual(attn, w.o, h, w.post_attn_norm, eps,

@@ -183,6 +183,17 @@ def default_paged_splits(max_batch: int, keys: int, device: torch.device,
     return max(1, min(2 * sms // max(1, max_batch), triton.cdiv(keys, slice_keys)))
 
 
+def ring_block_s(max_batch: int) -> int:
+    """Keys per tile (and per slice: a ring of R slots gets R / this slices, within the
+    split default's two programs per SM) of a ring layer's split kernel with tl.dot. A ring
+    holds at most its window (512 on E2B), so a slice is one tile: 16 keys for one or two
+    rows, 32 above. On the H100 at 640 tokens (split + combine in a graph,
+    bench/results/engine/paged_attention_short_h100_2026-12-06.json) that took 7.10 -> 5.16 us
+    at one row and 8.15 -> 7.37 us at eight, against 64-key tiles in 8 slices; ptxas spills
+    nothing at either (64-key tiles spill)."""
+    return 16 if max_batch <= 2 else 32
+
+
 def _is_pow2(n: int) -> bool:
     return n >= 1 and not n & (n - 1)
 
@@ -226,29 +237,19 @@ class PagedDecodeAttention:
         self.use_dot = use_dot
         default_block_s, self.heads_padded, self.num_warps = split_tiling(head_dim, num_heads,
                                                                           use_dot)  # fmt: skip
+        slice_keys = 64
+        if ring and use_dot and block_s is None:
+            default_block_s = slice_keys = ring_block_s(max_batch)
         self.block_s = block_s or default_block_s
         self.num_stages = 2  # the single-sequence kernel's; a bench may try others
         if not _is_pow2(self.block_s) or (use_dot and self.block_s < 16):
             raise ValueError(f"block_s {self.block_s}: a power of two, >= 16 with tl.dot")
-        self.device = device
-        self._allocate(splits or default_paged_splits(max_batch, self._keys(), device))
-
-    def _keys(self) -> int:
-        return min(self.ring_slots, self.max_context) if self.ring else self.max_context
-
-    def _allocate(self, splits: int) -> None:
-        self.splits = splits
-        shape = (self.max_batch, splits, self.num_heads)
-        f32, dev = torch.float32, self.device
-        self.partial_o = torch.empty(*shape, self.head_dim, device=dev, dtype=f32)
-        self.partial_m = torch.empty(shape, device=dev, dtype=f32)
-        self.partial_l = torch.empty(shape, device=dev, dtype=f32)
-
-    def resplit(self, slice_keys: int) -> None:
-        """Size the splits for a kernel whose slices may be as short as `slice_keys` (the
-        default sizing allows one per 64 keys). Before any graph captured the buffers."""
-        self._allocate(default_paged_splits(self.max_batch, self._keys(), self.device,
-                                            slice_keys))  # fmt: skip
+        keys = min(self.ring_slots, max_context) if ring else max_context
+        self.splits = splits or default_paged_splits(max_batch, keys, device, slice_keys)
+        shape = (max_batch, self.splits, num_heads)
+        self.partial_o = torch.empty(*shape, head_dim, device=device, dtype=torch.float32)
+        self.partial_m = torch.empty(shape, device=device, dtype=torch.float32)
+        self.partial_l = torch.empty(shape, device=device, dtype=torch.float32)
 
     def __call__(
         self,
@@ -308,17 +309,15 @@ class PagedDecodeAttention:
             raise ValueError("out must be contiguous along head_dim")
         return o3
 
-    def combine(self, positions: torch.Tensor, o3: torch.Tensor, b: int, max_keys: int,
-                block_s: int | None = None) -> None:  # fmt: skip
-        """Rows 0..b-1 of o3 [>= b, H, D] from the partial results a split kernel stored, its
-        slices cut on multiples of `block_s` (default: this object's)."""
+    def combine(self, positions: torch.Tensor, o3: torch.Tensor, b: int, max_keys: int) -> None:
+        """Rows 0..b-1 of o3 [>= b, H, D] from the partial results the split kernel stored."""
         h, d = self.num_heads, self.head_dim
         block_d = min(d, COMBINE_BLOCK_D)
         block_p = triton.next_power_of_2(self.splits)
         run_kernel(_paged_combine_kernel, (h, d // block_d, b),
             self.partial_o, self.partial_m, self.partial_l, positions, o3, self.ring_slots,
             self.window, max_keys, self.splits, o3.stride(0), o3.stride(1),
-            H=h, D=d, BLOCK_D=block_d, BLOCK_S=block_s or self.block_s, BLOCK_P=block_p,
+            H=h, D=d, BLOCK_D=block_d, BLOCK_S=self.block_s, BLOCK_P=block_p,
             CHUNK_P=min(block_p, COMBINE_TILE // block_d), RING=self.ring, num_warps=4,
         )  # fmt: skip
 

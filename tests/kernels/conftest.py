@@ -18,7 +18,6 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
     for name in ("engine.kernels.w4gemv", "engine.kernels.w4dequant",
                  "engine.kernels.attention_decode", "engine.kernels.attention_paged",
-                 "engine.kernels.attention_rope",
                  "engine.kernels.w4gemm_kernel", "engine.kernels.w4mma_kernel",
                  "engine.kernels.w4gemm", "engine.kernels.attention_prefill"):  # fmt: skip
         if name in sys.modules:

@@ -30,18 +30,16 @@ def _prompt(n: int, salt: int) -> list[int]:
     return [2] + [(5 * i + salt) % 300 + 20 for i in range(n - 1)]
 
 
-@pytest.mark.parametrize("rope_attention", [False, True])
-def test_batched_step_equals_the_reference_rows(checkpoint, device, rope_attention):
+def test_batched_step_equals_the_reference_rows(checkpoint, device):
     """With the defaults: 4 rows, so the residual+norm before each per-layer gate is made in
     that GEMV's prologue, one grid row per batch row (EngineOptions.batch_prologue; the step
-    without it is test_kernels_w4mma_fold's baseline). rope_attention: the q/k/v norms, RoPE
-    and cache writes inside the split kernel (engine/kernels/attention_rope.py)."""
-    opts = EngineOptions(fast="force", cuda_graph=False, rope_attention=rope_attention)
+    without it is test_kernels_w4mma_fold's baseline)."""
+    opts = EngineOptions(fast="force", cuda_graph=False)
     eng = engine.load(checkpoint, device=device, max_context=CTX, dtype=torch.float32,
                       options=opts, max_num_seqs=4, warm_up=False)  # fmt: skip
     try:
         runner = eng.runner
-        assert runner.batched and runner._step.__self__.rope_attention is rope_attention
+        assert runner.batched
         pool, model = eng.pool, eng.model  # the pool driven by hand: no request in the engine
         lengths = [3, 20, 7]  # 20 > the tiny preset's sliding window of 16
         slots = []

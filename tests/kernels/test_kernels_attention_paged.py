@@ -349,3 +349,21 @@ if __name__ == "__main__":
     import sys
 
     _compile_for_targets([int(a) for a in sys.argv[1:]])
+
+
+def test_ring_layers_take_one_short_tile_a_slice_with_the_tensor_cores() -> None:
+    """A ring with tl.dot: 16-key tiles for one or two rows, 32 above, and a slice per tile as
+    far as two programs per SM allow (the CPU counts as 4 SMs); paged layers and rings without
+    tl.dot keep the split defaults."""
+    cpu = torch.device("cpu")
+    for rows, tile in ((1, 16), (2, 16), (4, 32), (16, 32)):
+        att = PagedDecodeAttention(H, 256, rows, 4096, cpu, ring=True, ring_slots=512,
+                                   use_dot=True)  # fmt: skip
+        assert att.block_s == tile and att.num_warps == 4
+        assert att.splits == max(1, min(8 // rows, 512 // tile))
+    assert attention_paged.default_paged_splits(1, 512, cpu, slice_keys=16) == 8
+    assert attention_paged.default_paged_splits(1, 48, cpu, slice_keys=16) == 3
+    paged = PagedDecodeAttention(H, 512, 1, 4096, cpu, ring=False, use_dot=True)
+    assert paged.block_s == 32 and paged.splits == 8
+    plain = PagedDecodeAttention(H, 256, 1, 4096, cpu, ring=True, ring_slots=512, use_dot=False)
+    assert plain.block_s == 8
