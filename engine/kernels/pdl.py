@@ -7,8 +7,9 @@ anything. With PDL (sm_90 on, CUDA 12.3 on; kept by stream capture as a programm
 the graph) the launch and the first weight loads overlap the previous kernel's tail.
 
 The contract every kernel that declares `PDL: tl.constexpr = False` keeps:
-- before `wait_inputs(PDL)` it only reads memory that no kernel writes (weights, scales) and
-  writes nothing, since the kernel before it may still be reading and writing;
+- before `wait_inputs(PDL)` it only reads memory that no kernel of the step writes (weights,
+  scales, and what the host wrote before the replay: positions, sequence slots, block tables)
+  and writes nothing, since the kernel before it may still be reading and writing;
 - every program calls `wait_inputs` once, unconditionally: it returns when the previous
   kernel has finished and its writes are visible. Since every kernel waits for the one before,
   a kernel also sees everything earlier kernels wrote;
