@@ -177,9 +177,8 @@ class BatchDecoder:
         return torch.cat(parts)
 
     def _ahead(self, rows: int) -> bool:
-        """The mma product's operands a step early (`mma_ahead`) for products of few rows: on
-        the H100 it took 2-3% off the 2- and 4-row steps and 0.7% off the 8-row step, and put
-        1% on the 16-row step (bench/NOTES.md v21)."""
+        """The mma product's operands a step early (`mma_ahead`) for products of up to
+        AHEAD_ROWS rows: faster there, slower for 16 rows (bench/NOTES.md v21)."""
         return self.mma_ahead and rows <= AHEAD_ROWS
 
     def _linear(self, x: torch.Tensor, w) -> torch.Tensor:

@@ -54,7 +54,7 @@ from engine.kernels.pdl import wait_inputs
 
 
 @triton.jit
-def row_chunk(pos, R, window, max_keys, P, BLOCK_S: tl.constexpr, RING: tl.constexpr):
+def _row_chunk(pos, R, window, max_keys, P, BLOCK_S: tl.constexpr, RING: tl.constexpr):
     """(first visible key, first tile start, one past the last key, keys per slice) of a row.
 
     The tiles start on multiples of BLOCK_S (so a tile never straddles a block of BLOCK_S or
@@ -73,7 +73,7 @@ def row_chunk(pos, R, window, max_keys, P, BLOCK_S: tl.constexpr, RING: tl.const
 
 
 @triton.jit
-def tile_rows(s0, pos, seq, lo, end, R, window, bt_ptr, stride_bt, BLOCK_S: tl.constexpr,
+def _tile_rows(s0, pos, seq, lo, end, R, window, bt_ptr, stride_bt, BLOCK_S: tl.constexpr,
               BLOCK_KV: tl.constexpr, RING: tl.constexpr):  # fmt: skip
     """The pool rows of the tile of BLOCK_S keys at s0, which of them lie in the slice (inb:
     keys are read under it) and which are visible (values are read under it). A tile at or
@@ -114,7 +114,7 @@ def _paged_split_kernel(
     P = tl.num_programs(0)
     pos = tl.load(pos_ptr + b).to(tl.int32)
     seq = tl.load(seq_ptr + b).to(tl.int64)
-    lo, lo_tile, hi, chunk = row_chunk(pos, R, window, max_keys, P, BLOCK_S, RING)
+    lo, lo_tile, hi, chunk = _row_chunk(pos, R, window, max_keys, P, BLOCK_S, RING)
     start = lo_tile + pid * chunk
     end = tl.minimum(start + chunk, hi)
     wait_inputs(PDL)
@@ -130,7 +130,7 @@ def _paged_split_kernel(
     l_sum = tl.zeros([HP], dtype=tl.float32)
     acc = tl.zeros([HP, D], dtype=tl.float32)
     for s0 in range(start, end, BLOCK_S):
-        rows, inb, valid = tile_rows(s0, pos, seq, lo, end, R, window, bt_ptr, stride_bt,
+        rows, inb, valid = _tile_rows(s0, pos, seq, lo, end, R, window, bt_ptr, stride_bt,
                                      BLOCK_S, BLOCK_KV, RING)  # fmt: skip
         # keys under the bounds mask only (an invalid ring slot's score is -inf whatever its
         # key holds); values under the validity mask, as in the single-sequence kernel
@@ -164,7 +164,7 @@ def _paged_combine_kernel(
     pid_d = tl.program_id(1)
     b = tl.program_id(2)
     pos = tl.load(pos_ptr + b).to(tl.int32)
-    lo, lo_tile, hi, chunk = row_chunk(pos, R, window, max_keys, P, BLOCK_S, RING)
+    lo, lo_tile, hi, chunk = _row_chunk(pos, R, window, max_keys, P, BLOCK_S, RING)
     used = tl.cdiv(hi - lo_tile, chunk)
     wait_inputs(PDL)
     rd = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -187,10 +187,8 @@ def ring_block_s(max_batch: int) -> int:
     """Keys per tile (and per slice: a ring of R slots gets R / this slices, within the
     split default's two programs per SM) of a ring layer's split kernel with tl.dot. A ring
     holds at most its window (512 on E2B), so a slice is one tile: 16 keys for one or two
-    rows, 32 above. On the H100 at 640 tokens (split + combine in a graph,
-    bench/results/engine/paged_attention_short_h100_2026-12-06.json) that took 7.10 -> 5.16 us
-    at one row and 8.15 -> 7.37 us at eight, against 64-key tiles in 8 slices; ptxas spills
-    nothing at either (64-key tiles spill)."""
+    rows, 32 above. Shorter slices start more programs on a short ring, and ptxas spills
+    nothing at these tiles where the 64-key tile spills (measured: bench/NOTES.md v21)."""
     return 16 if max_batch <= 2 else 32
 
 
@@ -276,10 +274,18 @@ class PagedDecodeAttention:
             q = q.contiguous()
         if k_pool.stride(-1) != 1 or v_pool.stride(-1) != 1:
             raise ValueError("pool rows must be contiguous along head_dim")
-        bt, stride_bt, max_keys = self.table_args(positions, block_tables)
+        if self.ring:
+            bt, stride_bt, max_keys = positions, 0, 0  # the table is not read
+        else:
+            if block_tables is None:
+                raise ValueError("a paged (non-ring) layer needs block_tables")
+            bt, stride_bt = block_tables, block_tables.stride(0)
+            max_keys = block_tables.shape[1] * self.block_size
         if out is None:
             out = torch.empty(b, h, d, device=q.device, dtype=q.dtype)
-        o3 = self.output_view(out)
+        o3 = out.view(-1, h, d)
+        if o3.stride(-1) != 1:
+            raise ValueError("out must be contiguous along head_dim")
         run_kernel(_paged_split_kernel, (self.splits, b),
             q, k_pool, v_pool, positions, seq_slots, bt,
             self.partial_o, self.partial_m, self.partial_l,
@@ -289,29 +295,6 @@ class PagedDecodeAttention:
             RING=self.ring, USE_DOT=self.use_dot, num_warps=self.num_warps,
             num_stages=self.num_stages,
         )  # fmt: skip
-        self.combine(positions, o3, b, max_keys)
-        return out
-
-    def table_args(self, positions: torch.Tensor, block_tables: torch.Tensor | None
-                   ) -> tuple[torch.Tensor, int, int]:  # fmt: skip
-        """(table, its row stride, keys it can address) as the split kernels take them; a ring
-        layer reads no table (positions stand in for the pointer)."""
-        if self.ring:
-            return positions, 0, 0
-        if block_tables is None:
-            raise ValueError("a paged (non-ring) layer needs block_tables")
-        return block_tables, block_tables.stride(0), block_tables.shape[1] * self.block_size
-
-    def output_view(self, out: torch.Tensor) -> torch.Tensor:
-        """`out` as the [rows, H, D] the combine writes (checked contiguous along D)."""
-        o3 = out.view(-1, self.num_heads, self.head_dim)
-        if o3.stride(-1) != 1:
-            raise ValueError("out must be contiguous along head_dim")
-        return o3
-
-    def combine(self, positions: torch.Tensor, o3: torch.Tensor, b: int, max_keys: int) -> None:
-        """Rows 0..b-1 of o3 [>= b, H, D] from the partial results the split kernel stored."""
-        h, d = self.num_heads, self.head_dim
         block_d = min(d, COMBINE_BLOCK_D)
         block_p = triton.next_power_of_2(self.splits)
         run_kernel(_paged_combine_kernel, (h, d // block_d, b),
@@ -320,6 +303,7 @@ class PagedDecodeAttention:
             H=h, D=d, BLOCK_D=block_d, BLOCK_S=self.block_s, BLOCK_P=block_p,
             CHUNK_P=min(block_p, COMBINE_TILE // block_d), RING=self.ring, num_warps=4,
         )  # fmt: skip
+        return out
 
 
 def paged_attention_reference(
