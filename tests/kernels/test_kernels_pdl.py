@@ -94,7 +94,7 @@ def _compile_for_targets(targets: list[int]) -> None:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, compile
 
-    from engine.kernels import w4gemv_kernel
+    from engine.kernels import attention_paged, w4gemv_kernel
 
     def ptx_of(fn, sig, consts, warps):
         src = ASTSource(fn=fn, signature=sig | dict.fromkeys(consts, "constexpr"),
@@ -124,11 +124,32 @@ def _compile_for_targets(targets: list[int]) -> None:
                   "EPI": 0, "PIPE": True, "PRO": False, "PRO_SCALAR": False, "PRO_NEXT": False,
                   "BLOCK_P": 16, "PDL": pdl}  # fmt: skip
         gemv = around_wait(ptx_of(w4gemv_kernel._w4_gemv_kernel, sig, consts, 4), "ld.global")
-        print(json.dumps({"sm": sm, "mma_weights": weights, "mma_acts": acts, "gemv": gemv}),
-              flush=True)  # fmt: skip
+        # the paged attention (a full layer's tiles): the row's position and slot before the
+        # wait, the table, q, keys and values after it; the combine: the position before
+        att_sig = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "pos_ptr": "*i64",
+                   "seq_ptr": "*i32", "bt_ptr": "*i32", "po_ptr": "*fp32", "pm_ptr": "*fp32",
+                   "pl_ptr": "*fp32", "scale": "fp32"}  # fmt: skip
+        att_sig |= dict.fromkeys(("R", "window", "max_keys", "stride_qb", "stride_qh",
+                                  "stride_ks", "stride_vs", "stride_bt"), "i32")  # fmt: skip
+        att_consts = {"H": 8, "HP": 16, "D": 512, "BLOCK_S": 32, "BLOCK_KV": 16, "RING": False,
+                      "USE_DOT": True, "PDL": pdl}  # fmt: skip
+        split = around_wait(ptx_of(attention_paged._paged_split_kernel, att_sig, att_consts, 4),
+                            "ld.global")  # fmt: skip
+        comb_sig = {"po_ptr": "*fp32", "pm_ptr": "*fp32", "pl_ptr": "*fp32", "pos_ptr": "*i64",
+                    "o_ptr": "*bf16"}  # fmt: skip
+        comb_sig |= dict.fromkeys(("R", "window", "max_keys", "P", "stride_ob", "stride_oh"),
+                                  "i32")  # fmt: skip
+        comb_consts = {"H": 8, "D": 512, "BLOCK_D": 32, "BLOCK_S": 32, "BLOCK_P": 64,
+                       "CHUNK_P": 64, "RING": False, "PDL": pdl}  # fmt: skip
+        combine = around_wait(ptx_of(attention_paged._paged_combine_kernel, comb_sig,
+                                     comb_consts, 4), "ld.global")  # fmt: skip
+        print(json.dumps({"sm": sm, "mma_weights": weights, "mma_acts": acts, "gemv": gemv,
+                          "split": split, "combine": combine}), flush=True)  # fmt: skip
 
 
 def test_hopper_binaries_request_weights_before_the_wait_and_activations_after() -> None:
+    """Weights (and the attention's host-written position and slot) before the wait, the
+    step's activations after it, in the sm_90 PTX; sm_80 has no wait at all."""
     rows = {row["sm"]: row for row in compiled_rows(__file__, [80, 90])}
     hopper, ampere = rows[90], rows[80]
     assert hopper["mma_weights"]["waits"] == 1 and hopper["mma_weights"]["launches"] == 1
@@ -137,7 +158,11 @@ def test_hopper_binaries_request_weights_before_the_wait_and_activations_after()
     assert hopper["gemv"]["before"] >= 1 and hopper["gemv"]["after"] >= 1
     for part in ("mma_weights", "gemv"):  # the next kernel launches after the wait
         assert not hopper[part]["launch_first"]
-    for part in ("mma_weights", "gemv"):
+    # the attention reads only what the host wrote before the wait: position and slot (split),
+    # position (combine); everything a kernel of the step writes after it
+    assert hopper["split"]["before"] == 2 and hopper["split"]["after"] >= 4
+    assert hopper["combine"]["before"] == 1 and hopper["combine"]["after"] >= 2
+    for part in ("mma_weights", "gemv", "split", "combine"):
         assert ampere[part]["waits"] == 0 and ampere[part]["launches"] == 0  # nothing to wait
 
 
