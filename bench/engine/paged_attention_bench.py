@@ -62,6 +62,15 @@ SWEEPS = {
         ],
         (("full", 1, 4096, 1), (None, None, None, 3)),
     ],
+    # a full layer's 16-key tile at one row (faster at 640 tokens, v21) against the default
+    # at long contexts, with the split count of an engine holding 131,072 tokens (264 on an
+    # H100 / H200 at one row) and of one holding 8,192 (128)
+    "full_long": [
+        (("full", 1, c, 1), (t, 4, sp, None))
+        for c in (4096, 32768, 131072)
+        for sp in (128, 264)
+        for t in (32, 16)
+    ],
     # the sweep's decode depth (512-token prompts, 128 new tokens) at the buckets of c=1 / c=8
     "short": [
         *[
