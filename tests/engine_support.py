@@ -63,3 +63,38 @@ def read_prompt(model, cache, prompt: list[int], chunk: int, step, score_budget=
         )
     position = torch.tensor([body], dtype=torch.int64, device=model.device)
     return step(ids[body:], position)[0].clone()
+
+
+def overlapping_tokens(path, options, *, dtype=torch.bfloat16, stagger: float = 0.0,
+                       check=None) -> list[list[int]]:  # fmt: skip
+    """Greedy tokens on the GPU of one request alone, then eight overlapping ones (40 tokens
+    each; `stagger` seconds between arrivals), from an engine over the checkpoint at `path`
+    with `options`; `check(engine)` runs once it is loaded. For tests that compare two
+    arrangements of the engine token for token."""
+    import threading
+    import time
+
+    import engine
+    from engine.sampling import SamplingParams
+
+    prompts = [[2] + [(11 * i + 7 * j) % 900 + 20 for i in range(30 + 17 * j)] for j in range(8)]
+    eng = engine.load(path, device="cuda", dtype=dtype, max_context=1024, max_num_seqs=8,
+                      options=options)  # fmt: skip
+    try:
+        if check is not None:
+            check(eng)
+        params = SamplingParams(max_tokens=40, stop_ids=())
+        got: dict[int, list[int]] = {-1: eng.generate(prompts[0], params)}
+
+        def run(j: int) -> None:
+            time.sleep(stagger * j)
+            got[j] = eng.generate(prompts[j], params)
+
+        threads = [threading.Thread(target=run, args=(j,)) for j in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        return [got[j] for j in range(-1, 8)]
+    finally:
+        eng.close()

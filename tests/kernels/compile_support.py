@@ -13,7 +13,8 @@ from pathlib import Path
 def compiled_rows(script: str, targets: list[int]) -> list[dict]:
     root = Path(__file__).resolve().parents[2]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
+    # the repository (engine/) and tests/ (the helper modules a test module imports)
+    env["PYTHONPATH"] = os.pathsep.join([str(root), str(root / "tests"), env.get("PYTHONPATH", "")])
     proc = subprocess.run([sys.executable, script, *map(str, targets)], env=env,
                           capture_output=True, text=True, timeout=600, check=False)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]

@@ -9,19 +9,18 @@ import ast
 import importlib
 import inspect
 import sys
-import threading
 from pathlib import Path
 
 import pytest
 import torch
 from compile_support import compiled_rows, mma_ptx
+from engine_support import overlapping_tokens
 
 import engine
 from engine.checkpoint_maker import make_checkpoint
 from engine.fast.batch_graph import PDL_DRIVER, _driver_version, pdl_supported
 from engine.kernels import launch
 from engine.options import EngineOptions
-from engine.sampling import SamplingParams
 
 KERNELS = Path(engine.__file__).parent / "kernels"
 
@@ -175,25 +174,16 @@ def test_an_engine_with_pdl_makes_the_tokens_of_one_without(tmp_path) -> None:
     """Greedy tokens of eight overlapping requests (batched graph steps, pass graphs) and of
     one alone (the one-row graph) with PDL and without, at bf16 on the small preset."""
     make_checkpoint(tmp_path, preset="small", seed=5, emb4=True)
-    prompts = [[2] + [(11 * i + 7 * j) % 900 + 20 for i in range(30 + 17 * j)] for j in range(8)]
 
-    def tokens(pdl: bool) -> list[list[int]]:
-        eng = engine.load(tmp_path, device="cuda", dtype=torch.bfloat16, max_context=1024,
-                          max_num_seqs=8, options=EngineOptions(pdl=pdl))  # fmt: skip
-        assert eng.runner.graphs.pdl_rows == (8 if pdl else 0)
-        params = SamplingParams(max_tokens=40, stop_ids=())
-        got: dict[int, list[int]] = {-1: eng.generate(prompts[0], params)}
-        threads = [threading.Thread(target=lambda j=j: got.__setitem__(j, eng.generate(
-            prompts[j], params))) for j in range(8)]  # fmt: skip
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(300)
-        eng.close()
-        return [got[j] for j in range(-1, 8)]
+    def rows(pdl: bool):
+        return lambda eng: assert_pdl_rows(eng, 8 if pdl else 0)
 
-    with_pdl = tokens(True)
-    assert with_pdl == tokens(False)
+    with_pdl = overlapping_tokens(tmp_path, EngineOptions(pdl=True), check=rows(True))
+    assert with_pdl == overlapping_tokens(tmp_path, EngineOptions(pdl=False), check=rows(False))
+
+
+def assert_pdl_rows(eng, rows: int) -> None:
+    assert eng.runner.graphs.pdl_rows == rows
 
 
 if __name__ == "__main__":
