@@ -29,6 +29,7 @@ from engine.kv_pool import KVPool
 from engine.logprobs import StepLogprobs
 from engine.model import Gemma4Model
 from engine.options import EngineOptions
+from engine.prompt_stream import Landing, SidePrompts
 from engine.sampler import Sampler
 from engine.scheduler import Delivered, PromptChunk, StepPlan
 
@@ -100,6 +101,13 @@ class ModelRunner:
                                       pool.pad_slot, pdl_rows=pdl_rows)  # fmt: skip
         self._requests: dict[int, _Request] = {}
         self._previous: Launched | None = None
+        # prompt passes beside the decode steps (engine/prompt_stream.py): each sequence's
+        # last pass until it lands, then the landed ones the next launch orders itself after
+        self.prompts: SidePrompts | None = None
+        if options.async_prompts and self.device.type == "cuda":
+            self.prompts = SidePrompts(self.device)
+        self._landing: dict[int, Landing] = {}
+        self._landed: list[Landing] = []
 
     def _choose_fast(self, options: EngineOptions) -> None:
         from engine.fast import batch_decode, prefill
@@ -174,21 +182,33 @@ class ModelRunner:
     def execute(self, plan: StepPlan) -> Launched | None:
         """Run `plan`: bookkeeping, prompt chunks, then launch the decode rows (returned, their
         tokens not yet read)."""
+        for seq_id in plan.ended:
+            self._requests.pop(seq_id, None)
+            landing = self._landing.pop(seq_id, None)
+            if landing is not None:  # ended while its pass ran: its slot may open again below
+                landing.join()
         self.pool.apply(plan.opened, plan.grants)
         for seq in plan.started:
             p = seq.params
             sampler = None if p.plain_greedy else Sampler(p, self.device)
             prompt = torch.tensor(seq.prompt, dtype=torch.int64, device=self.device)
             self._requests[seq.id] = _Request(prompt, sampler, p.logprobs)
-        for seq_id in plan.ended:
-            self._requests.pop(seq_id, None)
-        if plan.chunks:
+        if plan.chunks and self.prompts is not None:
+            landing = self.prompts.run(lambda: self._read_chunks(plan.chunks, plan.score_budget))
+            for c in plan.chunks:
+                self._landing[c.seq] = landing
+        elif plan.chunks:
             self._read_chunks(plan.chunks, plan.score_budget)
-        elif self.reader is not None:
+        elif self.reader is not None and not self._landing:
             self.reader.release()  # no prompt being read: decode does not need its buffer
         if not plan.rows:
+            if not plan.chunks and self._landing:  # only passes in flight: wait for one
+                next(iter(self._landing.values())).wait()
             self._previous = None
             return None
+        for landing in self._landed:  # rows that read a landed pass's cache come after it
+            landing.join()
+        self._landed.clear()
         launched = self._launch(plan)
         self._previous = launched
         return launched
@@ -271,7 +291,23 @@ class ModelRunner:
             for r, (s, tok) in enumerate(zip(step.seqs, values, strict=True))
         ]
 
+    def landed(self, seq_id: int) -> bool:
+        """Whether the sequence's prompt passes have finished (always, on one stream); the
+        scheduler decodes it only then."""
+        landing = self._landing.get(seq_id)
+        if landing is None:
+            return True
+        if not landing.done():
+            return False
+        del self._landing[seq_id]
+        self._landed.append(landing)
+        return True
+
     def reset(self) -> None:
         """Forget the launched step (after a failure: its tokens are not delivered)."""
         self._previous = None
         self._requests.clear()
+        if self.prompts is not None:
+            self.prompts.synchronize()
+        self._landing.clear()
+        self._landed.clear()

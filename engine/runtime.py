@@ -91,7 +91,8 @@ class Engine:
     def _new_scheduler(self) -> Scheduler:
         plan = self.batching
         return Scheduler(self.pool.blocks, plan.max_num_seqs, plan.prefill_budget, self.max_context,
-                         whole_prompts=self.runner.passes_captured)  # fmt: skip
+                         whole_prompts=self.runner.passes_captured,
+                         landed=self.runner.landed if self.runner.prompts else None)  # fmt: skip
 
     def reset_stats(self) -> bool:
         """Start the scheduler's counters (steps, rows) from zero again, if idle (after a

@@ -12,9 +12,10 @@ so the policy is tested without torch and a new policy changes this file only. E
 3. prompt reading: at most `prefill_budget` prompt tokens per step, oldest first, several
    sequences' pieces in one pass, so a new request gets its first token while the others keep
    streaming;
-4. one decode row for every sequence whose prompt is read (its first step feeds the prompt's
-   last token, later ones the token its previous step sampled, still on the device: one step
-   of look-ahead, so the device decodes while the host delivers);
+4. one decode row for every sequence whose prompt is read, and whose last prompt pass has
+   landed where passes run beside the steps (its first step feeds the prompt's last token,
+   later ones the token its previous step sampled, still on the device: one step of
+   look-ahead, so the device decodes while the host delivers);
 5. `deliver` takes the tokens of the step before, checks stop ids and lengths and hands each
    sequence its output; a row launched for a sequence that turned out finished is ignored.
 
@@ -26,6 +27,7 @@ from __future__ import annotations
 import queue
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine.block_manager import BlockGrant, BlockManager
@@ -98,10 +100,14 @@ class Scheduler:
 
     def __init__(
         self, blocks: BlockManager, max_num_seqs: int, prefill_budget: int, max_context: int,
-        whole_prompts: bool = False,
+        whole_prompts: bool = False, landed: Callable[[int], bool] | None = None,
     ) -> None:  # fmt: skip
         self.blocks = blocks
         self.whole_prompts = whole_prompts  # see _prompt_chunks
+        # where prompt passes run beside the decode steps (engine/prompt_stream.py): whether a
+        # sequence's passes have finished on the device. Its first row waits for that, so it
+        # never shares a plan with its own last pass.
+        self.landed = landed
         self.max_num_seqs = max_num_seqs
         self.prefill_budget = max(1, prefill_budget)
         self.max_context = max_context
@@ -141,7 +147,7 @@ class Scheduler:
         opened, started = self._admit()
         grants: list[BlockGrant] = []
         chunks, budget = self._prompt_chunks(grants)
-        rows = self._decode_rows(grants)
+        rows = self._decode_rows(grants, {c.seq for c in chunks})
         ended, self._ended = tuple(self._ended), []
         if rows:
             self._steps += 1
@@ -217,11 +223,13 @@ class Scheduler:
             budget -= n
         return tuple(chunks), (min(scores) if scores else None)
 
-    def _decode_rows(self, grants: list[BlockGrant]) -> tuple[DecodeRow, ...]:
+    def _decode_rows(self, grants: list[BlockGrant], reading: set[int]) -> tuple[DecodeRow, ...]:
         rows = []
         for s in self.running.values():
             if not s.prompt_read or s.fed >= s.max_tokens or s.position >= self.max_context:
                 continue
+            if self.landed is not None and not s.fed and (s.id in reading or not self.landed(s.id)):
+                continue  # its prompt's last pass runs beside the steps and has not landed
             self._grow(s, s.position + 1, grants)
             rows.append(DecodeRow(s.id, s.slot, s.position, s.prompt[-1] if not s.fed else None))
             s.fed += 1

@@ -181,3 +181,35 @@ def test_a_failed_step_ends_every_sequence_with_its_error():
     sch.fail_all(boom)
     assert [o.error for o in outs] == [boom] * 3
     assert sch.blocks.free_blocks == 32 and sch.blocks.free_slots == 4
+
+
+def test_with_passes_beside_the_steps_a_sequence_decodes_once_its_last_pass_landed():
+    """The runner reads prompts on a second stream (engine/prompt_stream.py): a sequence's
+    first row never shares a plan with its own last pass, and waits until the runner says the
+    pass landed, while the others keep decoding."""
+    in_flight: set[int] = set()  # the runner's passes not landed yet, played by hand
+    sch = Scheduler(BlockManager(33, 4, BLOCK, 64), 4, 16, 64,
+                    landed=lambda seq: seq not in in_flight)  # fmt: skip
+
+    def step():
+        plan = sch.schedule()
+        in_flight.update(c.seq for c in plan.chunks)  # the runner launches the plan's pass
+        return plan
+
+    old, new, one = _seq(3, 8), _seq(11, 4), _seq(1, 2)
+    sch.add(old)
+    assert [c.seq for c in step().chunks] == [old.id]
+    assert step().rows == ()  # its pass has not landed
+    in_flight.clear()
+    assert [r.seq for r in step().rows] == [old.id]
+    sch.add(new)
+    plan = step()  # new's whole body in this plan's pass: old decodes, new does not
+    assert [c.seq for c in plan.chunks] == [new.id] and [r.seq for r in plan.rows] == [old.id]
+    assert [r.seq for r in step().rows] == [old.id]  # not landed yet
+    in_flight.clear()
+    rows = step().rows
+    assert [r.seq for r in rows] == [old.id, new.id]
+    assert rows[1] == DecodeRow(new.id, new.slot, 10, 20)  # fed its prompt's last token
+    sch.add(one)  # a one-token prompt has no pass to wait for: it decodes at once
+    plan = step()
+    assert plan.chunks == () and one.id in [r.seq for r in plan.rows]
