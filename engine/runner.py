@@ -102,12 +102,11 @@ class ModelRunner:
         self._requests: dict[int, _Request] = {}
         self._previous: Launched | None = None
         # prompt passes beside the decode steps (engine/prompt_stream.py): each sequence's
-        # last pass until it lands, then the landed ones the next launch orders itself after
+        # last pass until it lands
         self.prompts: SidePrompts | None = None
         if options.async_prompts and self.device.type == "cuda":
             self.prompts = SidePrompts(self.device)
         self._landing: dict[int, Landing] = {}
-        self._landed: list[Landing] = []
 
     def _choose_fast(self, options: EngineOptions) -> None:
         from engine.fast import batch_decode, prefill
@@ -206,9 +205,6 @@ class ModelRunner:
                 next(iter(self._landing.values())).wait()
             self._previous = None
             return None
-        for landing in self._landed:  # rows that read a landed pass's cache come after it
-            landing.join()
-        self._landed.clear()
         launched = self._launch(plan)
         self._previous = launched
         return launched
@@ -293,14 +289,15 @@ class ModelRunner:
 
     def landed(self, seq_id: int) -> bool:
         """Whether the sequence's prompt passes have finished (always, on one stream); the
-        scheduler decodes it only then."""
+        scheduler decodes it only then. Once they have, the main stream's later work (the step
+        that first reads its cache) is ordered after them."""
         landing = self._landing.get(seq_id)
         if landing is None:
             return True
         if not landing.done():
             return False
         del self._landing[seq_id]
-        self._landed.append(landing)
+        landing.join()
         return True
 
     def reset(self) -> None:
@@ -310,4 +307,3 @@ class ModelRunner:
         if self.prompts is not None:
             self.prompts.synchronize()
         self._landing.clear()
-        self._landed.clear()

@@ -37,6 +37,7 @@ for value in $values; do
     # engine/ is the one imported (bench/ comes from this tree, through PYTHONPATH)
     if [ "$name" = TREE ]; then
         [ -d "$value/engine" ] || { echo "ab.sh: $value has no engine/ package" >&2; exit 2; }
+        # (a variable naming the tree: `set -u` refuses to expand an empty array)
         here=$value setting=(GPURIG_AB_TREE="$value")
         label=$(basename "$value"); [ "$value" = . ] && label=head
     else

@@ -240,14 +240,14 @@ class BatchDecoder:
                 y, w_post, scalar = pending
                 qkv = then(y, w_post, self.qkv_lin[i], scalar=scalar, w_next=w.input_norm)
             own = w.k is not None
-            rows = (ring_rows if cfg.is_sliding(i) else full_rows) if own else None
-            src = cfg.kv_producer(i)
             if own:
+                rows = ring_rows if cfg.is_sliding(i) else full_rows
                 q, _, _ = qkv_rope_rows(qkv, w.q_norm, w.k_norm, cos, sin, hq,
                                         cfg.layer_kv_heads[i], hd, eps, v_from_k=w.v is None,
                                         kv_out=(pool.k[i], pool.v[i], rows))  # fmt: skip
             else:
                 q, _, _ = qkv_rope_rows(qkv, w.q_norm, w.q_norm, cos, sin, hq, 0, hd, eps)
+            src = cfg.kv_producer(i)
             attn = self._attn(i, b)(q, pool.k[src][:, 0], pool.v[src][:, 0], positions, slots,
                                     pool.block_tables)  # fmt: skip
             attn = attn.reshape(b, hq * hd)

@@ -345,12 +345,6 @@ def test_split_kernel_fits_each_gpu_and_uses_its_tensor_cores() -> None:
         assert row["use_dot"] == (row["sm"] >= 80) == row["mma"], row
 
 
-if __name__ == "__main__":
-    import sys
-
-    _compile_for_targets([int(a) for a in sys.argv[1:]])
-
-
 def test_ring_layers_take_one_short_tile_a_slice_with_the_tensor_cores() -> None:
     """A ring with tl.dot: 16-key tiles for one or two rows, 32 above, and a slice per tile as
     far as two programs per SM allow (the CPU counts as 4 SMs); paged layers and rings without
@@ -367,3 +361,9 @@ def test_ring_layers_take_one_short_tile_a_slice_with_the_tensor_cores() -> None
     assert paged.block_s == 32 and paged.splits == 8
     plain = PagedDecodeAttention(H, 256, 1, 4096, cpu, ring=True, ring_slots=512, use_dot=False)
     assert plain.block_s == 8
+
+
+if __name__ == "__main__":
+    import sys
+
+    _compile_for_targets([int(a) for a in sys.argv[1:]])
