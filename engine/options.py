@@ -25,8 +25,8 @@ the environment.
 | GPURIG_MMA_AHEAD          | mma_ahead           | "0": the int4 mma product of 2-8 rows requests a | on      |
 |                           |                     | step's scales and activations in that step, not  |         |
 |                           |                     | one step early with its weights                  |         |
-| GPURIG_ASYNC_PROMPTS      | async_prompts       | "1": prompt passes on a second CUDA stream,      | off     |
-|                           |                     | beside the decode steps (not yet measured)       |         |
+| GPURIG_ASYNC_PROMPTS      | async_prompts       | "0": prompt passes on the decode steps' stream,  | on      |
+|                           |                     | not on a second CUDA stream beside them          |         |
 | GPURIG_PDL                | pdl                 | "0": kernels launch after the one before ends,   | on      |
 |                           |                     | not overlapping its tail (programmatic dependent |         |
 |                           |                     | launch, sm_90 on: engine/kernels/pdl.py)         |         |
@@ -77,7 +77,7 @@ class EngineOptions:
     fold_residual: bool = False  # batch steps: residual+norm in the product's last program
     batch_prologue: bool = True  # batch steps <= 8 rows: per-layer gate GEMV's prologue
     mma_ahead: bool = True  # mma product, 2-8 rows: a step's scales/activations a step early
-    async_prompts: bool = False  # CUDA: prompt passes on a side stream beside the steps
+    async_prompts: bool = True  # CUDA: prompt passes on a side stream beside the steps
     pdl: bool = True  # sm_90 on: a kernel launches during the one before and waits in it
     half2_gemv: bool = True  # 16-bit GEMV multiplies in half2 (fp32 unpack when False)
     prefix_sdpa: bool = True  # a full layer's prefix through torch's efficient attention
@@ -116,7 +116,7 @@ class EngineOptions:
             fold_residual=_flag(env, "GPURIG_FOLD_RESIDUAL", default=False),
             batch_prologue=_flag(env, "GPURIG_BATCH_PROLOGUE"),
             mma_ahead=_flag(env, "GPURIG_MMA_AHEAD"),
-            async_prompts=_flag(env, "GPURIG_ASYNC_PROMPTS", default=False),
+            async_prompts=_flag(env, "GPURIG_ASYNC_PROMPTS"),
             pdl=_flag(env, "GPURIG_PDL"),
             half2_gemv=_flag(env, "GPURIG_GEMV_H2"),
             prefix_sdpa=_flag(env, "GPURIG_PREFIX_SDPA"),

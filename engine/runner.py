@@ -14,7 +14,8 @@ The arrangement, one for every batch size (a single sequence is a batch of one r
 
 Tokens come back one step late: `execute` launches step n and returns at once; `collect` of step
 n-1 then waits for its token ids (on CUDA a pinned copy behind an event), so the device decodes
-while the host delivers. A row whose token is that of its previous step reads it on the device.
+while the host delivers. A row whose token is that of its previous step reads it on the device
+(inside the decode graph, with the greedy argmax, where there is one: BatchGraphs.run_staged).
 """
 
 from __future__ import annotations
@@ -227,18 +228,23 @@ class ModelRunner:
             dtype=torch.int64,
         )
         cuda = self.device.type == "cuda"
-        if cuda:  # pinned: the copy queues instead of waiting
-            host = host.pin_memory()
-        staged = host.to(self.device, non_blocking=True)
-        src, fresh, positions, slots = staged[0], staged[1], staged[2], staged[3]
-        if previous is not None:
-            tokens = torch.where(src >= 0, previous.ids[src.clamp(min=0)], fresh)
-        else:
-            tokens = fresh
-        logits = self.step(tokens, positions, slots.to(torch.int32))
         seqs = [r.seq for r in rows]
         requests = [self._requests[s] for s in seqs]
-        ids = self._sample(logits, requests)
+        if self.graphs is not None:  # the replay picks the tokens and makes the greedy ids
+            logits, ids = self.graphs.run_staged(host)
+            self._resample(logits, ids, requests)
+        else:  # the same, op by op
+            if cuda:  # pinned: the copy queues instead of waiting
+                host = host.pin_memory()
+            staged = host.to(self.device, non_blocking=True)
+            src, fresh, positions, slots = staged[0], staged[1], staged[2], staged[3]
+            if previous is not None:
+                tokens = torch.where(src >= 0, previous.ids[src.clamp(min=0)], fresh)
+            else:
+                tokens = fresh
+            logits = self.step(tokens, positions, slots.to(torch.int32))
+            ids = logits.argmax(dim=-1)
+            self._resample(logits, ids, requests)
         asked = [r for r, q in enumerate(requests) if q.logprobs is not None]
         # read now: on CUDA `logits` is the graph's output buffer, which the next step rewrites
         logprobs = (
@@ -266,14 +272,12 @@ class ModelRunner:
         return self._step(tokens, positions, slots)
 
     @staticmethod
-    def _sample(logits: torch.Tensor, requests: list[_Request]) -> torch.Tensor:
-        """Each row's token: one argmax for the plain greedy rows, the request's own sampler
-        (generator, logit bias) for the others."""
-        ids = logits.argmax(dim=-1)
+    def _resample(logits: torch.Tensor, ids: torch.Tensor, requests: list[_Request]) -> None:
+        """Each row's token in `ids` (the batch's one argmax serves the plain greedy rows): a
+        row with its own sampler (generator, logit bias) gets its draw written over it."""
         for r, q in enumerate(requests):
             if q.sampler is not None:
                 ids[r : r + 1] = q.sampler(logits[r])
-        return ids
 
     @staticmethod
     def collect(step: Launched) -> Delivered:

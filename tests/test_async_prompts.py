@@ -108,7 +108,8 @@ def test_every_request_gets_its_own_tokens_while_passes_land_late(checkpoint):
         assert late.landings and all(landing.left < 0 for landing in late.landings)
         # each landed pass was waited on (rows held back) and ordered before the rows after it
         assert sum(landing.polled for landing in late.landings) >= len(late.landings)
-        assert all(landing.joins == 1 for landing in late.landings if landing.polled)
+        # (once per sequence it carried: arrivals close together share a pass)
+        assert all(landing.joins >= 1 for landing in late.landings if landing.polled)
         st = eng.scheduler.stats()
         assert st.step_rows == sum(m for _, m in specs) and st.steps < st.step_rows
     finally:
@@ -137,8 +138,9 @@ def test_a_request_cancelled_during_its_pass_frees_its_slot(checkpoint):
 
 
 def test_async_prompts_needs_cuda_and_is_read_from_the_environment(checkpoint):
-    opts = EngineOptions.from_env({"GPURIG_ASYNC_PROMPTS": "1", "GPURIG_FAST": "0"})
-    assert opts.async_prompts and not EngineOptions().async_prompts
+    opts = EngineOptions.from_env({"GPURIG_FAST": "0"})
+    assert opts.async_prompts and EngineOptions().async_prompts  # on by default
+    assert not EngineOptions.from_env({"GPURIG_ASYNC_PROMPTS": "0"}).async_prompts
     eng = engine.load(checkpoint, device="cpu", max_context=CTX, options=opts)
     try:
         assert eng.runner.prompts is None and eng.scheduler.landed is None  # one stream
@@ -149,17 +151,19 @@ def test_async_prompts_needs_cuda_and_is_read_from_the_environment(checkpoint):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
 def test_async_prompts_gpu(tmp_path) -> None:
-    """On a GPU: greedy bf16 tokens of eight overlapping requests and one alone, with prompt
-    passes on the side stream and without."""
+    """On a GPU: greedy fp32 tokens of eight staggered requests and one alone, with prompt
+    passes on the side stream and without. fp32: which rows share a step depends on timing,
+    and in bf16 a different bucket's product may round a near tie the other way (seen once)."""
     make_checkpoint(tmp_path, preset="small", seed=5, emb4=True)
 
     def side(on: bool):
         return lambda eng: _assert_side_stream(eng, on)
 
-    got = overlapping_tokens(tmp_path, EngineOptions(async_prompts=True), stagger=0.01,
-                             check=side(True))  # fmt: skip
-    assert got == overlapping_tokens(tmp_path, EngineOptions(async_prompts=False), stagger=0.01,
-                                     check=side(False))  # fmt: skip
+    fp32 = torch.float32
+    got = overlapping_tokens(tmp_path, EngineOptions(async_prompts=True), dtype=fp32,
+                             stagger=0.01, check=side(True))  # fmt: skip
+    assert got == overlapping_tokens(tmp_path, EngineOptions(async_prompts=False), dtype=fp32,
+                                     stagger=0.01, check=side(False))  # fmt: skip
 
 
 def _assert_side_stream(eng, on: bool) -> None:

@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from engine.kernels.launch import compiling_only, pdl_launches
+from engine.kernels.step_inputs import pick_tokens
 from engine.options import triton_interpreted
 
 Step = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -91,18 +92,32 @@ def bucket_of(rows: int, buckets: Sequence[int]) -> int:
     raise ValueError(f"{rows} rows exceed the largest bucket {buckets[-1]}")
 
 
+INPUTS = 4  # a step's staged inputs, one row each: source row, fresh token, position, slot
+
+
 class _Bucket:
     def __init__(self, size: int, device: torch.device, pad_slot: int) -> None:
         self.size = size
-        self.tokens = torch.zeros(size, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(size, dtype=torch.int64, device=device)
-        self.slots = torch.full((size,), pad_slot, dtype=torch.int32, device=device)
+        # [source row in the previous step (-1: take the fresh token), fresh token, position,
+        # slot] per batch row; padding rows: -1, 0, position 0, the padding slot
+        self.inputs = torch.zeros(INPUTS, size, dtype=torch.int64, device=device)
+        self.inputs[0].fill_(-1)
+        self.inputs[3].fill_(pad_slot)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None
 
 
 class BatchGraphs:
-    """`run(tokens [B], positions [B], slots [B]) -> logits [B, V]` by graph replay."""
+    """`run(tokens [B], positions [B], slots [B]) -> logits [B, V]` by graph replay; the engine
+    loop's `run_staged(host [4, B]) -> (logits, ids)` stages a step's inputs in one copy.
+
+    Each replay also picks its rows' tokens and makes their greedy ids on the device: a row
+    whose token is the previous step's output reads it from `ids` (the previous replay's
+    argmax, or what a sampler wrote over it), and the replay's argmax writes `ids` for the
+    next. Done between replays instead, those were a staging copy and about ten small launches
+    a step, each waiting on the host (bench/NOTES.md v22); the pick is one kernel
+    (engine/kernels/step_inputs.py).
+    """
 
     def __init__(self, step: Step, buckets: Sequence[int], device: torch.device,
                  pad_slot: int, pdl_rows: int = 0) -> None:  # fmt: skip
@@ -113,6 +128,9 @@ class BatchGraphs:
         self.pad_slot = pad_slot
         self._by_size = {b: _Bucket(b, device, pad_slot) for b in self.buckets}
         self._pool = None
+        # every replay's greedy ids (its bucket's rows): the next replay's source rows
+        self.ids = torch.zeros(self.buckets[-1], dtype=torch.int64, device=device)
+        self._padding = torch.tensor([-1, 0, 0, pad_slot], dtype=torch.int64)[:, None]
 
     def capture_all(self) -> None:
         """Capture every bucket now (largest first), so no request waits for a capture."""
@@ -127,11 +145,19 @@ class BatchGraphs:
             for b in reversed(self.buckets):
                 bucket = self._by_size[b]
                 with self._launches(bucket):
-                    self.step(bucket.tokens, bucket.positions, bucket.slots)
+                    self._staged_step(bucket)
 
     def _launches(self, bucket: _Bucket) -> contextlib.AbstractContextManager[None]:
         """How this bucket's kernels launch: with PDL up to `pdl_rows` rows."""
         return pdl_launches(bucket.size <= self.pdl_rows)
+
+    def _staged_step(self, bucket: _Bucket) -> torch.Tensor:
+        """What a replay runs: the rows' tokens from the staged inputs and the previous ids,
+        the step, and the greedy ids of every row into `ids`."""
+        tokens, positions, slots = pick_tokens(bucket.inputs, self.ids)
+        logits = self.step(tokens, positions, slots)
+        torch.argmax(logits, dim=-1, out=self.ids[: bucket.size])
+        return logits
 
     def _capture(self, bucket: _Bucket) -> None:
         if self._pool is None:
@@ -144,30 +170,49 @@ class BatchGraphs:
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream), torch.inference_mode():
             # eager warm-up on padding rows: compiles and tunes every kernel outside capture
-            self.step(bucket.tokens, bucket.positions, bucket.slots)
+            self._staged_step(bucket)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool), torch.inference_mode():
-            bucket.logits = self.step(bucket.tokens, bucket.positions, bucket.slots)
+            bucket.logits = self._staged_step(bucket)
         bucket.graph = graph
 
-    @torch.inference_mode()
-    def run(
-        self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor
-    ) -> torch.Tensor:
-        rows = tokens.shape[0]
-        bucket = self._by_size[bucket_of(rows, self.buckets)]
-        bucket.tokens[:rows].copy_(tokens)
-        bucket.positions[:rows].copy_(positions)
-        bucket.slots[:rows].copy_(slots)
-        if rows < bucket.size:  # padding rows: the padding slot, position 0
-            bucket.positions[rows:].zero_()
-            bucket.slots[rows:].fill_(self.pad_slot)
+    def _replay(self, bucket: _Bucket, rows: int) -> torch.Tensor:
         if compiling_only():  # the warm-up's compile pass: launches compile, nothing is captured
             with self._launches(bucket):
-                return self.step(bucket.tokens, bucket.positions, bucket.slots)[:rows]
+                return self._staged_step(bucket)[:rows]
         if bucket.graph is None:
             self._capture(bucket)
         assert bucket.graph is not None and bucket.logits is not None
         bucket.graph.replay()
         return bucket.logits[:rows]
+
+    @torch.inference_mode()
+    def run_staged(self, host: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One step from the host's [4, B] int64 inputs (source row in the previous step or -1,
+        fresh token, position, slot): the logits [B, V] (the graph's output buffer: read it
+        before the next step) and the greedy ids [B] (a view of `ids`: a sampled row's token
+        is written over its id in place, and the next step's source rows read it)."""
+        rows = host.shape[1]
+        bucket = self._by_size[bucket_of(rows, self.buckets)]
+        if rows < bucket.size:  # padding rows: the padding slot, position 0
+            host = torch.cat([host, self._padding.expand(INPUTS, bucket.size - rows)], dim=1)
+        if self.device.type == "cuda":  # pinned: the copy queues instead of waiting
+            host = host.pin_memory()
+        bucket.inputs.copy_(host, non_blocking=True)
+        return self._replay(bucket, rows), self.ids[:rows]
+
+    @torch.inference_mode()
+    def run(
+        self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor
+    ) -> torch.Tensor:
+        """One step of the given device tokens (for the lab scripts and tests)."""
+        rows = tokens.shape[0]
+        bucket = self._by_size[bucket_of(rows, self.buckets)]
+        inputs = bucket.inputs
+        inputs[:, rows:].copy_(self._padding.to(self.device).expand(INPUTS, bucket.size - rows))
+        inputs[0, :rows].fill_(-1)
+        inputs[1, :rows].copy_(tokens)
+        inputs[2, :rows].copy_(positions)
+        inputs[3, :rows].copy_(slots)
+        return self._replay(bucket, rows)

@@ -19,7 +19,8 @@ if not torch.cuda.is_available():
     for name in ("engine.kernels.w4gemv", "engine.kernels.w4dequant",
                  "engine.kernels.attention_decode", "engine.kernels.attention_paged",
                  "engine.kernels.w4gemm_kernel", "engine.kernels.w4mma_kernel",
-                 "engine.kernels.w4gemm", "engine.kernels.attention_prefill"):  # fmt: skip
+                 "engine.kernels.w4gemm", "engine.kernels.attention_prefill",
+                 "engine.kernels.step_inputs"):  # fmt: skip
         if name in sys.modules:
             importlib.reload(sys.modules[name])
 

@@ -172,14 +172,19 @@ def test_hopper_binaries_request_weights_before_the_wait_and_activations_after()
 )
 def test_an_engine_with_pdl_makes_the_tokens_of_one_without(tmp_path) -> None:
     """Greedy tokens of eight overlapping requests (batched graph steps, pass graphs) and of
-    one alone (the one-row graph) with PDL and without, at bf16 on the small preset."""
+    one alone (the one-row graph) with PDL and without, in fp32 on the small preset. fp32:
+    which rows share a step depends on timing, and in bf16 another bucket's product rounds
+    one near tie of this prompt set the other way in about one run of two, with PDL or
+    without (bench/NOTES.md v22)."""
     make_checkpoint(tmp_path, preset="small", seed=5, emb4=True)
 
     def rows(pdl: bool):
         return lambda eng: assert_pdl_rows(eng, 8 if pdl else 0)
 
-    with_pdl = overlapping_tokens(tmp_path, EngineOptions(pdl=True), check=rows(True))
-    assert with_pdl == overlapping_tokens(tmp_path, EngineOptions(pdl=False), check=rows(False))
+    fp32 = torch.float32
+    with_pdl = overlapping_tokens(tmp_path, EngineOptions(pdl=True), dtype=fp32, check=rows(True))
+    assert with_pdl == overlapping_tokens(tmp_path, EngineOptions(pdl=False), dtype=fp32,
+                                          check=rows(False))  # fmt: skip
 
 
 def assert_pdl_rows(eng, rows: int) -> None:
