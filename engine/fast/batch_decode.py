@@ -45,6 +45,7 @@ from engine.fast.fuse import FusedLayer
 from engine.fast.ops_fast import FastOps, packed_ok
 from engine.kernels.attention_paged import PagedDecodeAttention
 from engine.kernels.fused import ple_mix, qkv_rope_rows, residual_norm, rmsnorm_rows
+from engine.kernels.step_inputs import step_tables
 from engine.kernels.w4dequant import w4_gather_rows
 from engine.kernels.w4gemm import w4_gemm, w4_gemm_residual
 from engine.kernels.w4gemv import w4_gemv, w4_gemv_after_residual, w4_gemv_glu
@@ -74,6 +75,8 @@ def supported(model, fused: list[FusedLayer]) -> bool:
         if cfg.layer_kv_heads[i] != 1 or d & (d - 1) or d < 16:
             return False
     if model.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return False
+    if not 1 <= len(model.inv_freq) <= 2:  # step_tables: one or two layer kinds
         return False
     return (
         all(q is not None and packed_ok(q) for q in qkv_matrices(model, fused))
@@ -206,9 +209,14 @@ class BatchDecoder:
         fold = self.fold_residual and not single  # one row keeps the GEMV's prologue
         h, ple = embed_tokens(m, self.ops, tokens, self._linear)
         spare = torch.empty_like(h)
-        rope = m.rope(positions)
-        # the pool rows this step writes: one set for the full layers, one for the rings
-        full_rows, ring_rows = pool.write_rows(slots, positions)
+        # RoPE's cos/sin per layer kind and the pool rows this step writes (one set for the
+        # full layers, one for the rings): one launch
+        kinds = list(m.inv_freq)
+        tables, full_rows, ring_rows = step_tables(
+            positions, slots, pool.block_tables, pool.block_size, pool.ring_slots,
+            [m.inv_freq[k] for k in kinds], m.dtype,
+        )  # fmt: skip
+        rope = dict(zip(kinds, tables, strict=True))
         half2 = self.ops.half2
 
         def then(y, w_post, mat, scalar=None, w_next=None, epi=0, aux=None):

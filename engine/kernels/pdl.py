@@ -9,7 +9,11 @@ the graph) the launch and the first weight loads overlap the previous kernel's t
 The contract every kernel that declares `PDL: tl.constexpr = False` keeps:
 - before `wait_inputs(PDL)` it only reads memory that no kernel of the step writes (weights,
   scales, and what the host wrote before the replay: positions, sequence slots, block tables)
-  and writes nothing, since the kernel before it may still be reading and writing;
+  and writes nothing, since the kernel before it may still be reading and writing. The one
+  exception is what a step's head makes of the host's inputs (the token pick's int32 slots,
+  engine/kernels/step_inputs.py): a kernel starts only once every program of the kernel
+  before it has passed its own wait, so what it reads before its wait was finished two
+  kernels earlier; the attention kernels, which read the slots early, come far later;
 - every program calls `wait_inputs` once, unconditionally: it returns when the previous
   kernel has finished and its writes are visible. Since every kernel waits for the one before,
   a kernel also sees everything earlier kernels wrote;
