@@ -61,7 +61,7 @@ class Launched:
     """A step on the device whose tokens have not reached the host yet."""
 
     seqs: list[int]  # the sequence of each row
-    ids: torch.Tensor  # [B] int64 on the device
+    ids: torch.Tensor  # [B] int64 on the device (graphs: a view the next step rewrites)
     host: torch.Tensor  # [B] int64 (pinned on CUDA), filled when `event` completes
     event: torch.cuda.Event | None
     logprobs: StepLogprobs | None  # the rows that asked for them, still on the device
@@ -232,7 +232,6 @@ class ModelRunner:
         requests = [self._requests[s] for s in seqs]
         if self.graphs is not None:  # the replay picks the tokens and makes the greedy ids
             logits, ids = self.graphs.run_staged(host)
-            self._resample(logits, ids, requests)
         else:  # the same, op by op
             if cuda:  # pinned: the copy queues instead of waiting
                 host = host.pin_memory()
@@ -244,7 +243,7 @@ class ModelRunner:
                 tokens = fresh
             logits = self.step(tokens, positions, slots.to(torch.int32))
             ids = logits.argmax(dim=-1)
-            self._resample(logits, ids, requests)
+        self._resample(logits, ids, requests)
         asked = [r for r, q in enumerate(requests) if q.logprobs is not None]
         # read now: on CUDA `logits` is the graph's output buffer, which the next step rewrites
         logprobs = (

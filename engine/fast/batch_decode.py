@@ -8,7 +8,8 @@ included (a single sequence is a batch of one):
   weight word once for all rows; a one-row batch keeps the single-token GEMV whose prologue
   makes the residual+norm before it (the measured-fastest arrangement for one stream);
 * the q/k/v head norms and RoPE are one launch for all rows (qkv_rope_rows), which writes the
-  new K/V rows straight into the pool, at rows computed once per step from the block tables;
+  new K/V rows straight into the pool, at rows computed once per step from the block tables,
+  with the RoPE tables, in one launch (step_tables);
 * attention reads each row's sequence through its block table (full layers) or its ring
   (sliding layers) with the paged split kernel (engine/kernels/attention_paged.py).
 
