@@ -11,7 +11,8 @@
 # before a change: `git archive HEAD engine | tar -x -C .ab/base` (ignored, carried):
 #     run (carry [".whl", ".ab"]):  bash bench/device/ab.sh TREE ".ab/base ."
 #
-# Parts default to both. $OUT gets, per value, sweep_<value>/ (REPORT.md, results.json,
+# steps: each bucket's graph on the rows it last ran, and on rows 600 tokens deep (the sweep's
+# attention). Parts default to both. $OUT gets, per value, sweep_<value>/ (REPORT.md, results.json,
 # roofline.json) and steps_<value>.json: 4 files a value, so two values fit the 8 files a call
 # brings back. Prints each value's tables.
 set -uo pipefail
@@ -65,7 +66,9 @@ for value in $values; do
                 > /tmp/ab_steps.log 2>&1)
             echo "$name=$label steps rc=$?"
             python3 -c "import json, sys; d = json.load(open(sys.argv[1])); \
-print([(b['rows'], b['step_us']) for b in d['buckets']])" "$OUT/steps_$label.json" \
+print([(b['rows'], b['step_us']) for b in d['buckets']]); \
+print('at depth', [(b['rows'], b['step_us']) for b in d.get('buckets_at_depth', [])])" \
+                "$OUT/steps_$label.json" \
                 || tail -20 /tmp/ab_steps.log ;;
         *) echo "ab.sh: unknown part $part (sweep, steps)" >&2; exit 2 ;;
         esac

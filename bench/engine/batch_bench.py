@@ -8,7 +8,8 @@ What it measures, on the e2b preset's random weights (4-bit linears and embeddin
 * `Engine.stream` from c threads at once (c = 1, 4, 8, 16), input 512, 128 tokens each, greedy,
   no stop ids: aggregate tok/s (all tokens / wall time from the first submit to the last token),
   per-stream tok/s (each stream's tokens after its first / its decode time), TTFT;
-* each bucket's graph replayed back to back (CUDA events): the GPU time of one step of B rows;
+* each bucket's graph replayed back to back (CUDA events): the GPU time of one step of B rows,
+  on the rows it last ran (little attention), and with B sequences `--depth` tokens deep;
 * 15 streams decoding, then a 16th arrives with a 512-token prompt: its time to first token;
 * greedy identity on the GPU: fp32 e2b-shaped tokens of 16 requests in one batch against each
   alone, and bf16's agreement (bf16 rows sum in another order in a batch than alone);
@@ -94,8 +95,24 @@ def concurrent(eng, conc: int, input_len: int, output_len: int, salt: int = 0) -
     }
 
 
+def _replay_us(graph, iters: int) -> float:
+    """Mean microseconds of one replay of `graph`, replayed back to back (CUDA events)."""
+    for _ in range(5):
+        graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(iters):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1000 / iters
+
+
 def bucket_times(eng, iters: int = 50) -> list[dict[str, Any]]:
-    """GPU time of one step per bucket: its graph replayed back to back (padding rows only)."""
+    """GPU time of one step per bucket: its graph replayed back to back on the rows it last
+    ran (the capture's padding rows, or the warm-up's short sequences): the step without
+    attention work to speak of."""
     graphs = eng.runner.graphs
     out = []
     if graphs is None:
@@ -104,19 +121,35 @@ def bucket_times(eng, iters: int = 50) -> list[dict[str, Any]]:
         bucket = graphs._by_size[b]
         if bucket.graph is None:
             continue
-        for _ in range(5):
-            bucket.graph.replay()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize()
-        start.record()
-        for _ in range(iters):
-            bucket.graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        us = start.elapsed_time(end) * 1000 / iters
+        us = _replay_us(bucket.graph, iters)
         out.append(
             {"rows": b, "step_us": round(us, 1), "tok_s_at_full_bucket": round(b * 1e6 / us)}
         )
+    return out
+
+
+def bucket_times_at_depth(eng, depth: int, iters: int = 50) -> list[dict[str, Any]]:
+    """GPU time of one step per bucket with every row a sequence of its own `depth` tokens
+    deep (random keys): the attention a sweep's steps do (input 512 and 128 new tokens: 512 to
+    640), which `bucket_times` leaves out. In a c = 8 sweep the 8-row replay spanned about
+    250 us more than `bucket_times` said (bench/NOTES.md v22)."""
+    from bench.engine.rows import fill_rows, held_rows
+
+    graphs = eng.runner.graphs
+    out: list[dict[str, Any]] = []
+    if graphs is None:
+        return out
+    for b in graphs.buckets:
+        if b > eng.max_num_seqs or graphs._by_size[b].graph is None:
+            continue
+        with held_rows(eng, b, depth + 8) as slots, torch.no_grad():
+            fill_rows(eng, slots, depth)
+            tokens = torch.full((b,), 7, dtype=torch.int64, device=eng.device)
+            positions = torch.full((b,), depth, dtype=torch.int64, device=eng.device)
+            graphs.run(tokens, positions, slots)  # stages these rows in the bucket's inputs
+            us = _replay_us(graphs._by_size[b].graph, iters)
+        out.append({"rows": b, "depth": depth, "step_us": round(us, 1),
+                    "tok_s_at_full_bucket": round(b * 1e6 / us)})  # fmt: skip
     return out
 
 
@@ -237,6 +270,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--conc", default="1,4,8,16")
     ap.add_argument("--input-len", type=int, default=512)
     ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument(
+        "--depth",
+        type=int,
+        default=600,
+        help="(throughput) tokens each row already holds in the steps timed at depth",
+    )
     ap.add_argument("--dtypes", default="float32,bfloat16", help="(identity) compute dtypes")
     args = ap.parse_args(argv)
     make(args.ckpt)
@@ -257,6 +296,7 @@ def main(argv: list[str] | None = None) -> int:
         result["kv_cache_line"] = kv_cache_line(eng.batching, eng.pool.nbytes())
         concurrent(eng, 2, 64, 8)  # warm the paths once
         result["buckets"] = bucket_times(eng)
+        result["buckets_at_depth"] = bucket_times_at_depth(eng, args.depth)
         result["concurrency"] = [
             concurrent(eng, int(c), args.input_len, args.output_len, salt=k)
             for k, c in enumerate(args.conc.split(","))
