@@ -131,8 +131,7 @@ def bucket_times(eng, iters: int = 50) -> list[dict[str, Any]]:
 def bucket_times_at_depth(eng, depth: int, iters: int = 50) -> list[dict[str, Any]]:
     """GPU time of one step per bucket with every row a sequence of its own `depth` tokens
     deep (random keys): the attention a sweep's steps do (input 512 and 128 new tokens: 512 to
-    640), which `bucket_times` leaves out. In a c = 8 sweep the 8-row replay spanned about
-    250 us more than `bucket_times` said (bench/NOTES.md v22)."""
+    640), which `bucket_times` leaves out (how much: bench/NOTES.md v22)."""
     from bench.engine.rows import fill_rows, held_rows
 
     graphs = eng.runner.graphs
