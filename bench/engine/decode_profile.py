@@ -38,26 +38,39 @@ from bench.engine.rows import fill_rows, held_rows, step_fn
 
 
 def kernels_of_trace(path: str) -> list[dict[str, Any]]:
+    return kernels_of_events(events_of_trace(path))
+
+
+def events_of_trace(path: str) -> list[dict[str, Any]]:
     data = json.loads(Path(path).read_text())
-    events = data["traceEvents"] if isinstance(data, dict) else data
+    return data["traceEvents"] if isinstance(data, dict) else data
+
+
+def kernels_of_events(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return sorted(
         (e for e in events if e.get("cat") == "kernel" and "dur" in e), key=lambda e: e["ts"]
     )
 
 
-def profiled_kernels(prof) -> list[dict[str, Any]]:
-    """The GPU kernels a finished torch.profiler run recorded (through its Chrome trace, the
-    one export that keeps kernels launched inside CUDA graphs), in start order."""
+def trace_events(prof) -> list[dict[str, Any]]:
+    """Every event a finished torch.profiler run recorded, through its Chrome trace (the one
+    export that keeps kernels launched inside CUDA graphs)."""
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         trace = f.name
     try:
         prof.export_chrome_trace(trace)
-        return kernels_of_trace(trace)
+        return events_of_trace(trace)
     finally:
         os.unlink(trace)
 
 
-def _short(name: str) -> str:
+def profiled_kernels(prof) -> list[dict[str, Any]]:
+    """The GPU kernels a finished torch.profiler run recorded, in start order."""
+    return kernels_of_events(trace_events(prof))
+
+
+def kernel_name(name: str) -> str:
+    """A kernel's name without its arguments and template parameters, at most 60 characters."""
     return name.split("(")[0].split("<")[0][:60]
 
 
@@ -93,13 +106,13 @@ def profile_decode(eng, depth: int, replays: int = 3, rows: int = 1) -> dict[str
             end = t
     by: dict[str, list[float]] = collections.defaultdict(list)
     for e in step:
-        by[_short(e["name"])].append(e["dur"])
+        by[kernel_name(e["name"])].append(e["dur"])
     table = sorted(
         ({"kernel": k, "count": len(v), "total_us": sum(v), "mean_us": sum(v) / len(v),
           "max_us": max(v)} for k, v in by.items()),
         key=lambda r: -r["total_us"],
     )  # fmt: skip
-    seq = [{"k": _short(e["name"]), "start": round(e["ts"] - step[0]["ts"], 2),
+    seq = [{"k": kernel_name(e["name"]), "start": round(e["ts"] - step[0]["ts"], 2),
             "dur": round(e["dur"], 2)} for e in step[:60]]  # fmt: skip
     return {"depth": depth, "rows": rows, "kernels_per_token": len(step), "wall_us": wall, "kernel_us": busy,
             "covered_us": covered, "gap_us": wall - covered, "by_kernel": table,
@@ -122,7 +135,7 @@ def profile_prompt(eng, n: int, whole: bool) -> dict[str, Any]:
     ks = profiled_kernels(prof)
     by: dict[str, list[float]] = collections.defaultdict(list)
     for e in ks:
-        by[_short(e["name"])].append(e["dur"])
+        by[kernel_name(e["name"])].append(e["dur"])
     table = sorted(({"kernel": k, "count": len(v), "total_us": round(sum(v), 1)}
                     for k, v in by.items()), key=lambda r: -r["total_us"])[:20]  # fmt: skip
     return {"tokens": n, "whole": whole, "wall_us_under_profiler": round(wall * 1e6),

@@ -24,33 +24,18 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import threading
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from bench.engine.decode_profile import kernel_name, trace_events
 from bench.engine.e2e_bench import E2B_DIR, make
 
 GRAPH_LAUNCH = ("cudaGraphLaunch", "cuGraphLaunch")
 GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 EAGER_PASS = 40  # more loose GPU ops than this between two replays: a prompt read eagerly
-
-
-def trace_events(prof) -> list[dict[str, Any]]:
-    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
-        path = f.name
-    try:
-        prof.export_chrome_trace(path)
-        data = json.loads(Path(path).read_text())
-    finally:
-        os.unlink(path)
-    return data["traceEvents"] if isinstance(data, dict) else data
-
-
-def _short(name: str) -> str:
-    return name.split("(")[0].split("<")[0][:60]
 
 
 def replays_and_between(events: list[dict[str, Any]]) -> dict[str, Any]:
@@ -90,7 +75,7 @@ def replays_and_between(events: list[dict[str, Any]]) -> dict[str, Any]:
         gaps.append(s1 - e0)
         busy_between.append(sum(k["dur"] for k in inside))
         for k in inside:
-            between[_short(k["name"])].append(k["dur"])
+            between[kernel_name(k["name"])].append(k["dur"])
     spans_us = [e - s for s, e, n in spans if n == decode]
     table = sorted(
         (
