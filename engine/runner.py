@@ -33,6 +33,7 @@ from engine.options import EngineOptions
 from engine.prompt_stream import Landing, SidePrompts
 from engine.sampler import Sampler
 from engine.scheduler import Delivered, PromptChunk, StepPlan
+from engine.step_clock import StepClock, StepMarks
 
 Step = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 Reader = Callable[[list[tuple[torch.Tensor, int, int]], int | None], None]
@@ -65,6 +66,7 @@ class Launched:
     host: torch.Tensor  # [B] int64 (pinned on CUDA), filled when `event` completes
     event: torch.cuda.Event | None
     logprobs: StepLogprobs | None  # the rows that asked for them, still on the device
+    marks: StepMarks | None = None  # CUDA: its GPU time and the gap before it (StepClock)
 
 
 @dataclass
@@ -108,6 +110,7 @@ class ModelRunner:
         if options.async_prompts and self.device.type == "cuda":
             self.prompts = SidePrompts(self.device)
         self._landing: dict[int, Landing] = {}
+        self.clock = StepClock()  # the decode stream's busy and idle GPU time (CUDA)
 
     def _choose_fast(self, options: EngineOptions) -> None:
         from engine.fast import batch_decode, prefill
@@ -230,6 +233,8 @@ class ModelRunner:
         cuda = self.device.type == "cuda"
         seqs = [r.seq for r in rows]
         requests = [self._requests[s] for s in seqs]
+        before = previous.event if previous is not None else None
+        start, starved = self.clock.begin(before) if cuda else (None, False)
         if self.graphs is not None:  # the replay picks the tokens and makes the greedy ids
             logits, ids = self.graphs.run_staged(host)
         else:  # the same, op by op
@@ -252,14 +257,12 @@ class ModelRunner:
             else None
         )
         out = torch.empty(len(rows), dtype=torch.int64, pin_memory=cuda)
-        event = None
-        if cuda:
-            out.copy_(ids, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
-        else:
+        if start is None:
             out.copy_(ids)
-        return Launched(seqs, ids, out, event, logprobs)
+            return Launched(seqs, ids, out, None, logprobs)
+        out.copy_(ids, non_blocking=True)
+        event = self.clock.mark_end()
+        return Launched(seqs, ids, out, event, logprobs, StepMarks(start, event, before, starved))
 
     def step(
         self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor
@@ -278,11 +281,12 @@ class ModelRunner:
             if q.sampler is not None:
                 ids[r : r + 1] = q.sampler(logits[r])
 
-    @staticmethod
-    def collect(step: Launched) -> Delivered:
+    def collect(self, step: Launched) -> Delivered:
         """The step's (sequence, token, log-probabilities) per row, once they reach the host."""
         if step.event is not None:
             step.event.synchronize()
+        if step.marks is not None:
+            self.clock.add(step.marks)
         values = step.host.tolist()
         logprobs = step.logprobs.to_host(values) if step.logprobs is not None else {}
         return [

@@ -172,7 +172,10 @@ class Engine:
             return self.has_work
 
     def stats(self) -> SchedulerStats:
-        return self.scheduler.stats()
+        """The scheduler's counters with the decode stream's GPU time (engine/step_clock.py)."""
+        t = self.runner.clock.times()
+        return replace(self.scheduler.stats(), decode_busy_ms=t.busy_ms,
+                       decode_idle_ms=t.idle_ms, starved_steps=t.starved_steps)  # fmt: skip
 
     def close(self) -> None:
         """End every open request with an error; the engine takes no more."""

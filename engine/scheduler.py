@@ -89,6 +89,10 @@ class SchedulerStats:
     last_step_rows: int
     peak_step_rows: int  # the most sequences one step carried
     prompt_tokens_read: int
+    # the decode stream's GPU time (the runner's engine.step_clock; zeros off CUDA)
+    decode_busy_ms: float = 0.0
+    decode_idle_ms: float = 0.0
+    starved_steps: int = 0  # steps launched after the step before them had ended
 
 
 # (sequence id, token, its log-probabilities or None) for each row of a step

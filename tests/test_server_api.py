@@ -369,6 +369,8 @@ def test_concurrent_clients_each_get_their_own_answer_in_shared_steps(server, re
     after = server.metrics()
     assert after["max_num_seqs"] >= len(prompts)
     assert after["decode_step_rows_total"] >= 1.5 * after["decode_steps_total"]
+    # the decode stream's clock is CUDA's: on the CPU its counters are there, at zero
+    assert after["decode_gpu_busy_seconds_total"] == after["decode_steps_starved_total"] == 0
 
 
 def test_fifo_order_and_queue_time(serial_server):

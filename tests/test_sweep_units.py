@@ -33,7 +33,7 @@ from bench.sweep.prompts import (
 from bench.sweep.roofline import HeaderError, bytes_per_token, read_header
 from bench.sweep.run import plan
 from bench.sweep.store import SweepStore
-from bench.sweep.telemetry import NvmlSampler, parse_metrics, summarize_samples
+from bench.sweep.telemetry import NvmlSampler, decode_shares, parse_metrics, summarize_samples
 from engine.checkpoint_maker import make_checkpoint
 from engine.server.metrics import Metrics
 from tools.errors import InvalidInputError
@@ -238,6 +238,24 @@ def test_vllm_bench_against_llama_server_is_read_with_its_count_and_drop_named()
     assert count_notes([record.model_copy(update={"long_outputs": 0})]) == []
 
 
+def test_the_report_names_the_engines_decode_idle_share_per_concurrency() -> None:
+    """The worst repeat's idle share and late-launch share per (target, concurrency); nothing
+    for cells without the engine's clock (another server, the CPU)."""
+    from bench.sweep.models import CellTelemetry
+    from bench.sweep.report_notes import telemetry_notes
+
+    def cell(conc: int, repeat: int, idle: float | None, starved: float | None) -> CellRecord:
+        tele = CellTelemetry(decode_idle_share=idle, decode_starved_share=starved)
+        return CellRecord(target="engine", input_len=512, concurrency=conc, repeat=repeat, seed=0,
+                          driver="builtin", status="ok", started_at="x", telemetry=tele)  # fmt: skip
+
+    notes = telemetry_notes([cell(1, 0, 0.01, 0.0), cell(8, 0, 0.06, 0.125),
+                             cell(8, 1, 0.04, 0.25)])  # fmt: skip
+    (idle,) = [n for n in notes if n.startswith("Engine decode stream idle")]
+    assert idle.endswith("engine c=1: 1.0% (0.0%), engine c=8: 6.0% (25.0%).")
+    assert not [n for n in telemetry_notes([cell(1, 0, None, None)]) if "idle" in n]
+
+
 # ---- prompts -----------------------------------------------------------------------------------
 
 
@@ -344,12 +362,21 @@ def test_metrics_parsed_from_engine_and_vllm_pages() -> None:
     class Stats:  # what engine.scheduler.Scheduler.stats() reports: the one waiting line
         running, waiting, max_num_seqs, kv_usage, kv_tokens = 5, 3, 16, 0.25, 4096
         steps, step_rows, last_step_rows = 10, 42, 5
+        decode_busy_ms, decode_idle_ms, starved_steps = 1500.0, 500.0, 2
 
     engine.scheduler_stats = Stats
     got = parse_metrics(engine.prometheus())
     assert got["requests_running"] == 5 and got["requests_waiting"] == 3
     assert got["kv_cache_usage"] == 0.25
     assert (got["decode_steps"], got["decode_step_rows"]) == (10, 42)
+    assert (got["decode_gpu_busy_s"], got["decode_gpu_idle_s"]) == (1.5, 0.5)
+    assert got["decode_steps_starved"] == 2
+    # over a cell: 42 rows in 10 steps, a quarter of the stream's GPU time idle, 2 steps late
+    zero = dict.fromkeys(got, 0.0)
+    assert decode_shares(zero, got) == (4.2, 0.25, 0.2)
+    assert decode_shares(got, got) == (None, None, None)  # nothing moved
+    cpu = got | {"decode_gpu_busy_s": 0.0, "decode_gpu_idle_s": 0.0}  # no CUDA: no clock
+    assert decode_shares(zero, cpu) == (4.2, None, None)
     vllm = "\n".join(
         [
             "# HELP vllm:prefix_cache_queries Prefix cache queries",

@@ -346,6 +346,12 @@ class CellTelemetry(BaseModel):
     decode_rows_per_step: float | None = Field(
         None, description="the engine's sequences per decode step over the cell (batching)"
     )
+    decode_idle_share: float | None = Field(
+        None, description="the engine's decode stream: GPU time between steps / its GPU time"
+    )
+    decode_starved_share: float | None = Field(
+        None, description="the engine's decode steps launched after the one before had ended"
+    )
     metrics_missing: str | None = None
 
 

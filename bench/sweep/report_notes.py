@@ -67,6 +67,19 @@ def telemetry_notes(cells: list[CellRecord]) -> list[str]:
             per.setdefault((c.target, c.concurrency), []).append(c.telemetry.decode_rows_per_step)
         parts = [f"{t} c={conc}: {max(xs):.1f}" for (t, conc), xs in sorted(per.items())]
         notes.append("Engine sequences per decode step (batching): " + ", ".join(parts) + ".")
+    idle = [c for c in cells if c.telemetry.decode_idle_share is not None]
+    if idle:
+        shares: dict[tuple[str, int], list[tuple[float, float]]] = {}
+        for c in idle:
+            shares.setdefault((c.target, c.concurrency), []).append(
+                (c.telemetry.decode_idle_share or 0.0, c.telemetry.decode_starved_share or 0.0)
+            )
+        parts = [f"{t} c={conc}: {max(x[0] for x in xs):.1%} ({max(x[1] for x in xs):.1%})"
+                 for (t, conc), xs in sorted(shares.items())]  # fmt: skip
+        notes.append(
+            "Engine decode stream idle between steps, share of its GPU time (share of "
+            "steps the host launched late), worst repeat: " + ", ".join(parts) + "."
+        )
     hits = [c for c in cells if c.telemetry.prefix_cache_hit_rate is not None]
     if hits:
         worst = max(hits, key=lambda c: c.telemetry.prefix_cache_hit_rate or 0.0)

@@ -6,7 +6,9 @@
   seconds over the cell's wall time, in cores.
 - The server's Prometheus /metrics before and after the cell: vLLM's prefix-cache queries and
   hits (a hit rate over the cell), KV cache usage, requests running and waiting (peaks); the
-  engine's gauges, and its sequences per decode step over the cell (how well it batched);
+  engine's gauges, its sequences per decode step over the cell (how well it batched), and
+  the share of its decode stream's GPU time spent between steps (the host or a prompt pass
+  kept the GPU waiting) with the share of steps launched after the one before had ended;
   llama-server's `llamacpp:` counters under the same names (its slot-cache reuse as the
   prefix-cache hit rate).
 """
@@ -47,6 +49,9 @@ KEPT = {
     "gpurig_engine_kv_cache_usage_perc": "kv_cache_usage",
     "gpurig_engine_decode_steps_total": "decode_steps",
     "gpurig_engine_decode_step_rows_total": "decode_step_rows",
+    "gpurig_engine_decode_gpu_busy_seconds_total": "decode_gpu_busy_s",
+    "gpurig_engine_decode_gpu_idle_seconds_total": "decode_gpu_idle_s",
+    "gpurig_engine_decode_steps_starved_total": "decode_steps_starved",
     "gpurig_engine_completion_tokens_total": "generation_tokens",
     "gpurig_engine_prompt_tokens_total": "prompt_tokens",
     "llamacpp:requests_processing": "requests_running",
@@ -287,7 +292,25 @@ class CellWatch:
         r.kv_cache_usage = peaks.get("kv_cache_usage")
         r.requests_waiting = peaks.get("requests_waiting")
         r.requests_running = peaks.get("requests_running")
-        steps = after.get("decode_steps", 0) - before.get("decode_steps", 0)
-        if steps > 0:  # the engine's batching: sequences per decode step over the cell
-            rows = after.get("decode_step_rows", 0) - before.get("decode_step_rows", 0)
-            r.decode_rows_per_step = round(rows / steps, 3)
+        r.decode_rows_per_step, r.decode_idle_share, r.decode_starved_share = decode_shares(
+            before, after
+        )
+
+
+def decode_shares(
+    before: dict[str, float], after: dict[str, float]
+) -> tuple[float | None, float | None, float | None]:
+    """Over a cell, from the engine's counters: sequences per decode step (its batching); the
+    decode stream's GPU time between steps over its GPU time (engine/step_clock.py: the host or
+    a prompt pass kept the GPU waiting); the share of steps launched after the one before had
+    ended. None where the counters did not move (another server, no step, no CUDA)."""
+
+    def moved(key: str) -> float:
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    steps = moved("decode_steps")
+    rows = round(moved("decode_step_rows") / steps, 3) if steps > 0 else None
+    busy, idle = moved("decode_gpu_busy_s"), moved("decode_gpu_idle_s")
+    idle_share = round(idle / (busy + idle), 4) if busy > 0 else None
+    starved = round(moved("decode_steps_starved") / steps, 4) if busy > 0 and steps > 0 else None
+    return rows, idle_share, starved

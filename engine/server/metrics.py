@@ -110,6 +110,9 @@ class Metrics:
             "decode_step_rows_total": st.step_rows,
             "tokens_per_step_last": st.last_step_rows,
             "tokens_per_step_avg": round(st.step_rows / st.steps, 3) if st.steps else 0.0,
+            "decode_gpu_busy_seconds_total": round(st.decode_busy_ms / 1000, 6),
+            "decode_gpu_idle_seconds_total": round(st.decode_idle_ms / 1000, 6),
+            "decode_steps_starved_total": st.starved_steps,
         }
 
     def prometheus(self) -> str:
@@ -172,7 +175,13 @@ _BATCH_METRICS = (
     ("decode_step_rows_total", "counter", "Sequences decoded, summed over the steps."),
     ("tokens_per_step_last", "gauge", "Sequences in the last decode step."),
     ("tokens_per_step_avg", "gauge", "Average sequences per decode step."),
-)
+    ("decode_gpu_busy_seconds_total", "counter",
+     "GPU time inside decode steps (CUDA; timed by events around each step)."),
+    ("decode_gpu_idle_seconds_total", "counter", "GPU time of the decode stream between "
+     "consecutive steps: waiting for the host, or for a prompt pass the step needs."),
+    ("decode_steps_starved_total", "counter",
+     "Decode steps the host launched after the step before them had ended (the GPU waited)."),
+)  # fmt: skip
 
 
 def _rate(tokens: float, seconds: float) -> float:

@@ -1,0 +1,54 @@
+"""The decode stream's clock (engine/step_clock.py): GPU time inside decode steps and between
+them, in Engine.stats() and the server's /metrics. Events exist only on CUDA: on the CPU the
+counters stay at zero while the steps are counted."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import engine
+from engine.checkpoint_maker import make_checkpoint
+from engine.sampling import SamplingParams
+from engine.step_clock import StepTimes
+
+
+def test_idle_share_of_step_times() -> None:
+    assert StepTimes().idle_share == 0.0
+    assert StepTimes(busy_ms=30.0, idle_ms=10.0, timed_steps=20).idle_share == 0.25
+
+
+def test_no_clock_off_cuda(tmp_path) -> None:
+    make_checkpoint(tmp_path, preset="tiny", seed=2)
+    eng = engine.load(tmp_path, device="cpu", max_context=256)
+    try:
+        eng.generate([2, 40, 41, 42], SamplingParams(max_tokens=6, stop_ids=()))
+        st = eng.stats()
+        assert st.steps >= 5
+        assert (st.decode_busy_ms, st.decode_idle_ms, st.starved_steps) == (0.0, 0.0, 0)
+        assert eng.runner.clock.times().timed_steps == 0
+    finally:
+        eng.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+def test_every_cuda_step_is_timed(tmp_path) -> None:
+    """Each collected decode step adds its GPU time; a request decoded alone leaves the GPU
+    idle only between its own steps, so idle stays under the steps' own time."""
+    make_checkpoint(tmp_path, preset="small", seed=5, emb4=True)
+    eng = engine.load(tmp_path, device="cuda", max_context=512, max_num_seqs=4)
+    try:
+        before = eng.runner.clock.times()
+        eng.generate([2] + list(range(30, 90)), SamplingParams(max_tokens=40, stop_ids=()))
+        after = eng.runner.clock.times()
+        st = eng.stats()
+        timed = after.timed_steps - before.timed_steps
+        assert timed >= 39
+        busy = after.busy_ms - before.busy_ms
+        assert 0.01 < busy / timed < 1000.0  # a step of the small preset: well within
+        assert 0.0 <= after.idle_ms - before.idle_ms < busy
+        assert 0 <= after.starved_steps - before.starved_steps <= timed
+        assert st.decode_busy_ms == after.busy_ms and st.starved_steps == after.starved_steps
+    finally:
+        eng.close()
