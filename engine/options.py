@@ -37,9 +37,6 @@ the environment.
 | GPURIG_KERNEL_AUTOTUNE    | autotune            | "0": GEMV tile configs from defaults, no timing  | on      |
 | GPURIG_KERNEL_CACHE       | tuning_cache_dir    | directory of the per-GPU tile-config files       | ~/.cache/gpurig/kernels |
 | GPURIG_COMPILE_THREADS    | compile_threads     | threads compiling kernels at warm-up; 1 serial   | the cores (<= 32) |
-| GPURIG_SWITCH_INTERVAL_MS | switch_interval_ms  | the server's interpreter switch interval: how    | 0.5     |
-|                           |                     | long its event loop may hold the interpreter     |         |
-|                           |                     | while the engine thread waits to launch a step   |         |
 
 `EngineConfig` is the one object `engine.load` takes: the sizes (device, dtype, context, memory
 cap, prompt chunk, sequences, KV pool) and these options, checked once when it is made. The
@@ -88,15 +85,10 @@ class EngineOptions:
     autotune: bool = True  # time GEMV tile candidates on first use of a shape
     tuning_cache_dir: Path | None = None  # None: ~/.cache/gpurig/kernels
     compile_threads: int | None = None  # warm-up compile threads; None: the cores (<= 32)
-    switch_interval_ms: float = 0.5  # the server process's sys.setswitchinterval (Python: 5)
 
     def __post_init__(self) -> None:
         if self.fast not in ("on", "off", "force"):
             raise ValueError(f"fast must be 'on', 'off' or 'force', not {self.fast!r}")
-        if not 0 < self.switch_interval_ms <= 1000:
-            raise ValueError(
-                f"switch_interval_ms must be in (0, 1000], not {self.switch_interval_ms}"
-            )
         if self.compile_threads is not None and self.compile_threads < 1:
             raise ValueError(f"compile_threads must be at least 1, not {self.compile_threads}")
 
@@ -115,18 +107,6 @@ class EngineOptions:
                 f"GPURIG_COMPILE_THREADS={threads!r} is not a thread count",
                 "set a whole number of at least 1 (1 compiles serially), or unset it",
             )
-        switch = env.get("GPURIG_SWITCH_INTERVAL_MS", "").strip()
-        try:
-            switch_ms = float(switch) if switch else 0.5
-            if not 0 < switch_ms <= 1000:
-                raise ValueError
-        except ValueError:
-            from engine.errors import EngineError
-
-            raise EngineError(
-                f"GPURIG_SWITCH_INTERVAL_MS={switch!r} is not an interval in milliseconds",
-                "set a number above 0 and at most 1000 (Python's own is 5), or unset it",
-            ) from None
         return cls(
             fast=fast,
             cuda_graph=_flag(env, "GPURIG_CUDA_GRAPH"),
@@ -144,7 +124,6 @@ class EngineOptions:
             autotune=_flag(env, "GPURIG_KERNEL_AUTOTUNE"),
             tuning_cache_dir=Path(cache).expanduser() if cache else None,
             compile_threads=int(threads) if threads else None,
-            switch_interval_ms=switch_ms,
         )
 
     def fast_on(self, device: torch.device) -> bool:

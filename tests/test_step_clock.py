@@ -52,29 +52,3 @@ def test_every_cuda_step_is_timed(tmp_path) -> None:
         assert st.decode_busy_ms == after.busy_ms and st.starved_steps == after.starved_steps
     finally:
         eng.close()
-
-
-def test_the_servers_switch_interval_comes_from_the_options() -> None:
-    """GPURIG_SWITCH_INTERVAL_MS (0.5 by default) sets the server process's interval when its
-    engine thread starts; a bad value is refused with what to set."""
-    import sys
-
-    from engine.errors import EngineError
-    from engine.options import EngineOptions
-    from engine.server.queue import set_switch_interval
-
-    assert EngineOptions.from_env({}).switch_interval_ms == 0.5
-    assert EngineOptions.from_env({"GPURIG_SWITCH_INTERVAL_MS": "5"}).switch_interval_ms == 5.0
-    for bad in ("0", "-1", "fast", "5000"):
-        with pytest.raises(EngineError, match="GPURIG_SWITCH_INTERVAL_MS"):
-            EngineOptions.from_env({"GPURIG_SWITCH_INTERVAL_MS": bad})
-
-    class Stand:
-        options = EngineOptions(switch_interval_ms=2.0)
-
-    saved = sys.getswitchinterval()
-    try:
-        set_switch_interval(Stand())
-        assert sys.getswitchinterval() == pytest.approx(0.002)
-    finally:
-        sys.setswitchinterval(saved)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -75,20 +74,6 @@ def timings(result: GenerationResult, queue_ms: float) -> dict[str, float]:
     }
 
 
-def set_switch_interval(engine: Any) -> None:
-    """The process's interpreter switch interval from the engine's options (0.5 ms).
-
-    Why: this thread launches each decode step while the one before runs on the GPU, so it has
-    one step (1.4-2.8 ms on E2B) to take the tokens, schedule and launch. The event loop, turning
-    every row's token into a streamed chunk, holds the interpreter meanwhile, and a thread that
-    waits for it gets it only when the holder blocks or after the switch interval: Python's 5 ms
-    is longer than a step, and at 8-16 streams the GPU then waits between steps (the decode
-    stream's clock, engine/step_clock.py; bench/NOTES.md v23)."""
-    options = getattr(engine, "options", None)
-    if options is not None:
-        sys.setswitchinterval(options.switch_interval_ms / 1000)
-
-
 class EngineLoop:
     """The one thread that steps the engine while any request is open."""
 
@@ -100,7 +85,6 @@ class EngineLoop:
 
     def start(self) -> None:
         if self._thread is None:
-            set_switch_interval(self.engine)
             self._thread = threading.Thread(target=self._run, name="gpurig-engine", daemon=True)
             self._thread.start()
 
