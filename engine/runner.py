@@ -194,7 +194,10 @@ class ModelRunner:
         for seq in plan.started:
             p = seq.params
             sampler = None if p.plain_greedy else Sampler(p, self.device)
-            prompt = torch.tensor(seq.prompt, dtype=torch.int64, device=self.device)
+            prompt = torch.tensor(seq.prompt, dtype=torch.int64)
+            if self.device.type == "cuda":  # pinned: the copy queues behind the running step;
+                prompt = prompt.pin_memory()  # a pageable one waits for it (the GPU then idles)
+            prompt = prompt.to(self.device, non_blocking=True)
             self._requests[seq.id] = _Request(prompt, sampler, p.logprobs)
         if plan.chunks and self.prompts is not None:
             landing = self.prompts.run(lambda: self._read_chunks(plan.chunks, plan.score_budget))

@@ -52,3 +52,43 @@ def test_every_cuda_step_is_timed(tmp_path) -> None:
         assert st.decode_busy_ms == after.busy_ms and st.starved_steps == after.starved_steps
     finally:
         eng.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+def test_steps_with_arrivals_never_make_the_host_wait_for_the_gpu(tmp_path) -> None:
+    """Requests arriving while others decode (their prompt ids copied, blocks granted, a pass
+    on the side stream, a sampled request's generator) and finishing: no step synchronises a
+    stream or copies from pageable memory (PyTorch's sync debug mode raises on both, and a
+    failed step hands its error to the sinks). Such a wait leaves the GPU idle until the host
+    has launched the next step. `collect`'s event wait is the one wait, and is not counted."""
+    make_checkpoint(tmp_path, preset="small", seed=5, emb4=True)
+    eng = engine.load(tmp_path, device="cuda", max_context=512, max_num_seqs=4)
+    errors: list[BaseException] = []
+
+    def sink(_seq, out) -> None:
+        if out.error is not None:
+            errors.append(out.error)
+
+    def prompt(j: int) -> list[int]:
+        return [2] + [(13 * i + 5 * j) % 700 + 30 for i in range(40 + 9 * j)]
+
+    greedy = SamplingParams(max_tokens=24, stop_ids=())
+    sampled = SamplingParams(max_tokens=24, stop_ids=(), temperature=0.8, seed=3)
+    try:
+        eng.add_request(prompt(0), greedy, sink)
+        for _ in range(4):  # the first request in and decoding
+            eng.step()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            eng.add_request(prompt(1), greedy, sink)
+            for _ in range(3):
+                eng.step()
+            eng.add_request(prompt(2), sampled, sink)
+            while eng.step():
+                pass
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        assert not errors, errors[0]
+    finally:
+        eng.close()
