@@ -194,6 +194,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     import engine
     from engine.server import create_app
+    from engine.server.gc_watch import freeze
     from engine.server.limits import ServerOptions
 
     threads = _threads(args)
@@ -240,6 +241,8 @@ def _serve(args: argparse.Namespace) -> int:
     app = create_app(
         eng, model_name=name, aliases=aliases, options=options, first_requests=first, say=say
     )
+    if os.environ.get("GPURIG_GC_FREEZE", "1").strip() != "0":  # engine/server/gc_watch.py
+        say(f"{freeze():,} objects of the loaded engine exempted from garbage collection")
     capped = f" (capped from {args.max_context})" if max_ctx < args.max_context else ""
     cap = args.max_tokens_limit or "none"
     sys.stderr.write(

@@ -92,3 +92,36 @@ def test_steps_with_arrivals_never_make_the_host_wait_for_the_gpu(tmp_path) -> N
         assert not errors, errors[0]
     finally:
         eng.close()
+
+
+def test_the_servers_collector_pauses_are_timed_and_the_heap_can_be_frozen() -> None:
+    """GcWatch times real collections through gc.callbacks (a full one counted apart) while
+    installed, and /metrics shows them; `freeze` exempts what is alive (undone here, so the
+    test process frees its own objects again)."""
+    import gc
+
+    from bench.sweep.telemetry import parse_metrics
+    from engine.server.gc_watch import freeze
+    from engine.server.metrics import Metrics
+
+    metrics = Metrics("m")
+    metrics.gc.install()
+    try:
+        gc.collect(0)
+        gc.collect()
+    finally:
+        metrics.gc.uninstall()
+    gc.collect()  # not counted: uninstalled
+    t = metrics.gc.totals()
+    assert t.collections == 2 and t.full_collections == 1
+    assert 0 < t.max_pause_s <= t.seconds
+    page = metrics.prometheus()
+    assert "gpurig_engine_python_gc_full_collections_total" in page
+    got = parse_metrics(page)
+    assert got["gc_collections"] == 2 and got["gc_s"] == round(t.seconds, 6)
+    metrics.reset()
+    assert metrics.gc.totals().collections == 0
+    try:
+        assert freeze() > 1000 and gc.get_freeze_count() > 1000
+    finally:
+        gc.unfreeze()

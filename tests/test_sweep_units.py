@@ -245,7 +245,8 @@ def test_the_report_names_the_engines_decode_idle_share_per_concurrency() -> Non
     from bench.sweep.report_notes import telemetry_notes
 
     def cell(conc: int, repeat: int, idle: float | None, starved: float | None) -> CellRecord:
-        tele = CellTelemetry(decode_idle_share=idle, decode_starved_share=starved)
+        tele = CellTelemetry(decode_idle_share=idle, decode_starved_share=starved,
+                             gc_ms_per_s=None if idle is None else 10 * idle + repeat)  # fmt: skip
         return CellRecord(target="engine", input_len=512, concurrency=conc, repeat=repeat, seed=0,
                           driver="builtin", status="ok", started_at="x", telemetry=tele)  # fmt: skip
 
@@ -254,6 +255,8 @@ def test_the_report_names_the_engines_decode_idle_share_per_concurrency() -> Non
     (idle,) = [n for n in notes if n.startswith("Engine decode stream idle")]
     assert idle.endswith("engine c=1: 1.0% (0.0%), engine c=8: 6.0% (25.0%).")
     assert not [n for n in telemetry_notes([cell(1, 0, None, None)]) if "idle" in n]
+    (gc,) = [n for n in notes if n.startswith("Server garbage-collector pauses")]
+    assert gc.endswith("engine c=1: 0.10, engine c=8: 1.40.")  # 10 * 0.04 + repeat 1
 
 
 # ---- prompts -----------------------------------------------------------------------------------

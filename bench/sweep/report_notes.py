@@ -80,6 +80,15 @@ def telemetry_notes(cells: list[CellRecord]) -> list[str]:
             "Engine decode stream idle between steps, share of its GPU time (share of "
             "steps the host launched late), worst repeat: " + ", ".join(parts) + "."
         )
+    gc_cells = [c for c in cells if c.telemetry.gc_ms_per_s is not None]
+    if gc_cells:
+        gc_worst: dict[tuple[str, int], float] = {}
+        for c in gc_cells:
+            key = (c.target, c.concurrency)
+            gc_worst[key] = max(gc_worst.get(key, 0.0), c.telemetry.gc_ms_per_s or 0.0)
+        parts = [f"{t} c={conc}: {ms:.2f}" for (t, conc), ms in sorted(gc_worst.items())]
+        notes.append("Server garbage-collector pauses, ms per second of the cell (worst "
+                     "repeat): " + ", ".join(parts) + ".")  # fmt: skip
     hits = [c for c in cells if c.telemetry.prefix_cache_hit_rate is not None]
     if hits:
         worst = max(hits, key=lambda c: c.telemetry.prefix_cache_hit_rate or 0.0)

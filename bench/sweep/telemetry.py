@@ -52,6 +52,8 @@ KEPT = {
     "gpurig_engine_decode_gpu_busy_seconds_total": "decode_gpu_busy_s",
     "gpurig_engine_decode_gpu_idle_seconds_total": "decode_gpu_idle_s",
     "gpurig_engine_decode_steps_starved_total": "decode_steps_starved",
+    "gpurig_engine_python_gc_seconds_total": "gc_s",
+    "gpurig_engine_python_gc_collections_total": "gc_collections",
     "gpurig_engine_completion_tokens_total": "generation_tokens",
     "gpurig_engine_prompt_tokens_total": "prompt_tokens",
     "llamacpp:requests_processing": "requests_running",
@@ -295,6 +297,9 @@ class CellWatch:
         r.decode_rows_per_step, r.decode_idle_share, r.decode_starved_share = decode_shares(
             before, after
         )
+        collections = after.get("gc_collections", 0) - before.get("gc_collections", 0)
+        if collections > 0 and wall > 0:  # the server's collector (engine/server/gc_watch.py)
+            r.gc_ms_per_s = round((after.get("gc_s", 0) - before.get("gc_s", 0)) * 1000 / wall, 3)
 
 
 def decode_shares(

@@ -147,6 +147,7 @@ def create_app(
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         state.queue.start()
+        state.metrics.gc.install()
         try:
             if first_requests:
                 line = await answer_first_requests(app, state)
@@ -154,6 +155,7 @@ def create_app(
                     say(line)
             yield
         finally:
+            state.metrics.gc.uninstall()
             await asyncio.to_thread(state.queue.stop)
 
     app = Starlette(

@@ -13,6 +13,8 @@ from collections import Counter
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from engine.server.gc_watch import GcWatch
+
 if TYPE_CHECKING:
     from engine.textgen import GenerationResult
 
@@ -37,6 +39,7 @@ class Metrics:
         self.scheduler_stats: Callable[[], Any] | None = None
         self.last_decode_tok_per_s = 0.0
         self.last_prompt_tok_per_s = 0.0
+        self.gc = GcWatch()  # the process's collector pauses (installed while the app runs)
 
     def reset(self) -> None:
         """Every counter back to zero (after the server's in-process first requests)."""
@@ -46,6 +49,7 @@ class Metrics:
             self.generations = self.cancelled = self.prompt_tokens = self.completion_tokens = 0
             self.prompt_seconds = self.decode_seconds = self.decode_tokens = 0.0
             self.queue_seconds = self.last_decode_tok_per_s = self.last_prompt_tok_per_s = 0.0
+            self.gc.reset()
 
     def record_request(self, endpoint: str, status: int) -> None:
         with self._lock:
@@ -70,8 +74,13 @@ class Metrics:
 
     def snapshot(self) -> dict[str, Any]:
         batch = self._batch()
+        gc = self.gc.totals()
         with self._lock:
             return batch | {
+                "python_gc_collections_total": gc.collections,
+                "python_gc_full_collections_total": gc.full_collections,
+                "python_gc_seconds_total": round(gc.seconds, 6),
+                "python_gc_max_pause_seconds": round(gc.max_pause_s, 6),
                 "model": self.model_name,
                 "uptime_s": round(time.time() - self.started, 3),
                 "requests": [
@@ -149,7 +158,7 @@ class Metrics:
                "num_requests_running).", s["num_requests_running"])  # fmt: skip
         metric("num_requests_waiting", "gauge", "Requests waiting to join the batch.",
                s["num_requests_waiting"])  # fmt: skip
-        for name, kind, text in _BATCH_METRICS:
+        for name, kind, text in _BATCH_METRICS + _GC_METRICS:
             if name in s:
                 metric(name, kind, text, s[name])
         metric(
@@ -181,6 +190,15 @@ _BATCH_METRICS = (
      "consecutive steps: waiting for the host, or for a prompt pass the step needs."),
     ("decode_steps_starved_total", "counter",
      "Decode steps the host launched after the step before them had ended (the GPU waited)."),
+)  # fmt: skip
+
+
+_GC_METRICS = (
+    ("python_gc_collections_total", "counter", "The server process's garbage collections."),
+    ("python_gc_full_collections_total", "counter", "Of them, full (generation 2) ones."),
+    ("python_gc_seconds_total", "counter",
+     "Time the collector held the interpreter (every thread, the engine's too, waited)."),
+    ("python_gc_max_pause_seconds", "gauge", "The longest collection."),
 )  # fmt: skip
 
 
