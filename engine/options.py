@@ -37,6 +37,9 @@ the environment.
 | GPURIG_KERNEL_AUTOTUNE    | autotune            | "0": GEMV tile configs from defaults, no timing  | on      |
 | GPURIG_KERNEL_CACHE       | tuning_cache_dir    | directory of the per-GPU tile-config files       | ~/.cache/gpurig/kernels |
 | GPURIG_COMPILE_THREADS    | compile_threads     | threads compiling kernels at warm-up; 1 serial   | the cores (<= 32) |
+| GPURIG_DEFER_OUTPUTS      | defer_outputs       | "1": a step's tokens reach their sinks after the | off     |
+|                           |                     | next step is launched, not before (a server's    |         |
+|                           |                     | event loop then streams them while the GPU runs) |         |
 
 `EngineConfig` is the one object `engine.load` takes: the sizes (device, dtype, context, memory
 cap, prompt chunk, sequences, KV pool) and these options, checked once when it is made. The
@@ -85,6 +88,7 @@ class EngineOptions:
     autotune: bool = True  # time GEMV tile candidates on first use of a shape
     tuning_cache_dir: Path | None = None  # None: ~/.cache/gpurig/kernels
     compile_threads: int | None = None  # warm-up compile threads; None: the cores (<= 32)
+    defer_outputs: bool = False  # tokens to the sinks after the next launch (not measured)
 
     def __post_init__(self) -> None:
         if self.fast not in ("on", "off", "force"):
@@ -124,6 +128,7 @@ class EngineOptions:
             autotune=_flag(env, "GPURIG_KERNEL_AUTOTUNE"),
             tuning_cache_dir=Path(cache).expanduser() if cache else None,
             compile_threads=int(threads) if threads else None,
+            defer_outputs=_flag(env, "GPURIG_DEFER_OUTPUTS", default=False),
         )
 
     def fast_on(self, device: torch.device) -> bool:

@@ -265,7 +265,9 @@ class ModelRunner:
             return Launched(seqs, ids, out, None, logprobs)
         out.copy_(ids, non_blocking=True)
         event = self.clock.mark_end()
-        return Launched(seqs, ids, out, event, logprobs, StepMarks(start, event, before, starved))
+        plain = not (plan.started or plan.chunks or plan.ended)
+        marks = StepMarks(start, event, before, starved, plain)
+        return Launched(seqs, ids, out, event, logprobs, marks)
 
     def step(
         self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor

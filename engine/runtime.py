@@ -92,7 +92,8 @@ class Engine:
         plan = self.batching
         return Scheduler(self.pool.blocks, plan.max_num_seqs, plan.prefill_budget, self.max_context,
                          whole_prompts=self.runner.passes_captured,
-                         landed=self.runner.landed if self.runner.prompts else None)  # fmt: skip
+                         landed=self.runner.landed if self.runner.prompts else None,
+                         defer_outputs=self.options.defer_outputs)  # fmt: skip
 
     def reset_stats(self) -> bool:
         """Start the scheduler's counters (steps, rows) from zero again, if idle (after a
@@ -159,9 +160,15 @@ class Engine:
         with self._lock:
             try:
                 launched = self.runner.execute(self.scheduler.schedule())
+                # with defer_outputs, what the last collected step made reaches its sinks
+                # now, after the next step is launched (whoever a sink wakes, a server's event
+                # loop, then runs while the GPU has work, not while this thread must launch)
+                self.scheduler.hand_off()
                 if self._launched is not None:
                     self.scheduler.deliver(self.runner.collect(self._launched))
                 self._launched = launched
+                if launched is None:  # nothing in flight: nothing to launch first
+                    self.scheduler.hand_off()
             except BaseException as exc:
                 self._launched = None
                 self.runner.reset()
@@ -175,7 +182,8 @@ class Engine:
         """The scheduler's counters with the decode stream's GPU time (engine/step_clock.py)."""
         t = self.runner.clock.times()
         return replace(self.scheduler.stats(), decode_busy_ms=t.busy_ms,
-                       decode_idle_ms=t.idle_ms, starved_steps=t.starved_steps)  # fmt: skip
+                       decode_idle_ms=t.idle_ms, starved_steps=t.starved_steps,
+                       decode_plain_idle_ms=t.plain_idle_ms)  # fmt: skip
 
     def close(self) -> None:
         """End every open request with an error; the engine takes no more."""

@@ -93,6 +93,7 @@ class SchedulerStats:
     decode_busy_ms: float = 0.0
     decode_idle_ms: float = 0.0
     starved_steps: int = 0  # steps launched after the step before them had ended
+    decode_plain_idle_ms: float = 0.0  # of the idle, before steps admitting/reading/ending none
 
 
 # (sequence id, token, its log-probabilities or None) for each row of a step
@@ -105,8 +106,13 @@ class Scheduler:
     def __init__(
         self, blocks: BlockManager, max_num_seqs: int, prefill_budget: int, max_context: int,
         whole_prompts: bool = False, landed: Callable[[int], bool] | None = None,
+        defer_outputs: bool = False,
     ) -> None:  # fmt: skip
         self.blocks = blocks
+        # outputs kept until `hand_off` (Engine.step calls it once the next step is launched)
+        # instead of handed to the sinks as they are made: see EngineOptions.defer_outputs
+        self.defer_outputs = defer_outputs
+        self._handoffs: list[tuple[Sequence, Output]] = []
         self.whole_prompts = whole_prompts  # see _prompt_chunks
         # where prompt passes run beside the decode steps (engine/prompt_stream.py): whether a
         # sequence's passes have finished on the device. Its first row waits for that, so it
@@ -131,14 +137,15 @@ class Scheduler:
                 requested=len(seq.prompt) + seq.max_tokens,
                 limit=self.blocks.total_blocks * self.blocks.block_size,
             )
-        if seq.max_tokens == 0:
-            self._end(seq, "length")
+        if seq.max_tokens == 0:  # on the caller's thread: its sink hears it at once
+            self._end(seq, "length", now=True)
             return
         self._inbox.put(seq)
 
     @property
     def has_work(self) -> bool:
-        return bool(self.running or self.waiting or self._ended) or not self._inbox.empty()
+        return (bool(self.running or self.waiting or self._ended or self._handoffs)
+                or not self._inbox.empty())  # fmt: skip
 
     # ---- one step's plan -----------------------------------------------------------------------
     def schedule(self) -> StepPlan:
@@ -263,11 +270,25 @@ class Scheduler:
             if s.made >= s.max_tokens or s.body + s.made >= self.max_context:
                 self._end(s, "length", outputs.pop(s.id))
         for seq_id, out in outputs.items():
-            s = self.running[seq_id]
-            if s.sink is not None:
-                s.sink(s, out)
+            self._send(self.running[seq_id], out)
 
-    def _end(self, s: Sequence, reason: str | None, out: Output | None = None) -> None:
+    def _send(self, s: Sequence, out: Output, now: bool = False) -> None:
+        if s.sink is None:
+            return
+        if self.defer_outputs and not now:
+            self._handoffs.append((s, out))
+        else:
+            s.sink(s, out)
+
+    def hand_off(self) -> None:
+        """The outputs kept since the last call, to their sinks in the order they were made
+        (nothing to do unless `defer_outputs`)."""
+        pending, self._handoffs = self._handoffs, []
+        for s, out in pending:
+            s.sink(s, out)
+
+    def _end(self, s: Sequence, reason: str | None, out: Output | None = None,
+             now: bool = False) -> None:  # fmt: skip
         s.finished, s.finish_reason = True, reason
         s.ended_at = time.perf_counter()
         out = out or Output([], [] if s.params.logprobs is not None else None)
@@ -277,11 +298,12 @@ class Scheduler:
             s.slot = -1
         if self.running.pop(s.id, None) is not None:
             self._ended.append(s.id)
-        if s.sink is not None:
-            s.sink(s, out)
+        self._send(s, out, now)
 
     def fail_all(self, exc: BaseException) -> None:
-        """End every sequence, waiting or running, with `exc` (the step failed)."""
+        """End every sequence, waiting or running, with `exc` (the step failed); what they
+        made before it first."""
+        self.hand_off()
         while True:
             try:
                 self.waiting.append(self._inbox.get_nowait())

@@ -10,7 +10,10 @@ shows it. Two timing events per step measure it on the GPU:
   steps (the engine had decode work throughout). It includes waiting for a prompt pass on the
   side stream (engine/prompt_stream.py) that this step's rows need;
 - starved: steps whose predecessor had already ended when the host launched them, i.e. the
-  host, not a pass, was the limit.
+  host, not a pass, was the limit;
+- plain_idle: the idle before plain steps, whose plan admitted, read and ended nothing: the host
+  work there is the step loop's own (and whatever holds the interpreter beside it, a server's
+  event loop), not a new request's.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ class StepTimes:
     idle_ms: float = 0.0  # GPU time of the decode stream between consecutive steps
     timed_steps: int = 0  # steps measured
     starved_steps: int = 0  # steps launched after their predecessor had ended
+    plain_idle_ms: float = 0.0  # of idle_ms, before steps that admitted, read and ended nothing
 
     @property
     def idle_share(self) -> float:
@@ -45,6 +49,7 @@ class StepMarks:
     end: torch.cuda.Event
     previous_end: torch.cuda.Event | None  # the step launched just before (consecutive)
     starved: bool
+    plain: bool = False  # its plan admitted, read and ended nothing
 
 
 class StepClock:
@@ -77,7 +82,8 @@ class StepClock:
         with self._lock:
             t = self._times
             self._times = StepTimes(t.busy_ms + busy, t.idle_ms + idle, t.timed_steps + 1,
-                                    t.starved_steps + int(marks.starved))  # fmt: skip
+                                    t.starved_steps + int(marks.starved),
+                                    t.plain_idle_ms + (idle if marks.plain else 0.0))  # fmt: skip
 
     def times(self) -> StepTimes:
         with self._lock:

@@ -47,7 +47,9 @@ def test_every_cuda_step_is_timed(tmp_path) -> None:
         assert timed >= 39
         busy = after.busy_ms - before.busy_ms
         assert 0.01 < busy / timed < 1000.0  # a step of the small preset: well within
-        assert 0.0 <= after.idle_ms - before.idle_ms < busy
+        idle = after.idle_ms - before.idle_ms
+        assert 0.0 <= idle < busy
+        assert 0.0 <= after.plain_idle_ms - before.plain_idle_ms <= idle + 1e-6
         assert 0 <= after.starved_steps - before.starved_steps <= timed
         assert st.decode_busy_ms == after.busy_ms and st.starved_steps == after.starved_steps
     finally:

@@ -239,13 +239,15 @@ def test_vllm_bench_against_llama_server_is_read_with_its_count_and_drop_named()
 
 
 def test_the_report_names_the_engines_decode_idle_share_per_concurrency() -> None:
-    """The worst repeat's idle share and late-launch share per (target, concurrency); nothing
-    for cells without the engine's clock (another server, the CPU)."""
+    """Per (target, concurrency) the repeat with the most idle time: its idle share, late
+    launches and the idle before plain steps; nothing for cells without the engine's clock
+    (another server, the CPU)."""
     from bench.sweep.models import CellTelemetry
     from bench.sweep.report_notes import telemetry_notes
 
     def cell(conc: int, repeat: int, idle: float | None, starved: float | None) -> CellRecord:
         tele = CellTelemetry(decode_idle_share=idle, decode_starved_share=starved,
+                             decode_idle_plain_share=None if idle is None else 0.5,
                              gc_ms_per_s=None if idle is None else 10 * idle + repeat)  # fmt: skip
         return CellRecord(target="engine", input_len=512, concurrency=conc, repeat=repeat, seed=0,
                           driver="builtin", status="ok", started_at="x", telemetry=tele)  # fmt: skip
@@ -253,7 +255,7 @@ def test_the_report_names_the_engines_decode_idle_share_per_concurrency() -> Non
     notes = telemetry_notes([cell(1, 0, 0.01, 0.0), cell(8, 0, 0.06, 0.125),
                              cell(8, 1, 0.04, 0.25)])  # fmt: skip
     (idle,) = [n for n in notes if n.startswith("Engine decode stream idle")]
-    assert idle.endswith("engine c=1: 1.0% (0.0%), engine c=8: 6.0% (25.0%).")
+    assert idle.endswith("engine c=1: 1.0% (0.0%; 50%), engine c=8: 6.0% (12.5%; 50%).")
     assert not [n for n in telemetry_notes([cell(1, 0, None, None)]) if "idle" in n]
     (gc,) = [n for n in notes if n.startswith("Server garbage-collector pauses")]
     assert gc.endswith("engine c=1: 0.10, engine c=8: 1.40.")  # 10 * 0.04 + repeat 1
@@ -366,6 +368,7 @@ def test_metrics_parsed_from_engine_and_vllm_pages() -> None:
         running, waiting, max_num_seqs, kv_usage, kv_tokens = 5, 3, 16, 0.25, 4096
         steps, step_rows, last_step_rows = 10, 42, 5
         decode_busy_ms, decode_idle_ms, starved_steps = 1500.0, 500.0, 2
+        decode_plain_idle_ms = 200.0
 
     engine.scheduler_stats = Stats
     got = parse_metrics(engine.prometheus())
@@ -373,13 +376,13 @@ def test_metrics_parsed_from_engine_and_vllm_pages() -> None:
     assert got["kv_cache_usage"] == 0.25
     assert (got["decode_steps"], got["decode_step_rows"]) == (10, 42)
     assert (got["decode_gpu_busy_s"], got["decode_gpu_idle_s"]) == (1.5, 0.5)
-    assert got["decode_steps_starved"] == 2
+    assert got["decode_steps_starved"] == 2 and got["decode_gpu_idle_plain_s"] == 0.2
     # over a cell: 42 rows in 10 steps, a quarter of the stream's GPU time idle, 2 steps late
     zero = dict.fromkeys(got, 0.0)
-    assert decode_shares(zero, got) == (4.2, 0.25, 0.2)
-    assert decode_shares(got, got) == (None, None, None)  # nothing moved
+    assert decode_shares(zero, got) == (4.2, 0.25, 0.2, 0.4)  # 0.2 s of the 0.5 s idle: plain
+    assert decode_shares(got, got) == (None, None, None, None)  # nothing moved
     cpu = got | {"decode_gpu_busy_s": 0.0, "decode_gpu_idle_s": 0.0}  # no CUDA: no clock
-    assert decode_shares(zero, cpu) == (4.2, None, None)
+    assert decode_shares(zero, cpu) == (4.2, None, None, None)
     vllm = "\n".join(
         [
             "# HELP vllm:prefix_cache_queries Prefix cache queries",

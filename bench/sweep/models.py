@@ -352,6 +352,9 @@ class CellTelemetry(BaseModel):
     decode_starved_share: float | None = Field(
         None, description="the engine's decode steps launched after the one before had ended"
     )
+    decode_idle_plain_share: float | None = Field(
+        None, description="of that idle time, the share before steps admitting/ending nothing"
+    )
     gc_ms_per_s: float | None = Field(
         None, description="the engine server's garbage-collector pauses, ms per second of cell"
     )

@@ -68,17 +68,19 @@ def telemetry_notes(cells: list[CellRecord]) -> list[str]:
         parts = [f"{t} c={conc}: {max(xs):.1f}" for (t, conc), xs in sorted(per.items())]
         notes.append("Engine sequences per decode step (batching): " + ", ".join(parts) + ".")
     idle = [c for c in cells if c.telemetry.decode_idle_share is not None]
-    if idle:
-        shares: dict[tuple[str, int], list[tuple[float, float]]] = {}
+    if idle:  # per (target, concurrency) the repeat with the most idle time
+        worst_idle: dict[tuple[str, int], CellRecord] = {}
         for c in idle:
-            shares.setdefault((c.target, c.concurrency), []).append(
-                (c.telemetry.decode_idle_share or 0.0, c.telemetry.decode_starved_share or 0.0)
-            )
-        parts = [f"{t} c={conc}: {max(x[0] for x in xs):.1%} ({max(x[1] for x in xs):.1%})"
-                 for (t, conc), xs in sorted(shares.items())]  # fmt: skip
+            key = (c.target, c.concurrency)
+            if key not in worst_idle or (c.telemetry.decode_idle_share or 0.0) > (
+                worst_idle[key].telemetry.decode_idle_share or 0.0
+            ):
+                worst_idle[key] = c
+        parts = [f"{t} c={conc}: {_idle_part(c)}" for (t, conc), c in sorted(worst_idle.items())]
         notes.append(
-            "Engine decode stream idle between steps, share of its GPU time (share of "
-            "steps the host launched late), worst repeat: " + ", ".join(parts) + "."
+            "Engine decode stream idle between steps, share of its GPU time (share of steps "
+            "the host launched late; share of the idle before steps that admitted, read and "
+            "ended no request), worst repeat: " + ", ".join(parts) + "."
         )
     gc_cells = [c for c in cells if c.telemetry.gc_ms_per_s is not None]
     if gc_cells:
@@ -97,3 +99,9 @@ def telemetry_notes(cells: list[CellRecord]) -> list[str]:
             f"({worst.key().name()})."
         )
     return notes
+
+
+def _idle_part(c: CellRecord) -> str:
+    t = c.telemetry
+    plain = "" if t.decode_idle_plain_share is None else f"; {t.decode_idle_plain_share:.0%}"
+    return f"{t.decode_idle_share or 0.0:.1%} ({t.decode_starved_share or 0.0:.1%}{plain})"

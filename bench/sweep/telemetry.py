@@ -52,6 +52,7 @@ KEPT = {
     "gpurig_engine_decode_gpu_busy_seconds_total": "decode_gpu_busy_s",
     "gpurig_engine_decode_gpu_idle_seconds_total": "decode_gpu_idle_s",
     "gpurig_engine_decode_steps_starved_total": "decode_steps_starved",
+    "gpurig_engine_decode_gpu_idle_plain_seconds_total": "decode_gpu_idle_plain_s",
     "gpurig_engine_python_gc_seconds_total": "gc_s",
     "gpurig_engine_python_gc_collections_total": "gc_collections",
     "gpurig_engine_completion_tokens_total": "generation_tokens",
@@ -294,9 +295,8 @@ class CellWatch:
         r.kv_cache_usage = peaks.get("kv_cache_usage")
         r.requests_waiting = peaks.get("requests_waiting")
         r.requests_running = peaks.get("requests_running")
-        r.decode_rows_per_step, r.decode_idle_share, r.decode_starved_share = decode_shares(
-            before, after
-        )
+        (r.decode_rows_per_step, r.decode_idle_share, r.decode_starved_share,
+         r.decode_idle_plain_share) = decode_shares(before, after)  # fmt: skip
         collections = after.get("gc_collections", 0) - before.get("gc_collections", 0)
         if collections > 0 and wall > 0:  # the server's collector (engine/server/gc_watch.py)
             r.gc_ms_per_s = round((after.get("gc_s", 0) - before.get("gc_s", 0)) * 1000 / wall, 3)
@@ -304,11 +304,12 @@ class CellWatch:
 
 def decode_shares(
     before: dict[str, float], after: dict[str, float]
-) -> tuple[float | None, float | None, float | None]:
+) -> tuple[float | None, float | None, float | None, float | None]:
     """Over a cell, from the engine's counters: sequences per decode step (its batching); the
     decode stream's GPU time between steps over its GPU time (engine/step_clock.py: the host or
     a prompt pass kept the GPU waiting); the share of steps launched after the one before had
-    ended. None where the counters did not move (another server, no step, no CUDA)."""
+    ended; the share of that idle time before plain steps (no request admitted, read or
+    ended). None where the counters did not move (another server, no step, no CUDA)."""
 
     def moved(key: str) -> float:
         return after.get(key, 0.0) - before.get(key, 0.0)
@@ -318,4 +319,5 @@ def decode_shares(
     busy, idle = moved("decode_gpu_busy_s"), moved("decode_gpu_idle_s")
     idle_share = round(idle / (busy + idle), 4) if busy > 0 else None
     starved = round(moved("decode_steps_starved") / steps, 4) if busy > 0 and steps > 0 else None
-    return rows, idle_share, starved
+    plain = round(moved("decode_gpu_idle_plain_s") / idle, 4) if busy > 0 and idle > 0 else None
+    return rows, idle_share, starved, plain

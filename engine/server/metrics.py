@@ -122,6 +122,7 @@ class Metrics:
             "decode_gpu_busy_seconds_total": round(st.decode_busy_ms / 1000, 6),
             "decode_gpu_idle_seconds_total": round(st.decode_idle_ms / 1000, 6),
             "decode_steps_starved_total": st.starved_steps,
+            "decode_gpu_idle_plain_seconds_total": round(st.decode_plain_idle_ms / 1000, 6),
         }
 
     def prometheus(self) -> str:
@@ -190,6 +191,8 @@ _BATCH_METRICS = (
      "consecutive steps: waiting for the host, or for a prompt pass the step needs."),
     ("decode_steps_starved_total", "counter",
      "Decode steps the host launched after the step before them had ended (the GPU waited)."),
+    ("decode_gpu_idle_plain_seconds_total", "counter", "Of the idle time, that before steps "
+     "which admitted, read and ended no request (the step loop's own host time)."),
 )  # fmt: skip
 
 
