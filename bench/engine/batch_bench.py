@@ -74,6 +74,7 @@ def concurrent(eng, conc: int, input_len: int, output_len: int, salt: int = 0) -
     threads = [threading.Thread(target=run, args=(i,)) for i in range(conc)]
     for t in threads:
         t.start()
+    clock0 = eng.runner.clock.times()
     barrier.wait()
     t0 = time.perf_counter()
     for t in threads:
@@ -92,7 +93,14 @@ def concurrent(eng, conc: int, input_len: int, output_len: int, salt: int = 0) -
         "per_stream_tok_s_median": round(statistics.median(per_stream), 1),
         "ttft_ms_median": round(statistics.median(ttft), 1),
         "ttft_ms_max": round(max(ttft), 1),
+        # the decode stream's GPU time between steps (engine/step_clock.py), with no server
+        "decode_idle_share": _idle_share(clock0, eng.runner.clock.times()),
     }
+
+
+def _idle_share(before, after) -> float | None:
+    busy, idle = after.busy_ms - before.busy_ms, after.idle_ms - before.idle_ms
+    return round(idle / (busy + idle), 4) if busy > 0 else None
 
 
 def _replay_us(graph, iters: int) -> float:
