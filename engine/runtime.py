@@ -158,14 +158,21 @@ class Engine:
         delivered (while this one runs on the device). True while work remains. A failing
         step ends every open request with its error (Ctrl-C and exit propagate)."""
         with self._lock:
+            clock = self.runner.clock  # the host's phases, for steps launched late
+            clock.note("stepping")
             try:
-                launched = self.runner.execute(self.scheduler.schedule())
+                plan = self.scheduler.schedule()
+                clock.note("scheduled")
+                launched = self.runner.execute(plan)
                 # with defer_outputs, what the last collected step made reaches its sinks
                 # now, after the next step is launched (whoever a sink wakes, a server's event
                 # loop, then runs while the GPU has work, not while this thread must launch)
                 self.scheduler.hand_off()
                 if self._launched is not None:
-                    self.scheduler.deliver(self.runner.collect(self._launched))
+                    delivered = self.runner.collect(self._launched)
+                    clock.note("collected")
+                    self.scheduler.deliver(delivered)
+                    clock.note("delivered")
                 self._launched = launched
                 if launched is None:  # nothing in flight: nothing to launch first
                     self.scheduler.hand_off()
@@ -183,7 +190,8 @@ class Engine:
         t = self.runner.clock.times()
         return replace(self.scheduler.stats(), decode_busy_ms=t.busy_ms,
                        decode_idle_ms=t.idle_ms, starved_steps=t.starved_steps,
-                       decode_plain_idle_ms=t.plain_idle_ms)  # fmt: skip
+                       decode_plain_idle_ms=t.plain_idle_ms, late_host_ms=t.late_host_ms,
+                       late_timed_steps=t.late_timed)  # fmt: skip
 
     def close(self) -> None:
         """End every open request with an error; the engine takes no more."""

@@ -94,6 +94,9 @@ class SchedulerStats:
     decode_idle_ms: float = 0.0
     starved_steps: int = 0  # steps launched after the step before them had ended
     decode_plain_idle_ms: float = 0.0  # of the idle, before steps admitting/reading/ending none
+    # the host's time before late steps by phase (engine.step_clock.HOST_PHASES), and how many
+    late_host_ms: tuple[float, ...] = (0.0, 0.0, 0.0, 0.0)
+    late_timed_steps: int = 0
 
 
 # (sequence id, token, its log-probabilities or None) for each row of a step

@@ -13,15 +13,23 @@ shows it. Two timing events per step measure it on the GPU:
   host, not a pass, was the limit;
 - plain_idle: the idle before plain steps, whose plan admitted, read and ended nothing: the host
   work there is the step loop's own (and whatever holds the interpreter beside it, a server's
-  event loop), not a new request's.
+  event loop), not a new request's;
+- late_host_ms: for the late steps, where the host's time went between the moment the step
+  before the previous one had finished (its tokens collected) and this launch, by phase
+  (HOST_PHASES): delivering those tokens, back in the caller's loop (the engine lock, the
+  interpreter held elsewhere), scheduling, preparing the launch (blocks, admissions, passes).
 """
 
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, replace
+from itertools import pairwise
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch on first use: /metrics' module imports this one for HOST_PHASES
+    import torch
 
 
 @dataclass(frozen=True)
@@ -33,6 +41,8 @@ class StepTimes:
     timed_steps: int = 0  # steps measured
     starved_steps: int = 0  # steps launched after their predecessor had ended
     plain_idle_ms: float = 0.0  # of idle_ms, before steps that admitted, read and ended nothing
+    late_host_ms: tuple[float, ...] = (0.0,) * 4  # per HOST_PHASES, summed over late steps
+    late_timed: int = 0  # late steps whose phases were all noted
 
     @property
     def idle_share(self) -> float:
@@ -52,23 +62,61 @@ class StepMarks:
     plain: bool = False  # its plan admitted, read and ended nothing
 
 
+# the host's phases before a launch, each from the note before it (`StepClock.note`)
+HOST_PHASES = ("deliver", "loop", "schedule", "prepare")
+_NOTES = ("collected", "delivered", "stepping", "scheduled")
+
+
+def late_phases(notes: dict[str, float], last_begin: float, now: float) -> list[float] | None:
+    """Milliseconds of each HOST_PHASES before a launch at `now` from the notes' times, or None
+    where a phase was not noted since the last launch at `last_begin` (the first steps, or a
+    caller that steps the engine its own way)."""
+    marks = [notes.get(m, -1.0) for m in _NOTES] + [now]
+    if marks[0] < last_begin or any(b < a for a, b in pairwise(marks)):
+        return None
+    return [(b - a) * 1000 for a, b in pairwise(marks)]
+
+
 class StepClock:
     """Accumulates StepTimes from each collected step's marks (CUDA only)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._times = StepTimes()
+        self._notes: dict[str, float] = {}
+        self._last_begin = 0.0
 
-    @staticmethod
-    def begin(previous_end: torch.cuda.Event | None) -> tuple[torch.cuda.Event, bool]:
-        """Before a step's launch: its start event, and whether the step before had ended."""
+    def note(self, mark: str) -> None:
+        """The host reached `mark` (one of _NOTES: Engine.step's phases) now."""
+        self._notes[mark] = time.perf_counter()
+
+    def begin(self, previous_end: torch.cuda.Event | None) -> tuple[torch.cuda.Event, bool]:
+        """Before a step's launch: its start event, and whether the step before had ended
+        (then the host's phases since the last collect count as a late step's)."""
+        import torch
+
+        now = time.perf_counter()
         starved = previous_end is not None and previous_end.query()
         start = torch.cuda.Event(enable_timing=True)
         start.record()
+        if starved:
+            self._add_late(now)
+        self._last_begin = now
         return start, starved
+
+    def _add_late(self, now: float) -> None:
+        phases = late_phases(self._notes, self._last_begin, now)
+        if phases is None:
+            return
+        with self._lock:
+            t = self._times
+            self._times = replace(t, late_timed=t.late_timed + 1, late_host_ms=tuple(
+                x + y for x, y in zip(t.late_host_ms, phases, strict=True)))  # fmt: skip
 
     @staticmethod
     def mark_end() -> torch.cuda.Event:
+        import torch
+
         end = torch.cuda.Event(enable_timing=True)
         end.record()
         return end
@@ -81,9 +129,10 @@ class StepClock:
             idle = max(0.0, marks.previous_end.elapsed_time(marks.start))
         with self._lock:
             t = self._times
-            self._times = StepTimes(t.busy_ms + busy, t.idle_ms + idle, t.timed_steps + 1,
-                                    t.starved_steps + int(marks.starved),
-                                    t.plain_idle_ms + (idle if marks.plain else 0.0))  # fmt: skip
+            self._times = replace(t, busy_ms=t.busy_ms + busy, idle_ms=t.idle_ms + idle,
+                                  timed_steps=t.timed_steps + 1,
+                                  starved_steps=t.starved_steps + int(marks.starved),
+                                  plain_idle_ms=t.plain_idle_ms + (idle if marks.plain else 0.0))  # fmt: skip
 
     def times(self) -> StepTimes:
         with self._lock:

@@ -10,12 +10,24 @@ import torch
 import engine
 from engine.checkpoint_maker import make_checkpoint
 from engine.sampling import SamplingParams
-from engine.step_clock import StepTimes
+from engine.step_clock import HOST_PHASES, StepTimes, late_phases
 
 
 def test_idle_share_of_step_times() -> None:
     assert StepTimes().idle_share == 0.0
     assert StepTimes(busy_ms=30.0, idle_ms=10.0, timed_steps=20).idle_share == 0.25
+
+
+def test_a_late_steps_host_time_by_phase() -> None:
+    """deliver / loop / schedule / prepare from Engine.step's notes; nothing where a note is
+    older than the last launch or out of order."""
+    notes = {"collected": 10.000, "delivered": 10.001, "stepping": 10.004, "scheduled": 10.0045}
+    assert HOST_PHASES == ("deliver", "loop", "schedule", "prepare")
+    got = late_phases(notes, last_begin=9.999, now=10.005)
+    assert got == pytest.approx([1.0, 3.0, 0.5, 0.5])
+    assert late_phases(notes, last_begin=10.0001, now=10.005) is None  # collected before it
+    assert late_phases(notes | {"stepping": 10.0005}, 9.999, 10.005) is None  # out of order
+    assert late_phases({}, 0.0, 1.0) is None
 
 
 def test_no_clock_off_cuda(tmp_path) -> None:
@@ -52,6 +64,7 @@ def test_every_cuda_step_is_timed(tmp_path) -> None:
         assert 0.0 <= after.plain_idle_ms - before.plain_idle_ms <= idle + 1e-6
         assert 0 <= after.starved_steps - before.starved_steps <= timed
         assert st.decode_busy_ms == after.busy_ms and st.starved_steps == after.starved_steps
+        assert st.late_timed_steps <= st.starved_steps and min(st.late_host_ms) >= 0.0
     finally:
         eng.close()
 

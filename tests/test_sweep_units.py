@@ -33,7 +33,13 @@ from bench.sweep.prompts import (
 from bench.sweep.roofline import HeaderError, bytes_per_token, read_header
 from bench.sweep.run import plan
 from bench.sweep.store import SweepStore
-from bench.sweep.telemetry import NvmlSampler, decode_shares, parse_metrics, summarize_samples
+from bench.sweep.telemetry import (
+    NvmlSampler,
+    decode_shares,
+    late_host_ms,
+    parse_metrics,
+    summarize_samples,
+)
 from engine.checkpoint_maker import make_checkpoint
 from engine.server.metrics import Metrics
 from tools.errors import InvalidInputError
@@ -246,7 +252,10 @@ def test_the_report_names_the_engines_decode_idle_share_per_concurrency() -> Non
     from bench.sweep.report_notes import telemetry_notes
 
     def cell(conc: int, repeat: int, idle: float | None, starved: float | None) -> CellRecord:
+        late = None if idle is None else {"deliver": 0.1, "loop": 2.5, "schedule": 0.05,
+                                               "prepare": 0.3 + repeat}  # fmt: skip
         tele = CellTelemetry(decode_idle_share=idle, decode_starved_share=starved,
+                             decode_late_host_ms=late,
                              decode_idle_plain_share=None if idle is None else 0.5,
                              gc_ms_per_s=None if idle is None else 10 * idle + repeat)  # fmt: skip
         return CellRecord(target="engine", input_len=512, concurrency=conc, repeat=repeat, seed=0,
@@ -257,6 +266,11 @@ def test_the_report_names_the_engines_decode_idle_share_per_concurrency() -> Non
     (idle,) = [n for n in notes if n.startswith("Engine decode stream idle")]
     assert idle.endswith("engine c=1: 1.0% (0.0%; 50%), engine c=8: 6.0% (12.5%; 50%).")
     assert not [n for n in telemetry_notes([cell(1, 0, None, None)]) if "idle" in n]
+    (late,) = [n for n in notes if n.startswith("Engine host ms before a late step")]
+    assert "(deliver / loop / schedule / prepare)" in late  # the worst-idle repeat's (repeat 0)
+    assert late.endswith(
+        "engine c=1: 0.10 / 2.50 / 0.05 / 0.30, engine c=8: 0.10 / 2.50 / 0.05 / 0.30."
+    )
     (gc,) = [n for n in notes if n.startswith("Server garbage-collector pauses")]
     assert gc.endswith("engine c=1: 0.10, engine c=8: 1.40.")  # 10 * 0.04 + repeat 1
 
@@ -369,6 +383,7 @@ def test_metrics_parsed_from_engine_and_vllm_pages() -> None:
         steps, step_rows, last_step_rows = 10, 42, 5
         decode_busy_ms, decode_idle_ms, starved_steps = 1500.0, 500.0, 2
         decode_plain_idle_ms = 200.0
+        late_host_ms, late_timed_steps = (0.5, 4.0, 0.0, 1.0), 2
 
     engine.scheduler_stats = Stats
     got = parse_metrics(engine.prometheus())
@@ -377,6 +392,10 @@ def test_metrics_parsed_from_engine_and_vllm_pages() -> None:
     assert (got["decode_steps"], got["decode_step_rows"]) == (10, 42)
     assert (got["decode_gpu_busy_s"], got["decode_gpu_idle_s"]) == (1.5, 0.5)
     assert got["decode_steps_starved"] == 2 and got["decode_gpu_idle_plain_s"] == 0.2
+    # two late steps timed: 4 ms back in the loop in all, 1 ms preparing
+    assert late_host_ms(dict.fromkeys(got, 0.0), got) == {"deliver": 0.25, "loop": 2.0, "schedule": 0.0,
+                                       "prepare": 0.5}  # fmt: skip
+    assert late_host_ms(got, got) is None
     # over a cell: 42 rows in 10 steps, a quarter of the stream's GPU time idle, 2 steps late
     zero = dict.fromkeys(got, 0.0)
     assert decode_shares(zero, got) == (4.2, 0.25, 0.2, 0.4)  # 0.2 s of the 0.5 s idle: plain

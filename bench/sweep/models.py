@@ -355,6 +355,9 @@ class CellTelemetry(BaseModel):
     decode_idle_plain_share: float | None = Field(
         None, description="of that idle time, the share before steps admitting/ending nothing"
     )
+    decode_late_host_ms: dict[str, float] | None = Field(
+        None, description="per late decode step, the engine host's ms in each phase before it"
+    )
     gc_ms_per_s: float | None = Field(
         None, description="the engine server's garbage-collector pauses, ms per second of cell"
     )

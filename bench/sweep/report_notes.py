@@ -4,6 +4,7 @@ server, GPU throttling and utilization, the servers' CPU, batching, prefix-cache
 from __future__ import annotations
 
 from bench.sweep.models import CellRecord
+from bench.sweep.telemetry import LATE_PHASES
 
 
 def count_notes(cells: list[CellRecord]) -> list[str]:
@@ -82,6 +83,16 @@ def telemetry_notes(cells: list[CellRecord]) -> list[str]:
             "the host launched late; share of the idle before steps that admitted, read and "
             "ended no request), worst repeat: " + ", ".join(parts) + "."
         )
+        late = [
+            (t, conc, c.telemetry.decode_late_host_ms)
+            for (t, conc), c in sorted(worst_idle.items())
+            if c.telemetry.decode_late_host_ms
+        ]
+        if late:  # fmt: skip
+            parts = [f"{t} c={conc}: " + " / ".join(f"{ms.get(p, 0.0):.2f}" for p in LATE_PHASES)
+                     for t, conc, ms in late]  # fmt: skip
+            notes.append(f"Engine host ms before a late step ({' / '.join(LATE_PHASES)}), same "
+                         "repeats: " + ", ".join(parts) + ".")  # fmt: skip
     gc_cells = [c for c in cells if c.telemetry.gc_ms_per_s is not None]
     if gc_cells:
         gc_worst: dict[tuple[str, int], float] = {}

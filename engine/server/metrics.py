@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from engine.server.gc_watch import GcWatch
+from engine.step_clock import HOST_PHASES
 
 if TYPE_CHECKING:
     from engine.textgen import GenerationResult
@@ -123,7 +124,10 @@ class Metrics:
             "decode_gpu_idle_seconds_total": round(st.decode_idle_ms / 1000, 6),
             "decode_steps_starved_total": st.starved_steps,
             "decode_gpu_idle_plain_seconds_total": round(st.decode_plain_idle_ms / 1000, 6),
-        }
+            "decode_late_timed_steps_total": st.late_timed_steps,
+            **{f"decode_late_host_{name}_seconds_total": round(ms / 1000, 6)
+               for name, ms in zip(HOST_PHASES, st.late_host_ms, strict=True)},
+        }  # fmt: skip
 
     def prometheus(self) -> str:
         s = self.snapshot()
@@ -193,6 +197,14 @@ _BATCH_METRICS = (
      "Decode steps the host launched after the step before them had ended (the GPU waited)."),
     ("decode_gpu_idle_plain_seconds_total", "counter", "Of the idle time, that before steps "
      "which admitted, read and ended no request (the step loop's own host time)."),
+    ("decode_late_timed_steps_total", "counter",
+     "Late decode steps whose host phases were timed (engine/step_clock.py)."),
+    *((f"decode_late_host_{name}_seconds_total", "counter",
+       f"Host time before late steps: {what}.") for name, what in (
+        ("deliver", "handing the tokens of the step before to their requests"),
+        ("loop", "back in the stepping loop (its lock, the interpreter held elsewhere)"),
+        ("schedule", "the scheduler's plan"),
+        ("prepare", "the plan's bookkeeping, admissions and prompt passes before the launch"))),
 )  # fmt: skip
 
 
