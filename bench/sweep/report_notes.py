@@ -88,7 +88,7 @@ def telemetry_notes(cells: list[CellRecord]) -> list[str]:
             for (t, conc), c in sorted(worst_idle.items())
             if c.telemetry.decode_late_host_ms
         ]
-        if late:  # fmt: skip
+        if late:
             parts = [f"{t} c={conc}: " + " / ".join(f"{ms.get(p, 0.0):.2f}" for p in LATE_PHASES)
                      for t, conc, ms in late]  # fmt: skip
             notes.append(f"Engine host ms before a late step ({' / '.join(LATE_PHASES)}), same "

@@ -8,7 +8,8 @@
   hits (a hit rate over the cell), KV cache usage, requests running and waiting (peaks); the
   engine's gauges, its sequences per decode step over the cell (how well it batched), and
   the share of its decode stream's GPU time spent between steps (the host or a prompt pass
-  kept the GPU waiting) with the share of steps launched after the one before had ended;
+  kept the GPU waiting) with the share of steps launched after the one before had ended and
+  where the host's time went before those, and its server's garbage-collector pauses;
   llama-server's `llamacpp:` counters under the same names (its slot-cache reuse as the
   prefix-cache hit rate).
 """
