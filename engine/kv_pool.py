@@ -165,15 +165,24 @@ class KVPool:
         ring_rows = (g.max_seqs + 1) * g.ring_slots
         self.k: dict[int, torch.Tensor] = {}
         self.v: dict[int, torch.Tensor] = {}
-        self.pos: dict[int, torch.Tensor] = {}
         for i in range(cfg.first_shared_layer):
             rows = ring_rows if cfg.is_sliding(i) else full_rows
             shape = (rows, cfg.layer_kv_heads[i], cfg.layer_head_dims[i])
             self.k[i] = torch.zeros(shape, dtype=dtype, device=device)
             self.v[i] = torch.zeros(shape, dtype=dtype, device=device)
-            self.pos[i] = torch.full((rows,), -1, dtype=torch.int64, device=device)
         self._full = [i for i in self.k if not cfg.is_sliding(i)]
         self._rings = [i for i in self.k if cfg.is_sliding(i)]
+        # each layer's recorded positions: rows of one tensor per layer kind, so that opening a
+        # slot or granting blocks marks every layer's rows empty in one launch, not one a layer
+        # (host time between two decode steps, bench/NOTES.md v23)
+        self._ring_pos = torch.full((len(self._rings), ring_rows), -1, dtype=torch.int64,
+                                    device=device)  # fmt: skip
+        self._full_pos = torch.full((len(self._full), full_rows), -1, dtype=torch.int64,
+                                    device=device)  # fmt: skip
+        self.pos: dict[int, torch.Tensor] = {
+            **{i: self._ring_pos[j] for j, i in enumerate(self._rings)},
+            **{i: self._full_pos[j] for j, i in enumerate(self._full)},
+        }
         self.block_tables = torch.zeros(
             (g.max_seqs + 1, g.max_blocks_per_seq), dtype=torch.int32, device=device
         )
@@ -187,7 +196,8 @@ class KVPool:
         for i in self.k:
             self.k[i].zero_()
             self.v[i].zero_()
-            self.pos[i].fill_(-1)
+        self._ring_pos.fill_(-1)
+        self._full_pos.fill_(-1)
         self.block_tables.zero_()
 
     # ---- bookkeeping (the block manager's), mirrored on the device -----------------------------
@@ -203,17 +213,20 @@ class KVPool:
         """Mirror a step plan's bookkeeping on the device: opened slots' rings forgotten,
         granted blocks entered in the block tables and their rows marked empty."""
         r = self.ring_slots
-        for slot in opened:
-            for i in self._rings:
-                self.pos[i][slot * r : (slot + 1) * r].fill_(-1)
+        if self._rings:
+            for slot in opened:
+                self._ring_pos[:, slot * r : (slot + 1) * r].fill_(-1)
+        granted = []
         for g in grants:
             ids = torch.tensor(g.blocks, dtype=torch.int32)
             end = g.first + len(g.blocks)
             self.block_tables[g.slot, g.first : end].copy_(self._staged(ids), non_blocking=True)
-            rows = ids.to(torch.int64)[:, None] * self.block_size + torch.arange(self.block_size)
-            rows = self._staged(rows.reshape(-1)).to(self.device, non_blocking=True)
-            for i in self._full:
-                self.pos[i].index_fill_(0, rows, -1)
+            granted.append(ids)
+        if granted and self._full:  # every granted block's rows, every full layer: one launch
+            ids = torch.cat(granted).to(torch.int64)
+            rows = (ids[:, None] * self.block_size + torch.arange(self.block_size)).reshape(-1)
+            rows = self._staged(rows).to(self.device, non_blocking=True)
+            self._full_pos.index_fill_(1, rows, -1)
 
     def _staged(self, host: torch.Tensor) -> torch.Tensor:
         """`host` in pinned memory on CUDA, so copying it queues behind the running step

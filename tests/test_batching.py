@@ -212,6 +212,21 @@ def test_pool_blocks_are_handed_out_and_back(checkpoint):
     free = blocks.free_blocks
     blocks.close_slot(a)
     assert blocks.free_blocks == free + 3 and blocks.free_slots == 1
+    # reopened, every layer forgets what it recorded: the slot's ring rows, the granted
+    # blocks' rows; nothing else (one launch per layer kind)
+    for i in pool.pos:
+        pool.pos[i].fill_(7)
+    c = blocks.open_slot()
+    grant_c = blocks.grow(c, 20)
+    pool.apply((c,), (grant_c,))
+    r = pool.ring_slots
+    for i, pos in pool.pos.items():
+        if cfg.is_sliding(i):
+            want = {p for p in range(pos.numel()) if c * r <= p < (c + 1) * r}
+        else:
+            want = {b * 16 + k for b in grant_c.blocks for k in range(16)}
+        assert {p for p, v in enumerate(pos.tolist()) if v == -1} == want, i
+        assert set(pos.tolist()) <= {-1, 7}
 
 
 def test_sixteen_sequences_share_steps_and_each_gets_its_own_tokens(checkpoint, single):
