@@ -4,7 +4,7 @@ server, GPU throttling and utilization, the servers' CPU, batching, prefix-cache
 from __future__ import annotations
 
 from bench.sweep.models import CellRecord
-from bench.sweep.telemetry import LATE_PHASES
+from engine.step_clock import HOST_PHASES
 
 
 def count_notes(cells: list[CellRecord]) -> list[str]:
@@ -89,9 +89,9 @@ def telemetry_notes(cells: list[CellRecord]) -> list[str]:
             if c.telemetry.decode_late_host_ms
         ]
         if late:
-            parts = [f"{t} c={conc}: " + " / ".join(f"{ms.get(p, 0.0):.2f}" for p in LATE_PHASES)
+            parts = [f"{t} c={conc}: " + " / ".join(f"{ms.get(p, 0.0):.2f}" for p in HOST_PHASES)
                      for t, conc, ms in late]  # fmt: skip
-            notes.append(f"Engine host ms before a late step ({' / '.join(LATE_PHASES)}), same "
+            notes.append(f"Engine host ms before a late step ({' / '.join(HOST_PHASES)}), same "
                          "repeats: " + ", ".join(parts) + ".")  # fmt: skip
     gc_cells = [c for c in cells if c.telemetry.gc_ms_per_s is not None]
     if gc_cells:

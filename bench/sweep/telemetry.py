@@ -24,6 +24,7 @@ from typing import Any
 import httpx
 
 from bench.sweep.models import CellTelemetry, GpuTelemetry
+from engine.step_clock import HOST_PHASES
 from tools.gpu_nvml import nvml_error_text, throttle_names
 
 SAMPLE_INTERVAL_S = 0.25
@@ -32,8 +33,6 @@ SAMPLE_INTERVAL_S = 0.25
 # holds the interpreter long enough to bunch the stream chunks the driver is timing.
 FIRST_POLL_S = 0.25
 POLL_INTERVAL_S = 1.0
-# the engine's host phases before a late decode step (engine/step_clock.py HOST_PHASES)
-LATE_PHASES = ("deliver", "loop", "schedule", "prepare")
 _LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
 # metric name (without labels) -> kept under this key; summed over label sets
 KEPT = {
@@ -57,7 +56,7 @@ KEPT = {
     "gpurig_engine_decode_steps_starved_total": "decode_steps_starved",
     "gpurig_engine_decode_gpu_idle_plain_seconds_total": "decode_gpu_idle_plain_s",
     "gpurig_engine_decode_late_timed_steps_total": "late_timed",
-    **{f"gpurig_engine_decode_late_host_{p}_seconds_total": f"late_{p}_s" for p in LATE_PHASES},
+    **{f"gpurig_engine_decode_late_host_{p}_seconds_total": f"late_{p}_s" for p in HOST_PHASES},
     "gpurig_engine_python_gc_seconds_total": "gc_s",
     "gpurig_engine_python_gc_collections_total": "gc_collections",
     "gpurig_engine_completion_tokens_total": "generation_tokens",
@@ -303,19 +302,22 @@ class CellWatch:
         (r.decode_rows_per_step, r.decode_idle_share, r.decode_starved_share,
          r.decode_idle_plain_share) = decode_shares(before, after)  # fmt: skip
         r.decode_late_host_ms = late_host_ms(before, after)
-        collections = after.get("gc_collections", 0) - before.get("gc_collections", 0)
-        if collections > 0 and wall > 0:  # the server's collector (engine/server/gc_watch.py)
-            r.gc_ms_per_s = round((after.get("gc_s", 0) - before.get("gc_s", 0)) * 1000 / wall, 3)
+        if _moved(before, after, "gc_collections") > 0 and wall > 0:  # engine/server/gc_watch.py
+            r.gc_ms_per_s = round(_moved(before, after, "gc_s") * 1000 / wall, 3)
+
+
+def _moved(before: dict[str, float], after: dict[str, float], key: str) -> float:
+    """How far a counter moved over a cell (0 where the server does not report it)."""
+    return after.get(key, 0.0) - before.get(key, 0.0)
 
 
 def late_host_ms(before: dict[str, float], after: dict[str, float]) -> dict[str, float] | None:
     """Per late decode step of the cell, the engine's host milliseconds in each phase before
-    it (LATE_PHASES); None without a timed late step."""
-    steps = after.get("late_timed", 0.0) - before.get("late_timed", 0.0)
+    it (engine/step_clock.py HOST_PHASES); None without a timed late step."""
+    steps = _moved(before, after, "late_timed")
     if steps <= 0:
         return None
-    return {p: round((after.get(f"late_{p}_s", 0.0) - before.get(f"late_{p}_s", 0.0)) * 1000
-                     / steps, 3) for p in LATE_PHASES}  # fmt: skip
+    return {p: round(_moved(before, after, f"late_{p}_s") * 1000 / steps, 3) for p in HOST_PHASES}
 
 
 def decode_shares(
@@ -328,7 +330,7 @@ def decode_shares(
     ended). None where the counters did not move (another server, no step, no CUDA)."""
 
     def moved(key: str) -> float:
-        return after.get(key, 0.0) - before.get(key, 0.0)
+        return _moved(before, after, key)
 
     steps = moved("decode_steps")
     rows = round(moved("decode_step_rows") / steps, 3) if steps > 0 else None
