@@ -137,7 +137,8 @@ class ModelRunner:
             decoder = batch_decode.BatchDecoder(model, pool, fused, kernels, self.max_batch,
                                                 fold_residual=options.fold_residual,
                                                 batch_prologue=options.batch_prologue,
-                                                mma_ahead=options.mma_ahead)  # fmt: skip
+                                                mma_ahead=options.mma_ahead,
+                                                greedy_tail=options.greedy_tail)  # fmt: skip
             self._step = decoder.step
             self.batched = True
 

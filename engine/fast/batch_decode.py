@@ -46,6 +46,7 @@ from engine.fast.fuse import FusedLayer
 from engine.fast.ops_fast import FastOps, packed_ok
 from engine.kernels.attention_paged import PagedDecodeAttention
 from engine.kernels.fused import ple_mix, qkv_rope_rows, residual_norm, rmsnorm_rows
+from engine.kernels.greedy_tail import cap_and_pick
 from engine.kernels.step_inputs import step_tables
 from engine.kernels.w4dequant import w4_gather_rows
 from engine.kernels.w4gemm import w4_gemm, w4_gemm_residual
@@ -120,8 +121,10 @@ class BatchDecoder:
     def __init__(
         self, model, pool: KVPool, fused: list[FusedLayer], kernels: FastOps, max_batch: int,
         *, fold_residual: bool = False, batch_prologue: bool = True, mma_ahead: bool = False,
+        greedy_tail: bool = True,
     ) -> None:  # fmt: skip
         self.model = model
+        self.greedy_tail = greedy_tail
         self.fold_residual = fold_residual
         self.mma_ahead = mma_ahead
         self.batch_prologue = batch_prologue
@@ -200,10 +203,15 @@ class BatchDecoder:
 
     @torch.inference_mode()
     def step(
-        self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """One token per row; row b belongs to the sequence in pool slot slots[b] and sits at
-        positions[b]. Padding rows point at the pool's padding slot."""
+        positions[b]. Padding rows point at the pool's padding slot. Given `ids` (int64 [B]),
+        each row's greedy id is written there too."""
         m, cfg, pool = self.model, self.model.cfg, self.pool
         eps, b = cfg.rms_norm_eps, tokens.shape[0]
         single = b == 1
@@ -290,8 +298,20 @@ class BatchDecoder:
             _, x = residual_norm(h, y, w_post, eps, scalar=scalar, w_next=m.final_norm,
                                  h_out=h)  # fmt: skip
         out = self.ops.lm_head(x, m.lm_head) if single else self._lm_head(x)
-        cap = cfg.final_logit_softcapping
-        return torch.tanh(out / cap) * cap if cap else out
+        return self._tail(out, ids)
+
+    def _tail(self, logits: torch.Tensor, ids: torch.Tensor | None) -> torch.Tensor:
+        """The soft-capped logits, and each row's greedy id into `ids` where given: with
+        `greedy_tail` two launches, capping in place (engine/kernels/greedy_tail.py), else
+        PyTorch ops."""
+        cap = self.model.cfg.final_logit_softcapping
+        if self.greedy_tail:
+            return cap_and_pick(logits, cap, ids)
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        if ids is not None:
+            torch.argmax(logits, dim=-1, out=ids)
+        return logits
 
     def _lm_head(self, x: torch.Tensor) -> torch.Tensor:
         table = self.model.lm_head

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 
@@ -26,7 +27,19 @@ from engine.kernels.launch import compiling_only, pdl_launches
 from engine.kernels.step_inputs import pick_tokens
 from engine.options import triton_interpreted
 
-Step = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+class GreedyStep(Protocol):
+    """A batch step that also writes each row's greedy id into `ids` where given
+    (engine.fast.batch_decode.BatchDecoder.step)."""
+
+    def __call__(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        ids: torch.Tensor | None = None,
+    ) -> torch.Tensor: ...
+
 
 BUCKETS = (1, 2, 4, 8, 16)
 PDL_ROWS = 8  # the largest bucket captured with PDL where the device has it (EngineOptions.pdl)
@@ -119,7 +132,7 @@ class BatchGraphs:
     (engine/kernels/step_inputs.py).
     """
 
-    def __init__(self, step: Step, buckets: Sequence[int], device: torch.device,
+    def __init__(self, step: GreedyStep, buckets: Sequence[int], device: torch.device,
                  pad_slot: int, pdl_rows: int = 0) -> None:  # fmt: skip
         self.step = step
         self.pdl_rows = pdl_rows
@@ -155,9 +168,7 @@ class BatchGraphs:
         """What a replay runs: the rows' tokens from the staged inputs and the previous ids,
         the step, and the greedy ids of every row into `ids`."""
         tokens, positions, slots = pick_tokens(bucket.inputs, self.ids)
-        logits = self.step(tokens, positions, slots)
-        torch.argmax(logits, dim=-1, out=self.ids[: bucket.size])
-        return logits
+        return self.step(tokens, positions, slots, ids=self.ids[: bucket.size])
 
     def _capture(self, bucket: _Bucket) -> None:
         if self._pool is None:

@@ -90,3 +90,37 @@ def test_fast_scheduler_tokens_equal_alone(checkpoint, device):
         assert st.step_rows > st.steps  # some steps carried several rows
     finally:
         multi.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_tail_equals_pytorch_ops(checkpoint, device, interpreted, dtype):
+    """The step's soft-cap and greedy ids by the two-launch tail (EngineOptions.greedy_tail)
+    against PyTorch's ops on the same rows: the same logits (exactly on the GPU, within the
+    interpreter's exp-built tanh and truncating casts on the CPU) and each row's first
+    largest."""
+    eng = engine.load(checkpoint, device=device, max_context=CTX, dtype=dtype,
+                      options=EngineOptions(fast="force", cuda_graph=False), max_num_seqs=4,
+                      warm_up=False)  # fmt: skip
+    try:
+        decoder = eng.runner._step.__self__
+        assert decoder.greedy_tail and eng.model.cfg.final_logit_softcapping
+        pool, dev = eng.pool, eng.model.device
+        slots = [pool.blocks.open_slot() for _ in range(2)]
+        pool.apply(tuple(slots), tuple(pool.blocks.grow(s, 4) for s in slots))
+        tokens = torch.tensor([7, 300, 0], device=dev)
+        positions = torch.tensor([0, 0, 0], device=dev)
+        slot_t = torch.tensor([*slots, pool.pad_slot], dtype=torch.int32, device=dev)
+        ids = torch.full((3,), -1, dtype=torch.int64, device=dev)
+        fused = decoder.step(tokens, positions, slot_t, ids=ids).clone()
+        decoder.greedy_tail = False
+        plain_ids = torch.full((3,), -1, dtype=torch.int64, device=dev)
+        plain = decoder.step(tokens, positions, slot_t, ids=plain_ids)
+        assert torch.equal(ids, fused.argmax(-1))
+        if interpreted:
+            atol = 1e-5 if dtype == torch.float32 else 0.4
+            torch.testing.assert_close(fused.float(), plain.float(), rtol=0, atol=atol)
+        else:
+            assert torch.equal(fused, plain)
+            assert torch.equal(ids, plain_ids)
+    finally:
+        eng.close()
