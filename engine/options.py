@@ -27,6 +27,8 @@ the environment.
 |                           |                     | one step early with its weights                  |         |
 | GPURIG_ASYNC_PROMPTS      | async_prompts       | "0": prompt passes on the decode steps' stream,  | on      |
 |                           |                     | not on a second CUDA stream beside them          |         |
+| GPURIG_STEPS_FIRST        | steps_first         | "1": a plan's decode step is launched before its | off     |
+|                           |                     | prompt passes (side stream), not after them      |         |
 | GPURIG_PDL                | pdl                 | "0": kernels launch after the one before ends,   | on      |
 |                           |                     | not overlapping its tail (programmatic dependent |         |
 |                           |                     | launch, sm_90 on: engine/kernels/pdl.py)         |         |
@@ -84,6 +86,7 @@ class EngineOptions:
     batch_prologue: bool = True  # batch steps <= 8 rows: per-layer gate GEMV's prologue
     mma_ahead: bool = True  # mma product, 2-8 rows: a step's scales/activations a step early
     async_prompts: bool = True  # CUDA: prompt passes on a side stream beside the steps
+    steps_first: bool = False  # the decode step before the side passes (not measured)
     pdl: bool = True  # sm_90 on: a kernel launches during the one before and waits in it
     greedy_tail: bool = True  # batch step: soft-cap + greedy ids in two launches
     half2_gemv: bool = True  # 16-bit GEMV multiplies in half2 (fp32 unpack when False)
@@ -125,6 +128,7 @@ class EngineOptions:
             batch_prologue=_flag(env, "GPURIG_BATCH_PROLOGUE"),
             mma_ahead=_flag(env, "GPURIG_MMA_AHEAD"),
             async_prompts=_flag(env, "GPURIG_ASYNC_PROMPTS"),
+            steps_first=_flag(env, "GPURIG_STEPS_FIRST", default=False),
             pdl=_flag(env, "GPURIG_PDL"),
             greedy_tail=_flag(env, "GPURIG_GREEDY_TAIL"),
             half2_gemv=_flag(env, "GPURIG_GEMV_H2"),

@@ -61,9 +61,19 @@ class SidePrompts:
         self.device = device
         self.stream = torch.cuda.Stream(device)
 
-    def run(self, read: Callable[[], None]) -> Landing:
-        """`read()` launched on the side stream, after all the main stream has queued."""
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+    def mark(self) -> torch.cuda.Event:
+        """An event after all the main stream has queued so far (for `run`'s `after`)."""
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def run(self, read: Callable[[], None], after: torch.cuda.Event | None = None) -> Landing:
+        """`read()` launched on the side stream, after `after` (an event of the main stream),
+        else after all the main stream has queued."""
+        if after is not None:
+            self.stream.wait_event(after)
+        else:
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
             read()
         event = torch.cuda.Event()

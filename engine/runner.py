@@ -106,6 +106,7 @@ class ModelRunner:
         self._previous: Launched | None = None
         # prompt passes beside the decode steps (engine/prompt_stream.py): each sequence's
         # last pass until it lands
+        self.steps_first = options.steps_first
         self.prompts: SidePrompts | None = None
         if options.async_prompts and self.device.type == "cuda":
             self.prompts = SidePrompts(self.device)
@@ -200,10 +201,16 @@ class ModelRunner:
                 prompt = prompt.pin_memory()  # a pageable one waits for it (the GPU then idles)
             prompt = prompt.to(self.device, non_blocking=True)
             self._requests[seq.id] = _Request(prompt, sampler, p.logprobs)
-        if plan.chunks and self.prompts is not None:
-            landing = self.prompts.run(lambda: self._read_chunks(plan.chunks, plan.score_budget))
-            for c in plan.chunks:
-                self._landing[c.seq] = landing
+        side = plan.chunks and self.prompts is not None
+        if side and plan.rows and self.steps_first:
+            # the decode rows first: the GPU has the step before the host spends its time on
+            # the passes, which wait only for what the main stream queued before the step
+            queued = self.prompts.mark()
+            launched = self._previous = self._launch(plan)
+            self._read_aside(plan, queued)
+            return launched
+        if side:
+            self._read_aside(plan, None)
         elif plan.chunks:
             self._read_chunks(plan.chunks, plan.score_budget)
         elif self.reader is not None and not self._landing:
@@ -216,6 +223,15 @@ class ModelRunner:
         launched = self._launch(plan)
         self._previous = launched
         return launched
+
+    def _read_aside(self, plan: StepPlan, after: torch.cuda.Event | None) -> None:
+        """The plan's prompt chunks on the side stream (after `after`, else after all the main
+        stream has queued); each sequence lands with the pass."""
+        assert self.prompts is not None
+        read = lambda: self._read_chunks(plan.chunks, plan.score_budget)  # noqa: E731
+        landing = self.prompts.run(read, after=after)
+        for c in plan.chunks:
+            self._landing[c.seq] = landing
 
     def _read_chunks(self, chunks: tuple[PromptChunk, ...], budget: int | None) -> None:
         prompts = {c.seq: self._requests[c.seq].prompt for c in chunks}
