@@ -11,6 +11,10 @@
 # before a change: `git archive HEAD engine | tar -x -C .ab/base` (ignored, carried):
 #     run (carry [".whl", ".ab"]):  bash bench/device/ab.sh TREE ".ab/base ."
 #
+# NAME ENV compares sets of switches: each VALUE is "base" (the defaults) or comma-separated
+# GPURIG_*=value settings, e.g. "base GPURIG_DEFER_OUTPUTS=1 GPURIG_STEPS_FIRST=1"; its label is
+# the setting with "=" and "," made "-" and "+".
+#
 # steps: each bucket's graph on the rows it last ran, and on rows 600 tokens deep (the sweep's
 # attention). Parts default to both. $OUT gets, per value, sweep_<value>/ (REPORT.md, results.json,
 # roofline.json) and steps_<value>.json: 4 files a value, so two values fit the 8 files a call
@@ -20,7 +24,7 @@ name=${1:?"name a GPURIG_* variable, e.g. GPURIG_PDL"}
 values=${2:?"give the values to compare, e.g. \"0 1\""}
 shift 2
 parts=${*:-sweep steps}
-case $name in GPURIG_* | TREE) ;; *) echo "ab.sh: $name is not a GPURIG_* variable or TREE" >&2; exit 2 ;; esac
+case $name in GPURIG_* | TREE | ENV) ;; *) echo "ab.sh: $name is not a GPURIG_* variable, TREE or ENV" >&2; exit 2 ;; esac
 : "${OUT:?ab.sh runs on the device machine, which sets OUT}"
 source bench/device/pre.sh || exit 1
 OUT=$(mkdir -p "$OUT" && cd "$OUT" && pwd)  # absolute: a tree's runs start in its folder
@@ -41,6 +45,15 @@ for value in $values; do
         # (a variable naming the tree: `set -u` refuses to expand an empty array)
         here=$value setting=(GPURIG_AB_TREE="$value")
         label=$(basename "$value"); [ "$value" = . ] && label=head
+    elif [ "$name" = ENV ]; then
+        here=. label=$value setting=(GPURIG_AB_BASE=1)
+        if [ "$value" != base ]; then
+            IFS=, read -ra setting <<< "$value"
+            for s in "${setting[@]}"; do
+                case $s in GPURIG_*=*) ;; *) echo "ab.sh: $s is not GPURIG_*=value" >&2; exit 2 ;; esac
+            done
+            label=$(echo "$value" | tr '=,' '-+')
+        fi
     else
         here=. setting=("$name=$value")
         label=$value
@@ -74,3 +87,8 @@ print('at depth', [(b['rows'], b['step_us']) for b in d.get('buckets_at_depth', 
         esac
     done
 done
+# more than the 8 files a call brings back: one archive of them all
+if [ "$(find "$OUT" -type f | wc -l)" -gt 8 ]; then
+    tar -czf /tmp/ab_results.tgz -C "$OUT" . && rm -rf "${OUT:?}"/* && mv /tmp/ab_results.tgz "$OUT/"
+    echo "results in $OUT/ab_results.tgz"
+fi

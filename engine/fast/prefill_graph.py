@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from engine.fast.prefill_attention import PassAttention
@@ -148,20 +149,21 @@ class PassGraphs:
         size = self.bucket_for(segments)
         if size is None:
             return None
-        counts = torch.tensor([ids.shape[0] for ids, _, _ in segments], dtype=torch.int64)
+        # in numpy: the engine thread builds these between two launches, and numpy's ops cost
+        # the host about a tenth of PyTorch's on CPU tensors
+        counts = np.array([ids.shape[0] for ids, _, _ in segments], dtype=np.int64)
         t, n = int(counts.sum()), len(segments)
-        seg = torch.repeat_interleave(torch.arange(n), counts)
-        ends = torch.cumsum(counts, 0)
-        meta = torch.empty(3, size, dtype=torch.int64)
-        meta[0, :t] = torch.arange(t) - (ends - counts)[seg]
-        meta[1, :t] = torch.tensor([c.slot for _, _, c in segments], dtype=torch.int64)[seg]
-        meta[2, :t] = (counts - max(self.pool.ring_slots, 1))[seg]
-        meta[0, t:], meta[1, t:], meta[2, t:] = 0, self.pool.pad_slot, 0
-        cu = torch.full((self.max_segments + 1,), t, dtype=torch.int32)
+        ends = np.cumsum(counts)
+        meta = np.zeros((3, size), dtype=np.int64)  # padding rows: position 0, ring start 0
+        meta[0, :t] = np.arange(t) - np.repeat(ends - counts, counts)
+        meta[1, :t] = np.repeat(np.array([c.slot for _, _, c in segments]), counts)
+        meta[1, t:] = self.pool.pad_slot
+        meta[2, :t] = np.repeat(counts - max(self.pool.ring_slots, 1), counts)
+        cu = np.full(self.max_segments + 1, t, dtype=np.int32)
         cu[0] = 0
-        cu[1 : n + 1] = ends.to(torch.int32)
-        self.meta[:, :size].copy_(_pinned(meta), non_blocking=True)
-        self.cu_q.copy_(_pinned(cu), non_blocking=True)
+        cu[1 : n + 1] = ends
+        self.meta[:, :size].copy_(_pinned(torch.from_numpy(meta)), non_blocking=True)
+        self.cu_q.copy_(_pinned(torch.from_numpy(cu)), non_blocking=True)
         ids = segments[0][0] if n == 1 else torch.cat([s[0] for s in segments])
         self.ids[:t].copy_(ids)
         self.ids[t:size].zero_()
