@@ -32,8 +32,8 @@ the environment.
 | GPURIG_PDL                | pdl                 | "0": kernels launch after the one before ends,   | on      |
 |                           |                     | not overlapping its tail (programmatic dependent |         |
 |                           |                     | launch, sm_90 on: engine/kernels/pdl.py)         |         |
-| GPURIG_GREEDY_TAIL        | greedy_tail         | "1": a batch step's soft-cap and greedy ids by   | off     |
-|                           |                     | the two-launch kernel pair, not PyTorch ops      |         |
+| GPURIG_GREEDY_TAIL        | greedy_tail         | "0": a batch step's soft-cap and greedy ids by   | on      |
+|                           |                     | PyTorch ops, not the two-launch kernel pair      |         |
 |                           |                     | (engine/kernels/greedy_tail.py)                  |         |
 | GPURIG_GEMV_H2            | half2_gemv          | "0": exact fp32-unpack GEMV instead of half2     | on      |
 | GPURIG_PREFIX_SDPA        | prefix_sdpa         | "0": a full layer's cached prefix by the online  | on      |
@@ -86,16 +86,16 @@ class EngineOptions:
     batch_prologue: bool = True  # batch steps <= 8 rows: per-layer gate GEMV's prologue
     mma_ahead: bool = True  # mma product, 2-8 rows: a step's scales/activations a step early
     async_prompts: bool = True  # CUDA: prompt passes on a side stream beside the steps
-    steps_first: bool = False  # the decode step before the side passes (not measured)
+    steps_first: bool = False  # the decode step before the side passes (measured: no gain)
     pdl: bool = True  # sm_90 on: a kernel launches during the one before and waits in it
-    greedy_tail: bool = False  # batch step: soft-cap + greedy ids in two launches (not measured)
+    greedy_tail: bool = True  # batch step: soft-cap + greedy ids in two launches
     half2_gemv: bool = True  # 16-bit GEMV multiplies in half2 (fp32 unpack when False)
     prefix_sdpa: bool = True  # a full layer's prefix through torch's efficient attention
     expandable_segments: bool = True  # under a memory cap, grow allocator segments in place
     autotune: bool = True  # time GEMV tile candidates on first use of a shape
     tuning_cache_dir: Path | None = None  # None: ~/.cache/gpurig/kernels
     compile_threads: int | None = None  # warm-up compile threads; None: the cores (<= 32)
-    defer_outputs: bool = False  # tokens to the sinks after the next launch (not measured)
+    defer_outputs: bool = False  # tokens to the sinks after the next launch (measured: noise)
 
     def __post_init__(self) -> None:
         if self.fast not in ("on", "off", "force"):
@@ -130,7 +130,7 @@ class EngineOptions:
             async_prompts=_flag(env, "GPURIG_ASYNC_PROMPTS"),
             steps_first=_flag(env, "GPURIG_STEPS_FIRST", default=False),
             pdl=_flag(env, "GPURIG_PDL"),
-            greedy_tail=_flag(env, "GPURIG_GREEDY_TAIL", default=False),
+            greedy_tail=_flag(env, "GPURIG_GREEDY_TAIL"),
             half2_gemv=_flag(env, "GPURIG_GEMV_H2"),
             prefix_sdpa=_flag(env, "GPURIG_PREFIX_SDPA"),
             expandable_segments=_flag(env, "GPURIG_EXPANDABLE_SEGMENTS"),

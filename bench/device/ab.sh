@@ -13,7 +13,7 @@
 #
 # NAME ENV compares sets of switches: each VALUE is "base" (the defaults) or comma-separated
 # GPURIG_*=value settings, e.g. "base GPURIG_DEFER_OUTPUTS=1 GPURIG_STEPS_FIRST=1"; its label is
-# the setting with "=" and "," made "-" and "+".
+# the setting with "=" and "," made "-" and "_".
 #
 # steps: each bucket's graph on the rows it last ran, and on rows 600 tokens deep (the sweep's
 # attention). Parts default to both. $OUT gets, per value, sweep_<value>/ (REPORT.md, results.json,
@@ -52,7 +52,7 @@ for value in $values; do
             for s in "${setting[@]}"; do
                 case $s in GPURIG_*=*) ;; *) echo "ab.sh: $s is not GPURIG_*=value" >&2; exit 2 ;; esac
             done
-            label=$(echo "$value" | tr '=,' '-+')
+            label=$(echo "$value" | tr '=,' '-_')
         fi
     else
         here=. setting=("$name=$value")

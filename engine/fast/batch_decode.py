@@ -121,7 +121,7 @@ class BatchDecoder:
     def __init__(
         self, model, pool: KVPool, fused: list[FusedLayer], kernels: FastOps, max_batch: int,
         *, fold_residual: bool = False, batch_prologue: bool = True, mma_ahead: bool = False,
-        greedy_tail: bool = False,
+        greedy_tail: bool = True,
     ) -> None:  # fmt: skip
         self.model = model
         self.greedy_tail = greedy_tail

@@ -99,8 +99,8 @@ def test_greedy_tail_equals_pytorch_ops(checkpoint, device, interpreted, dtype):
     interpreter's exp-built tanh and truncating casts on the CPU) and each row's first
     largest."""
     eng = engine.load(checkpoint, device=device, max_context=CTX, dtype=dtype,
-                      options=EngineOptions(fast="force", cuda_graph=False, greedy_tail=True),
-                      max_num_seqs=4, warm_up=False)  # fmt: skip
+                      options=EngineOptions(fast="force", cuda_graph=False), max_num_seqs=4,
+                      warm_up=False)  # fmt: skip
     try:
         decoder = eng.runner._step.__self__
         assert decoder.greedy_tail and eng.model.cfg.final_logit_softcapping
