@@ -3,10 +3,12 @@ batch bucket's step, a request joining 15 decoding ones, and 8 long streams unde
 
     python3 -m bench.engine.batch_bench all --out $OUT/batch.json [--ckpt /tmp/gpurig_e2b_emb4]
     python3 -m bench.engine.batch_bench capped --ckpt DIR --json x   # a fresh capped process
+    python3 -m bench.engine.batch_bench closed --conc 8,16 --rounds 4 --out x.json
 
 What it measures, on the e2b preset's random weights (4-bit linears and embedding tables):
 * `Engine.stream` from c threads at once (c = 1, 4, 8, 16), input 512, 128 tokens each, greedy,
-  no stop ids: aggregate tok/s (all tokens / wall time from the first submit to the last token),
+  no stop ids (`closed`: each thread --rounds requests in a row, so requests arrive while the
+  others decode, with the late steps' host phases: the sweep's loop without the server): aggregate tok/s (all tokens / wall time from the first submit to the last token),
   per-stream tok/s (each stream's tokens after its first / its decode time), TTFT;
 * each bucket's graph replayed back to back (CUDA events): the GPU time of one step of B rows,
   on the rows it last ran (little attention), and with B sequences `--depth` tokens deep;
@@ -55,20 +57,25 @@ def load(ckpt: Path, **kw: Any):
     return engine.load(ckpt, device="cuda", options=engine.EngineOptions.from_env(), **kw)
 
 
-def concurrent(eng, conc: int, input_len: int, output_len: int, salt: int = 0) -> dict[str, Any]:
-    """c streams at once; each thread reads its own Generation to the end."""
-    gens: list[Any] = [None] * conc
+def concurrent(eng, conc: int, input_len: int, output_len: int, salt: int = 0,
+               rounds: int = 1) -> dict[str, Any]:  # fmt: skip
+    """c streams at once; each thread reads its own Generation to the end, `rounds` requests
+    one after another (a closed loop: after the first round, requests arrive while the others
+    decode, as in the sweep, with no server in the process)."""
+    gens: list[Any] = []
     done: list[float] = [0.0] * conc
     barrier = threading.Barrier(conc + 1)
 
     def run(i: int) -> None:
         barrier.wait()
-        gen = eng.stream(
-            prompt(input_len, salt * 100 + i), SamplingParams(max_tokens=output_len, stop_ids=())
-        )
-        gens[i] = gen
-        for _ in gen:
-            pass
+        for r in range(rounds):
+            gen = eng.stream(
+                prompt(input_len, salt * 100 + i + 1000 * r),
+                SamplingParams(max_tokens=output_len, stop_ids=()),
+            )
+            gens.append(gen)
+            for _ in gen:
+                pass
         done[i] = time.perf_counter()
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(conc)]
@@ -85,6 +92,7 @@ def concurrent(eng, conc: int, input_len: int, output_len: int, salt: int = 0) -
     ttft = [g.timings.time_to_first_token * 1000 for g in gens]
     return {
         "concurrency": conc,
+        "rounds": rounds,
         "input_len": input_len,
         "output_len": output_len,
         "tokens": tokens,
@@ -95,6 +103,23 @@ def concurrent(eng, conc: int, input_len: int, output_len: int, salt: int = 0) -
         "ttft_ms_max": round(max(ttft), 1),
         # the decode stream's GPU time between steps (engine/step_clock.py), with no server
         "decode_idle_share": _idle_share(clock0, eng.runner.clock.times()),
+        **_late_steps(clock0, eng.runner.clock.times()),
+    }
+
+
+def _late_steps(before, after) -> dict[str, Any]:
+    """The steps launched after their predecessor ended, and the host's mean milliseconds
+    before one, per phase (engine/step_clock.py HOST_PHASES)."""
+    from engine.step_clock import HOST_PHASES
+
+    steps = after.timed_steps - before.timed_steps
+    late = after.starved_steps - before.starved_steps
+    timed = after.late_timed - before.late_timed
+    phases = [(a - b) / timed if timed else 0.0
+              for a, b in zip(after.late_host_ms, before.late_host_ms, strict=True)]  # fmt: skip
+    return {
+        "late_step_share": round(late / steps, 4) if steps else None,
+        "late_host_ms": {name: round(ms, 3) for name, ms in zip(HOST_PHASES, phases, strict=True)},
     }
 
 
@@ -270,13 +295,14 @@ def capped(ckpt: Path) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("what", choices=["all", "throughput", "identity", "capped"])
+    ap.add_argument("what", choices=["all", "throughput", "closed", "identity", "capped"])
     ap.add_argument("--ckpt", type=Path, default=E2B_DIR)
     ap.add_argument("--out", type=Path, help="JSON file for everything")
     ap.add_argument("--json", type=Path, help="(capped) where the child writes its result")
     ap.add_argument("--conc", default="1,4,8,16")
     ap.add_argument("--input-len", type=int, default=512)
     ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=4, help="(closed) requests per stream")
     ap.add_argument(
         "--depth",
         type=int,
@@ -294,6 +320,14 @@ def main(argv: list[str] | None = None) -> int:
         print(text)
         return 0
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    if args.what == "closed":  # the concurrency runs only, each a closed loop of --rounds
+        eng = load(args.ckpt, max_context=8192, max_num_seqs=16)
+        concurrent(eng, 2, 64, 8)  # warm the paths once
+        result["closed"] = [
+            concurrent(eng, int(c), args.input_len, args.output_len, salt=k, rounds=args.rounds)
+            for k, c in enumerate(args.conc.split(","))
+        ]
+        eng.close()
     if args.what in ("all", "throughput"):
         t0 = time.perf_counter()
         eng = load(args.ckpt, max_context=8192, max_num_seqs=16)
