@@ -19,7 +19,7 @@ by itself), so the batched step does not write them: a sequence's prompt is read
 first step, and a slot's ring and a block's rows are reset when a new sequence gets them.
 
 Allocation is host bookkeeping (engine/block_manager.py, decided by the scheduler's policy)
-mirrored to the device table with one small copy per grant (`apply`); freeing returns blocks at
+mirrored to the device table in one copy per plan (`apply`); freeing returns blocks at
 once: later work on the same CUDA stream runs after everything already queued that still reads
 them. A sequence holding consecutive blocks (one alone in its pool, the single-sequence case)
 is read as a slice of each layer's rows, not a gathered copy, so a long prompt costs no extra
@@ -31,6 +31,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from engine.block_manager import BlockGrant, BlockManager
@@ -186,6 +187,8 @@ class KVPool:
         self.block_tables = torch.zeros(
             (g.max_seqs + 1, g.max_blocks_per_seq), dtype=torch.int32, device=device
         )
+        # the tables on the host, written in numpy: a plan's grants reach the device in one copy
+        self._tables = np.zeros(tuple(self.block_tables.shape), dtype=np.int32)
         self.blocks = BlockManager(g.num_blocks, g.max_seqs, g.block_size, g.max_context)
 
     def clear(self) -> None:
@@ -199,6 +202,7 @@ class KVPool:
         self._ring_pos.fill_(-1)
         self._full_pos.fill_(-1)
         self.block_tables.zero_()
+        self._tables[:] = 0
 
     # ---- bookkeeping (the block manager's), mirrored on the device -----------------------------
     @property
@@ -216,21 +220,27 @@ class KVPool:
         if self._rings:
             for slot in opened:
                 self._ring_pos[:, slot * r : (slot + 1) * r].fill_(-1)
-        granted = []
+        if not grants:
+            return
+        # host work in numpy, then one copy for the tables and one for the rows: PyTorch gives
+        # the interpreter lock away around each call, and while the server's threads run Python
+        # each call waits to get it back (bench/NOTES.md v24)
         for g in grants:
-            ids = torch.tensor(g.blocks, dtype=torch.int32)
-            end = g.first + len(g.blocks)
-            self.block_tables[g.slot, g.first : end].copy_(self._staged(ids), non_blocking=True)
-            granted.append(ids)
-        if granted and self._full:  # every granted block's rows, every full layer: one launch
-            ids = torch.cat(granted).to(torch.int64)
-            rows = (ids[:, None] * self.block_size + torch.arange(self.block_size)).reshape(-1)
-            rows = self._staged(rows).to(self.device, non_blocking=True)
-            self._full_pos.index_fill_(1, rows, -1)
+            self._tables[g.slot, g.first : g.first + len(g.blocks)] = g.blocks
+        lo = min(g.slot for g in grants)
+        hi = max(g.slot for g in grants) + 1  # the rows between are copied as they stand
+        host = self._staged(torch.from_numpy(self._tables[lo:hi]))
+        self.block_tables[lo:hi].copy_(host, non_blocking=True)
+        if self._full:  # every granted block's rows, every full layer: one launch
+            ids = np.concatenate([np.asarray(g.blocks, dtype=np.int64) for g in grants])
+            rows = (ids[:, None] * self.block_size + np.arange(self.block_size)).reshape(-1)
+            staged = self._staged(torch.from_numpy(rows)).to(self.device, non_blocking=True)
+            self._full_pos.index_fill_(1, staged, -1)
 
     def _staged(self, host: torch.Tensor) -> torch.Tensor:
-        """`host` in pinned memory on CUDA, so copying it queues behind the running step
-        instead of waiting for it (the caching host allocator keeps the block until then)."""
+        """`host` in pinned memory on CUDA (a copy, so later writes to `host` do not reach it),
+        so copying it queues behind the running step instead of waiting for it (the caching
+        host allocator keeps the block until then)."""
         return host.pin_memory() if self.device.type == "cuda" else host
 
     def contiguous_rows(self, slot: int) -> slice | None:

@@ -227,6 +227,14 @@ def test_pool_blocks_are_handed_out_and_back(checkpoint):
             want = {b * 16 + k for b in grant_c.blocks for k in range(16)}
         assert {p for p, v in enumerate(pos.tolist()) if v == -1} == want, i
         assert set(pos.tolist()) <= {-1, 7}
+    # a plan of several grants, one growing a sequence past its first block: the device tables
+    # (one copy per plan, from the host's numpy tables) hold every slot's blocks in order
+    grants = (blocks.grow(b, 17), blocks.grow(c, 33))
+    assert all(g is not None and g.first > 0 for g in grants)
+    pool.apply((), grants)
+    for slot in (b, c):
+        assert pool.block_tables[slot, : pool.held(slot)].tolist() == blocks.blocks_of(slot)
+    assert pool.block_tables[pool.pad_slot].tolist() == [0] * pool.block_tables.shape[1]
 
 
 def test_sixteen_sequences_share_steps_and_each_gets_its_own_tokens(checkpoint, single):
