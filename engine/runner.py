@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from engine import ops
@@ -33,6 +34,7 @@ from engine.options import EngineOptions
 from engine.prompt_stream import Landing, SidePrompts
 from engine.sampler import Sampler
 from engine.scheduler import Delivered, PromptChunk, StepPlan
+from engine.sequence import Sequence
 from engine.step_clock import StepClock, StepMarks
 
 Step = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -193,14 +195,8 @@ class ModelRunner:
             if landing is not None:  # ended while its pass ran: its slot may open again below
                 landing.join()
         self.pool.apply(plan.opened, plan.grants)
-        for seq in plan.started:
-            p = seq.params
-            sampler = None if p.plain_greedy else Sampler(p, self.device)
-            prompt = torch.tensor(seq.prompt, dtype=torch.int64)
-            if self.device.type == "cuda":  # pinned: the copy queues behind the running step;
-                prompt = prompt.pin_memory()  # a pageable one waits for it (the GPU then idles)
-            prompt = prompt.to(self.device, non_blocking=True)
-            self._requests[seq.id] = _Request(prompt, sampler, p.logprobs)
+        if plan.started:
+            self._admit(plan.started)
         side = plan.chunks and self.prompts is not None
         if side and plan.rows and self.steps_first:
             # the decode rows first: the GPU has the step before the host spends its time on
@@ -223,6 +219,22 @@ class ModelRunner:
         launched = self._launch(plan)
         self._previous = launched
         return launched
+
+    def _admit(self, started: tuple[Sequence, ...]) -> None:
+        """The new sequences' prompt ids to the device in one copy, joined in numpy: each
+        PyTorch call gives the interpreter lock away, and while the server's threads run Python
+        getting it back can take a switch interval (bench/NOTES.md v24)."""
+        host = torch.from_numpy(np.concatenate([np.asarray(s.prompt, np.int64) for s in started]))
+        if self.device.type == "cuda":  # pinned: the copy queues behind the running step; a
+            host = host.pin_memory()  # pageable one waits for it (the GPU then idles)
+        ids = host.to(self.device, non_blocking=True)
+        start = 0
+        for seq in started:
+            p = seq.params
+            sampler = None if p.plain_greedy else Sampler(p, self.device)
+            prompt = ids[start : start + len(seq.prompt)]
+            start += len(seq.prompt)
+            self._requests[seq.id] = _Request(prompt, sampler, p.logprobs)
 
     def _read_aside(self, plan: StepPlan, after: torch.cuda.Event | None) -> None:
         """The plan's prompt chunks on the side stream (after `after`, else after all the main
