@@ -50,6 +50,20 @@ class StepTimes:
         total = self.busy_ms + self.idle_ms
         return self.idle_ms / total if total > 0 else 0.0
 
+    def since(self, before: StepTimes) -> StepTimes:
+        """The totals between `before` (an earlier reading) and these."""
+        return StepTimes(
+            busy_ms=self.busy_ms - before.busy_ms,
+            idle_ms=self.idle_ms - before.idle_ms,
+            timed_steps=self.timed_steps - before.timed_steps,
+            starved_steps=self.starved_steps - before.starved_steps,
+            plain_idle_ms=self.plain_idle_ms - before.plain_idle_ms,
+            late_host_ms=tuple(
+                a - b for a, b in zip(self.late_host_ms, before.late_host_ms, strict=True)
+            ),  # fmt: skip
+            late_timed=self.late_timed - before.late_timed,
+        )
+
 
 @dataclass
 class StepMarks:

@@ -112,20 +112,18 @@ def _late_steps(before, after) -> dict[str, Any]:
     before one, per phase (engine/step_clock.py HOST_PHASES)."""
     from engine.step_clock import HOST_PHASES
 
-    steps = after.timed_steps - before.timed_steps
-    late = after.starved_steps - before.starved_steps
-    timed = after.late_timed - before.late_timed
-    phases = [(a - b) / timed if timed else 0.0
-              for a, b in zip(after.late_host_ms, before.late_host_ms, strict=True)]  # fmt: skip
+    moved = after.since(before)
+    late, timed = moved.starved_steps, moved.late_timed
     return {
-        "late_step_share": round(late / steps, 4) if steps else None,
-        "late_host_ms": {name: round(ms, 3) for name, ms in zip(HOST_PHASES, phases, strict=True)},
-    }
+        "late_step_share": round(late / moved.timed_steps, 4) if moved.timed_steps else None,
+        "late_host_ms": {name: round(ms / timed if timed else 0.0, 3)
+                         for name, ms in zip(HOST_PHASES, moved.late_host_ms, strict=True)},
+    }  # fmt: skip
 
 
 def _idle_share(before, after) -> float | None:
-    busy, idle = after.busy_ms - before.busy_ms, after.idle_ms - before.idle_ms
-    return round(idle / (busy + idle), 4) if busy > 0 else None
+    moved = after.since(before)
+    return round(moved.idle_share, 4) if moved.busy_ms > 0 else None
 
 
 def _replay_us(graph, iters: int) -> float:

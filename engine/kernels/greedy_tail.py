@@ -16,6 +16,7 @@ values that rounding made equal tie as they do there.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -117,7 +118,7 @@ def cap_and_pick(logits: torch.Tensor, cap: float | None, ids: torch.Tensor | No
     val = torch.empty(rows, chunks, dtype=torch.float32, device=logits.device)
     idx = torch.empty(rows, chunks, dtype=torch.int32, device=logits.device)
     c = float(cap or 1.0)
-    inv = float(torch.tensor(1.0, dtype=torch.float32) / torch.tensor(c, dtype=torch.float32))
+    inv = float(np.float32(1.0) / np.float32(c))  # PyTorch's reciprocal, in fp32
     run_kernel(_cap_chunk_kernel, (rows, chunks), logits, val, idx, vocab, logits.stride(0),
                inv, c, chunks, iters, BLOCK=BLOCK, CAP=bool(cap),
                ACCURATE=not triton_interpreted())  # fmt: skip
