@@ -34,7 +34,7 @@ Importing this module is cheap (the standard library only): `gpurig --help` impo
 from __future__ import annotations
 
 import re
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 Category = Literal["invalid_input", "not_found", "refused", "failed"]
 
@@ -67,6 +67,18 @@ class GpurigError(Exception):
         if self.remedy:
             return f"{plain(self.message)} -> {plain(self.remedy)}"
         return plain(self.message)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickled as its fields, whatever its subclass's constructor takes (the engine's
+        process sends its refusals to the server's: engine/server/core.py)."""
+        return (_rebuild, (type(self), self.args, dict(self.__dict__)))
+
+
+def _rebuild(cls: type[GpurigError], args: tuple[Any, ...], fields: dict[str, Any]) -> GpurigError:
+    error = cls.__new__(cls, *args)
+    error.args = args
+    error.__dict__.update(fields)
+    return error
 
 
 class InvalidInputError(GpurigError):

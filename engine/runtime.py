@@ -253,7 +253,7 @@ def load(path: str | Path, config: EngineConfig | None = None, **fields: object)
             f"pass a max_context between 1 and {limit}",
         )
     chunk = prefill_chunk_for(dev) if config.prefill_chunk is None else config.prefill_chunk
-    tokenizer = _load_tokenizer(model_dir)
+    tokenizer = load_tokenizer(model_dir)
     apply_memory_cap(dev, config.memory_cap_mib, options.expandable_segments)
     configure_tuning(options.autotune, options.tuning_cache_dir)
     reader = CheckpointReader(model_dir)
@@ -297,7 +297,7 @@ def _capability(device: torch.device) -> tuple[int, int] | None:
     return torch.cuda.get_device_capability(device)
 
 
-def _load_tokenizer(model_dir: Path) -> Tokenizer:
+def load_tokenizer(model_dir: Path) -> Tokenizer:
     path = model_dir / "tokenizer.json"
     if not path.is_file():
         raise CheckpointError(

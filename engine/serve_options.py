@@ -25,6 +25,7 @@ DEFAULT_MAX_TOKENS_LIMIT = 4096  # engine/server/limits.py reads these two
 DEFAULT_MAX_BODY_MIB = 8
 MOST_NUM_SEQS = 64  # the KV pool's limit (engine/batching.py)
 API_KEY_ENV = "GPURIG_ENGINE_API_KEY"
+ENGINE_PROCESS_ENV = "GPURIG_ENGINE_PROCESS"
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
 
@@ -145,6 +146,13 @@ OPTIONS: tuple[ServeOption, ...] = (
         switch=True,
     ),
     ServeOption(
+        "engine_process",
+        "on: the engine runs in a process of its own, so the server's threads never hold up its "
+        "launches (vLLM's engine-core split); off: in the server's process (default: "
+        f"${ENGINE_PROCESS_ENV}, else off)",
+        choices=("on", "off"),
+    ),
+    ServeOption(
         "log_level",
         "uvicorn log level (info shows one line per request)",
         default="info",
@@ -176,6 +184,11 @@ def check(values: Mapping[str, Any], threads_hint: int) -> None:
     if values["threads"] is not None and values["threads"] < 1:
         raise InvalidInputError(
             f"{arg('threads')} {values['threads']} must be at least 1", f"use e.g. {threads_hint}"
+        )
+    process = values.get("engine_process")
+    if process not in (None, "on", "off"):
+        raise InvalidInputError(
+            f"{arg('engine_process')} (or ${ENGINE_PROCESS_ENV}) is {process!r}", "use on or off"
         )
     if values["max_tokens_limit"] < 0:
         raise InvalidInputError(

@@ -24,7 +24,13 @@ import socket
 import sys
 
 from engine import serve_options
-from engine.serve_options import API_KEY_ENV, DEFAULT_PORT, OPTIONS, ServeOption
+from engine.serve_options import (
+    API_KEY_ENV,
+    DEFAULT_PORT,
+    ENGINE_PROCESS_ENV,
+    OPTIONS,
+    ServeOption,
+)
 from mcp_server.cli_engine import MAX_DEFAULT_THREADS
 from mcp_server.cli_engine import default_threads as engine_default_threads
 from tools.errors import GpurigError, InvalidInputError, NotFoundError, RefusedError
@@ -177,6 +183,8 @@ def _serve(args: argparse.Namespace) -> int:
         raise NotFoundError(
             f"{model_dir} is not a directory", "pass a checkpoint directory to --model"
         )
+    if args.engine_process is None:
+        args.engine_process = os.environ.get(ENGINE_PROCESS_ENV, "off").strip().lower() or "off"
     serve_options.check(vars(args), threads_hint=default_threads())
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     if not check_bind(args.host, args.port):
@@ -208,8 +216,7 @@ def _serve(args: argparse.Namespace) -> int:
             "also tunes every GEMV shape, a few minutes once, cached per GPU name)\n"
         )
         sys.stderr.flush()
-    eng = engine.load(
-        model_dir,
+    load_kwargs = dict(
         device=args.device,
         max_context=max_ctx,
         memory_cap_mib=args.memory_cap_mib,
@@ -219,12 +226,22 @@ def _serve(args: argparse.Namespace) -> int:
         kv_cache_mib=args.kv_cache_mib,
         warm_up=not args.no_warmup,
     )
-    from engine.batching import kv_cache_line
+    gc_freeze = os.environ.get("GPURIG_GC_FREEZE", "1").strip() != "0"  # gc_watch.py
+    if args.engine_process == "on":  # engine/server/core.py: its own process, its own lock
+        from engine.server.core import CoreSpec
+        from engine.server.core_client import EngineClient
 
-    line = kv_cache_line(eng.batching, eng.pool.nbytes(), eng.device.type)
+        eng = EngineClient(CoreSpec(model_dir, load_kwargs, threads, gc_freeze))
+        line, warm_line = eng.kv_cache_line, eng.warm_up_line
+    else:
+        from engine.batching import kv_cache_line
+
+        eng = engine.load(model_dir, **load_kwargs)
+        line = kv_cache_line(eng.batching, eng.pool.nbytes(), eng.device.type)
+        warm_line = eng.warm_up_report.line() if eng.warm_up_report is not None else None
     sys.stderr.write(f"gpurig engine: {line}\n")
-    if eng.warm_up_report is not None:  # first-use costs stay out of every request's time
-        sys.stderr.write(f"gpurig engine: {eng.warm_up_report.line()}\n")
+    if warm_line is not None:  # first-use costs stay out of every request's time
+        sys.stderr.write(f"gpurig engine: {warm_line}\n")
     name = args.model_name or eng.model_name
     aliases = (str(args.model), str(model_dir), str(model_dir.resolve()))
     options = ServerOptions(
@@ -241,14 +258,14 @@ def _serve(args: argparse.Namespace) -> int:
     app = create_app(
         eng, model_name=name, aliases=aliases, options=options, first_requests=first, say=say
     )
-    if os.environ.get("GPURIG_GC_FREEZE", "1").strip() != "0":  # engine/server/gc_watch.py
+    if gc_freeze:
         say(f"{freeze():,} objects of the loaded engine exempted from garbage collection")
     capped = f" (capped from {args.max_context})" if max_ctx < args.max_context else ""
     cap = args.max_tokens_limit or "none"
     sys.stderr.write(
         f"gpurig engine: serving '{name}' on http://{args.host}:{args.port}/v1 "
         f"(device {eng.device}, context {eng.max_context}{capped}, {torch.get_num_threads()} "
-        f"CPU threads, max_tokens limit {cap}, API key {'on' if api_key else 'off'})\n"
+        f"CPU threads, engine process {args.engine_process}, max_tokens limit {cap}, API key {'on' if api_key else 'off'})\n"
     )
     sys.stderr.flush()
     uvicorn.run(

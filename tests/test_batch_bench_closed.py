@@ -44,3 +44,20 @@ def test_closed_rounds_send_every_request(tmp_path, monkeypatch) -> None:
         assert st.step_rows == 3 * 3 * 5  # every token a row of some step
     finally:
         eng.close()
+
+
+def test_alone_sends_every_round_from_the_stepping_thread(tmp_path, monkeypatch) -> None:
+    make_checkpoint(tmp_path, preset="tiny", seed=4)
+    monkeypatch.setattr(batch_bench, "prompt",
+                        lambda n, salt: [2] + [(7 * i + salt) % 400 + 10 for i in range(n - 1)])  # fmt: skip
+    eng = engine.load(tmp_path, device="cpu", max_context=256, options=EngineOptions(fast="off"),
+                      max_num_seqs=4)  # fmt: skip
+    try:
+        got = batch_bench.alone(eng, 3, 12, 5, rounds=3)
+        assert got["rounds"] == 3 and got["tokens"] == 3 * 3 * 5
+        assert got["ttft_ms_max"] >= got["ttft_ms_median"] > 0
+        assert got["per_stream_tok_s_median"] > 0
+        assert eng.scheduler.stats().step_rows == 3 * 3 * 5
+        assert not eng.has_work
+    finally:
+        eng.close()

@@ -4,11 +4,13 @@ batch bucket's step, a request joining 15 decoding ones, and 8 long streams unde
     python3 -m bench.engine.batch_bench all --out $OUT/batch.json [--ckpt /tmp/gpurig_e2b_emb4]
     python3 -m bench.engine.batch_bench capped --ckpt DIR --json x   # a fresh capped process
     python3 -m bench.engine.batch_bench closed --conc 8,16 --rounds 4 --out x.json
+    python3 -m bench.engine.batch_bench alone --conc 8,16 --rounds 4 --out x.json
 
 What it measures, on the e2b preset's random weights (4-bit linears and embedding tables):
 * `Engine.stream` from c threads at once (c = 1, 4, 8, 16), input 512, 128 tokens each, greedy,
   no stop ids (`closed`: each thread --rounds requests in a row, so requests arrive while the
-  others decode, with the late steps' host phases: the sweep's loop without the server): aggregate tok/s (all tokens / wall time from the first submit to the last token),
+  others decode, with the late steps' host phases: the sweep's loop without the server;
+  `alone`: the same requests from the one thread that steps the engine): aggregate tok/s (all tokens / wall time from the first submit to the last token),
   per-stream tok/s (each stream's tokens after its first / its decode time), TTFT;
 * each bucket's graph replayed back to back (CUDA events): the GPU time of one step of B rows,
   on the rows it last ran (little attention), and with B sequences `--depth` tokens deep;
@@ -102,6 +104,66 @@ def concurrent(eng, conc: int, input_len: int, output_len: int, salt: int = 0,
         "ttft_ms_median": round(statistics.median(ttft), 1),
         "ttft_ms_max": round(max(ttft), 1),
         # the decode stream's GPU time between steps (engine/step_clock.py), with no server
+        "decode_idle_share": _idle_share(clock0, eng.runner.clock.times()),
+        **_late_steps(clock0, eng.runner.clock.times()),
+    }
+
+
+def alone(eng, conc: int, input_len: int, output_len: int, salt: int = 0,
+          rounds: int = 1) -> dict[str, Any]:  # fmt: skip
+    """The same closed loop with one thread in the process: it steps the engine and sends each
+    stream's next request when its last one ends (what an engine process of its own would see:
+    no consumer or server thread wants the interpreter while it launches). `concurrent`'s
+    consumer threads each step the engine when their stream has nothing to read, so they
+    compete for its lock and the interpreter."""
+    params = SamplingParams(max_tokens=output_len, stop_ids=())
+    made: dict[int, int] = {}
+    seqs: list[Any] = []
+    ended: list[int] = []  # streams whose request ended in the last step
+
+    def submit(i: int, r: int) -> None:
+        def sink(seq, out) -> None:
+            made[id(seq)] = made.get(id(seq), 0) + len(out.tokens)
+            if out.finished:
+                seq.ended_at = seq.ended_at or time.perf_counter()
+                ended.append(i)
+
+        p = prompt(input_len, salt * 100 + i + 1000 * r)
+        seqs.append(eng.add_request(p, params, sink))
+
+    sent = [1] * conc
+    clock0 = eng.runner.clock.times()
+    t0 = time.perf_counter()
+    for i in range(conc):
+        submit(i, 0)
+    while eng.has_work or ended:
+        for i in ended:
+            if sent[i] < rounds:
+                submit(i, sent[i])
+                sent[i] += 1
+        ended.clear()
+        if eng.has_work:
+            eng.step()
+    wall = time.perf_counter() - t0
+    from engine.generation import Timings
+
+    timings = [Timings.of(s, made.get(id(s), 0)) for s in seqs]
+    tokens = sum(made.values())
+    return {
+        "concurrency": conc,
+        "rounds": rounds,
+        "input_len": input_len,
+        "output_len": output_len,
+        "tokens": tokens,
+        "wall_s": round(wall, 4),
+        "aggregate_tok_s": round(tokens / wall, 1),
+        "per_stream_tok_s_median": round(
+            statistics.median(t.decode_tokens_per_s or 0.0 for t in timings), 1
+        ),
+        "ttft_ms_median": round(
+            statistics.median(t.time_to_first_token * 1000 for t in timings), 1
+        ),
+        "ttft_ms_max": round(max(t.time_to_first_token * 1000 for t in timings), 1),
         "decode_idle_share": _idle_share(clock0, eng.runner.clock.times()),
         **_late_steps(clock0, eng.runner.clock.times()),
     }
@@ -293,7 +355,7 @@ def capped(ckpt: Path) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("what", choices=["all", "throughput", "closed", "identity", "capped"])
+    ap.add_argument("what", choices=["all", "throughput", "closed", "alone", "identity", "capped"])
     ap.add_argument("--ckpt", type=Path, default=E2B_DIR)
     ap.add_argument("--out", type=Path, help="JSON file for everything")
     ap.add_argument("--json", type=Path, help="(capped) where the child writes its result")
@@ -318,11 +380,13 @@ def main(argv: list[str] | None = None) -> int:
         print(text)
         return 0
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
-    if args.what == "closed":  # the concurrency runs only, each a closed loop of --rounds
+    if args.what in ("closed", "alone"):  # the concurrency runs only, closed loops of --rounds
         eng = load(args.ckpt, max_context=8192, max_num_seqs=16)
-        concurrent(eng, 2, 64, 8)  # warm the paths once
-        result["closed"] = [
-            concurrent(eng, int(c), args.input_len, args.output_len, salt=k, rounds=args.rounds)
+        loop = concurrent if args.what == "closed" else alone
+        loop(eng, 2, 64, 8)  # warm the paths once
+        loop(eng, 16, 64, 8)
+        result[args.what] = [
+            loop(eng, int(c), args.input_len, args.output_len, salt=k, rounds=args.rounds)
             for k, c in enumerate(args.conc.split(","))
         ]
         eng.close()

@@ -128,7 +128,7 @@ async def chat_completions(request: Request) -> Response:
     k, want_ids = chat_k(req), bool(req.return_token_ids)
     as_ids = bool(req.return_tokens_as_token_ids)
     stops = list(state.chat.stop_ids)  # skip_special_tokens False: the parser needs the markers
-    job = submit(state, generation_request(state, req, prompt_ids, budget.max_new, stops, k, False),
+    job = await submit(state, generation_request(state, req, prompt_ids, budget.max_new, stops, k, False),
                  "messages")  # fmt: skip
     completion_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     capped = {"max_tokens_capped": budget.capped} if budget.capped is not None else {}

@@ -65,7 +65,7 @@ async def completions(request: Request) -> Response:
     k, want_ids = completion_k(req), bool(req.return_token_ids)
     as_ids = bool(req.return_tokens_as_token_ids)
     request_ = generation_request(state, req, prompt_ids, budget.max_new, state.eos_ids, k, True)
-    job = submit(state, request_, "prompt")
+    job = await submit(state, request_, "prompt")
     completion_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     capped = {"max_tokens_capped": budget.capped} if budget.capped is not None else {}
     if not req.stream:

@@ -202,7 +202,8 @@ class GenerationQueue:
     def __init__(self, engine: Any, metrics: Metrics) -> None:
         self.engine = engine
         self.metrics = metrics
-        self.loop = EngineLoop(engine)
+        # an engine in a process of its own (engine/server/core_client.py) steps itself
+        self.loop: Any = engine if getattr(engine, "runs_itself", False) else EngineLoop(engine)
 
     def start(self) -> None:
         self.loop.start()
@@ -210,11 +211,15 @@ class GenerationQueue:
     def stop(self, timeout: float = 10.0) -> None:
         self.loop.stop(timeout)
 
-    def submit(self, request: GenerationRequest) -> Job:
+    async def submit(self, request: GenerationRequest) -> Job:
         """Queue a request in the engine (its arguments checked there, raising before the
         request is queued)."""
         loop = asyncio.get_running_loop()
         job = Job(request, self.engine.tokenizer, self.metrics, loop, self.loop.wake)
-        job.seq = self.engine.add_request(request.prompt_ids, request.params, job.sink)
+        add_async = getattr(self.engine, "add_request_async", None)
+        if add_async is not None:  # the engine's process answers between two of its steps
+            job.seq = await add_async(request.prompt_ids, request.params, job.sink)
+        else:
+            job.seq = self.engine.add_request(request.prompt_ids, request.params, job.sink)
         self.loop.wake()
         return job

@@ -157,11 +157,11 @@ SAMPLING_FIELDS = tuple(
 )
 
 
-def submit(state: ServerState, request: GenerationRequest, param: str) -> Job:
+async def submit(state: ServerState, request: GenerationRequest, param: str) -> Job:
     """Queue a request in the engine, which checks it once; what it refuses is the client's
     400 (naming `param`), anything else a 500."""
     try:
-        return state.queue.submit(request)
+        return await state.queue.submit(request)
     except ContextLengthError as exc:
         raise context_error(exc.limit, exc.requested, None, param) from None
     except GpurigError as exc:

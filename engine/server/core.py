@@ -1,0 +1,177 @@
+"""The engine in a process of its own: the loop the server's engine process runs.
+
+Why: in one process the engine's thread shares the interpreter lock with the server's event loop
+and its worker threads. PyTorch lets go of the lock around every op it dispatches, so each
+launch, copy and replay can wait for whatever Python the server runs meanwhile (the ended
+streams' last chunks, the new requests' parsing) before the next one; the decode stream then
+idles while the host is late. vLLM splits its engine core from its API server for the same
+reason. Here the engine's process runs only this loop: requests and cancellations come in
+through a pipe between steps, each step's outputs go back in one message.
+
+Messages to the core: ("add", rid, prompt ids, SamplingParams), ("cancel", rid),
+("reset_stats",), ("close",). From it: ("ready", facts) or ("failed", text) once, after loading;
+("added", rid, None or the refusal), ("outs", [(rid, Output, started_at, first_token_at)],
+stats or None), ("reset", done), ("closed",). engine/server/core_client.py is the other end.
+"""
+
+from __future__ import annotations
+
+import gc
+import pickle
+import signal
+import time
+import traceback
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+from engine.errors import EngineError
+
+STATS_EVERY_S = 0.05  # while busy, the scheduler's counters go along at most this often
+
+
+@dataclass(frozen=True)
+class CoreSpec:
+    """What the core loads: `engine.load`'s arguments (the options from the server's
+    environment, which a spawned process inherits)."""
+
+    model_dir: Path
+    load_kwargs: dict[str, Any] = field(default_factory=dict)
+    torch_threads: int | None = None
+    gc_freeze: bool = True
+
+
+def engine_facts(eng: Any) -> dict[str, Any]:
+    """What the server reads of a loaded engine, as plain values (the client's attributes)."""
+    from engine.batching import kv_cache_line
+
+    report = eng.warm_up_report
+    return {
+        "model_dir": str(eng.model_dir),
+        "model_name": eng.model_name,
+        "max_context": int(eng.max_context),
+        "bos_id": eng.bos_id,
+        "eos_ids": [int(i) for i in eng.eos_ids],
+        "chat_template": eng.chat_template,
+        "vocab_size": int(eng.config.vocab_size),
+        "device": str(eng.device),
+        "kv_cache_line": kv_cache_line(eng.batching, eng.pool.nbytes(), eng.device.type),
+        "warm_up_line": report.line() if report is not None else None,
+        "stats": eng.stats(),
+    }
+
+
+def portable(exc: BaseException) -> BaseException:
+    """`exc` if it survives pickling, else an EngineError with its text (the client raises or
+    reports what arrives)."""
+    try:
+        pickle.loads(pickle.dumps(exc))
+        return exc
+    except Exception:
+        return EngineError(f"{type(exc).__name__}: {exc}", "see the server's log")
+
+
+def core_main(conn: Connection, spec: CoreSpec) -> None:
+    """The engine process's whole life: load, say so, then serve the pipe until told to close
+    or the server's end of it goes away."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the server's: it sends "close"
+    try:
+        import torch
+
+        import engine
+
+        if spec.torch_threads is not None:
+            torch.set_num_threads(spec.torch_threads)
+        eng = engine.load(spec.model_dir, **spec.load_kwargs)
+    except BaseException as exc:  # a bad checkpoint, no memory: the server reports it and exits
+        conn.send(("failed", portable(exc), traceback.format_exc(limit=4)))
+        conn.close()
+        return
+    if spec.gc_freeze:  # the loaded engine's objects stay out of every later collection
+        gc.collect()
+        gc.freeze()
+    conn.send(("ready", engine_facts(eng)))
+    try:
+        Core(conn, eng).run()
+    finally:
+        eng.close()
+        conn.close()
+
+
+class Core:
+    """The loop: messages between steps, a step, its outputs in one message."""
+
+    def __init__(self, conn: Connection, eng: Any) -> None:
+        self.conn = conn
+        self.eng = eng
+        self.seqs: dict[int, Any] = {}  # rid -> the engine's Sequence, while open
+        self.outs: list[tuple[int, Any, float | None, float | None]] = []
+        self.stats_sent = 0.0
+        self.idle_sent = True  # "ready" carried the idle engine's counters
+        self.closing = False
+
+    def run(self) -> None:
+        conn, eng = self.conn, self.eng
+        while not self.closing:
+            busy = eng.has_work
+            # idle: block on the pipe (no interpreter held); busy: only what already came
+            if conn.poll(0 if busy else 1.0):
+                try:
+                    while conn.poll(0):
+                        self.handle(conn.recv())
+                except (EOFError, OSError):  # the server is gone: nobody to serve
+                    return
+            if self.closing:
+                break
+            if eng.has_work:
+                eng.step()  # a failing step ends its requests with the error (their outputs)
+            self.flush(idle=not eng.has_work)
+        self.conn.send(("closed",))
+
+    def handle(self, msg: tuple[Any, ...]) -> None:
+        kind = msg[0]
+        if kind == "add":
+            _, rid, prompt_ids, params = msg
+            try:
+                seq = self.eng.add_request(prompt_ids, params, self._sink(rid))
+            except Exception as exc:  # the request's own refusal: the client's 400
+                self.conn.send(("added", rid, portable(exc)))
+                return
+            self.seqs[rid] = seq
+            self.conn.send(("added", rid, None))
+        elif kind == "cancel":
+            seq = self.seqs.get(msg[1])
+            if seq is not None:
+                seq.cancel()
+        elif kind == "reset_stats":
+            done = self.eng.reset_stats()
+            self.conn.send(("reset", done, self.eng.stats()))
+        elif kind == "close":
+            self.closing = True
+
+    def _sink(self, rid: int):
+        def sink(seq: Any, out: Any) -> None:
+            if out.error is not None:
+                out.error = portable(out.error)
+            self.outs.append((rid, out, seq.started_at, seq.first_token_at))
+            if out.finished or out.error is not None:
+                self.seqs.pop(rid, None)
+
+        return sink
+
+    def flush(self, idle: bool) -> None:
+        """The step's outputs in one message, with the counters when they are due: every
+        STATS_EVERY_S while busy, and once as the engine goes idle (so a reader after a run
+        sees its last step)."""
+        now = time.perf_counter()
+        if not idle:
+            self.idle_sent = False
+        due = not self.idle_sent if idle else now - self.stats_sent >= STATS_EVERY_S
+        if not self.outs and not due:
+            return
+        stats = None
+        if due:
+            stats, self.stats_sent, self.idle_sent = self.eng.stats(), now, idle
+        self.conn.send(("outs", self.outs, stats))
+        self.outs = []

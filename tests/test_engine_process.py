@@ -1,0 +1,197 @@
+"""The engine in a process of its own (engine/server/core.py, core_client.py): a real spawned
+process on a tiny checkpoint (the CPU reference path) gives the tokens the in-process engine
+gives, refuses what it refuses before queueing, cancels, reports its counters, fails open
+requests with a clear error when it dies, and reports a bad checkpoint; then
+`gpurig engine serve --engine-process on` serves real HTTP and leaves no process behind."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+from serve_support import free_port
+
+import engine
+from engine.checkpoint_maker import make_checkpoint
+from engine.errors import CheckpointError, ContextLengthError, EngineError
+from engine.options import EngineOptions
+from engine.sampling import SamplingParams
+from engine.server.core import CoreSpec
+from engine.server.core_client import EngineClient
+
+CONTEXT = 256
+
+
+def _options() -> dict:
+    return {"device": "cpu", "max_context": CONTEXT, "options": EngineOptions(fast="off"),
+            "max_num_seqs": 4, "warm_up": False}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("core") / "tiny"
+    make_checkpoint(path, preset="tiny", seed=11)
+    return path
+
+
+@pytest.fixture(scope="module")
+def client(tiny):
+    c = EngineClient(CoreSpec(tiny, _options(), torch_threads=1))
+    yield c
+    c.close()
+
+
+def _prompt(n: int, salt: int) -> list[int]:
+    return [2] + [(13 * i + salt) % 300 + 20 for i in range(n - 1)]
+
+
+async def _run(c: EngineClient, prompt: list[int], params: SamplingParams, cancel_after=None):
+    """The request's outputs until it ends: (tokens, the last output, its sequence)."""
+    loop = asyncio.get_running_loop()
+    outs: asyncio.Queue = asyncio.Queue()
+    seq = await c.add_request_async(
+        prompt, params, lambda _s, out: loop.call_soon_threadsafe(outs.put_nowait, out)
+    )
+    tokens: list[int] = []
+    while True:
+        out = await asyncio.wait_for(outs.get(), 60)
+        tokens += out.tokens
+        if cancel_after is not None and len(tokens) >= cancel_after:
+            seq.cancel()
+        if out.finished or out.error is not None:
+            return tokens, out, seq
+
+
+def test_tokens_equal_the_in_process_engine(tiny, client) -> None:
+    prompts = [_prompt(n, s) for n, s in ((5, 1), (40, 2), (120, 3))]
+    params = SamplingParams(max_tokens=9, stop_ids=())
+    ref = engine.load(tiny, **_options())
+    try:
+        want = [ref.generate(p, params) for p in prompts]
+    finally:
+        ref.close()
+
+    async def all_at_once():
+        return await asyncio.gather(*(_run(client, p, params) for p in prompts))
+
+    got = asyncio.run(all_at_once())
+    assert [tokens for tokens, _, _ in got] == want
+    for _tokens, last, seq in got:
+        assert last.finish_reason == "length" and seq.finished and seq.finish_reason == "length"
+        assert seq.arrived <= seq.started_at <= seq.first_token_at  # the engine's clock is ours
+    assert not client.has_work
+    time.sleep(0.2)  # the counters come with the step that leaves the engine idle
+    stats = client.stats()
+    assert stats.running == 0 and stats.step_rows >= 3 * 8
+
+
+def test_refusal_raises_before_anything_is_queued(client) -> None:
+    async def too_long():
+        return await client.add_request_async(_prompt(CONTEXT + 10, 1), SamplingParams(), None)
+
+    with pytest.raises(ContextLengthError) as info:
+        asyncio.run(too_long())
+    assert info.value.limit == CONTEXT
+    assert not client.has_work
+    # the client serves the next request as before
+    tokens, last, _ = asyncio.run(_run(client, _prompt(6, 4), SamplingParams(max_tokens=3)))
+    assert len(tokens) <= 3 and last.finished
+
+
+def test_cancel_ends_the_request_early(client) -> None:
+    params = SamplingParams(max_tokens=200, stop_ids=())
+    tokens, last, seq = asyncio.run(_run(client, _prompt(8, 5), params, cancel_after=2))
+    assert 2 <= len(tokens) < 200 and last.finished and last.finish_reason is None
+    assert seq.cancelled and not client.has_work
+
+
+def test_reset_stats_zeroes_the_engine_counters(client) -> None:
+    asyncio.run(_run(client, _prompt(6, 6), SamplingParams(max_tokens=4, stop_ids=())))
+    assert client.reset_stats()
+    assert client.stats().steps == 0 and client.stats().step_rows == 0
+
+
+def test_a_dead_engine_fails_open_requests_and_refuses_new_ones(tiny) -> None:
+    c = EngineClient(CoreSpec(tiny, _options(), torch_threads=1))
+    try:
+
+        async def killed_midway():
+            loop = asyncio.get_running_loop()
+            outs: asyncio.Queue = asyncio.Queue()
+            await c.add_request_async(_prompt(8, 7), SamplingParams(max_tokens=4000, stop_ids=()),
+                                      lambda _s, o: loop.call_soon_threadsafe(outs.put_nowait, o))  # fmt: skip
+            first = await asyncio.wait_for(outs.get(), 60)
+            os.kill(c.process.pid, signal.SIGKILL)  # the engine process this test started
+            while True:
+                out = await asyncio.wait_for(outs.get(), 60)
+                if out.error is not None or out.finished:
+                    return first, out
+
+        first, last = asyncio.run(killed_midway())
+        assert first.tokens and isinstance(last.error, EngineError)
+        assert "engine process has ended (killed by SIGKILL" in str(last.error)
+        with pytest.raises(EngineError, match="engine process has ended"):
+            asyncio.run(c.add_request_async(_prompt(4, 1), SamplingParams(), None))
+        assert not c.has_work
+    finally:
+        c.close()
+    assert not c.process.is_alive()
+
+
+def test_a_bad_checkpoint_is_reported_and_the_process_is_gone(tmp_path) -> None:
+    (tmp_path / "empty").mkdir()
+
+    def alive() -> set[int]:
+        return {p.pid for p in psutil.Process().children()
+                if p.is_running() and p.status() != psutil.STATUS_ZOMBIE}  # fmt: skip
+
+    before = alive()
+    with pytest.raises(CheckpointError, match="config.json"):
+        EngineClient(CoreSpec(tmp_path / "empty", _options()))
+    assert alive() <= before  # its engine process is gone
+
+
+def test_serve_with_engine_process_answers_and_leaves_nothing(tiny) -> None:
+    port = free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "mcp_server.cli", "engine", "serve", "--model", str(tiny),
+         "--device", "cpu", "--port", str(port), "--max-context", str(CONTEXT),
+         "--engine-process", "on", "--no-warmup", "--log-level", "warning"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "GPURIG_FAST": "off"},
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(300):
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        else:
+            pytest.fail("the server never answered /health")
+        engines = psutil.Process(server.pid).children(recursive=True)
+        assert engines, "no engine process under the server"
+        body = {"model": "tiny", "prompt": _prompt(12, 3), "max_tokens": 6, "temperature": 0}
+        reply = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()
+        assert reply["usage"]["completion_tokens"] == 6
+        assert reply["choices"][0]["finish_reason"] == "length"
+        too_long = {**body, "prompt": _prompt(CONTEXT + 5, 1)}
+        refused = httpx.post(f"{url}/v1/completions", json=too_long, timeout=60)
+        assert refused.status_code == 400 and "maximum context length" in refused.text
+        metrics = httpx.get(f"{url}/metrics", params={"format": "json"}, timeout=10).json()
+        assert metrics["decode_step_rows_total"] >= 5
+    finally:
+        server.send_signal(signal.SIGINT)  # the server this test started
+        out, _ = server.communicate(timeout=60)
+    assert server.returncode == 0, out
+    assert "engine process on" in out
+    assert not [p for p in engines if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
