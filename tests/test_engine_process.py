@@ -178,8 +178,10 @@ def test_serve_with_engine_process_answers_and_leaves_nothing(tiny) -> None:
                 time.sleep(0.2)
         else:
             pytest.fail("the server never answered /health")
-        engines = psutil.Process(server.pid).children(recursive=True)
-        assert engines, "no engine process under the server"
+        children = psutil.Process(server.pid).children(recursive=True)
+        # multiprocessing's resource tracker is a child too; the engine runs spawn_main
+        engines = [p for p in children if "spawn_main" in " ".join(p.cmdline())]
+        assert len(engines) == 1, [p.cmdline() for p in children]
         body = {"model": "tiny", "prompt": _prompt(12, 3), "max_tokens": 6, "temperature": 0}
         reply = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()
         assert reply["usage"]["completion_tokens"] == 6
@@ -189,9 +191,20 @@ def test_serve_with_engine_process_answers_and_leaves_nothing(tiny) -> None:
         assert refused.status_code == 400 and "maximum context length" in refused.text
         metrics = httpx.get(f"{url}/metrics", params={"format": "json"}, timeout=10).json()
         assert metrics["decode_step_rows_total"] >= 5
+        # the engine process (under the server this test started) dies: the server says so
+        engines[0].kill()
+        engines[0].wait(10)
+        for _ in range(50):
+            health = httpx.get(f"{url}/health", timeout=5)
+            if health.status_code != 200:
+                break
+            time.sleep(0.1)
+        assert health.status_code == 503 and "killed by SIGKILL" in health.text
+        dead = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+        assert dead.status_code == 500 and "engine process has ended" in dead.text
     finally:
         server.send_signal(signal.SIGINT)  # the server this test started
         out, _ = server.communicate(timeout=60)
     assert server.returncode == 0, out
     assert "engine process on" in out
-    assert not [p for p in engines if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert not [p for p in children if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]

@@ -64,6 +64,10 @@ async def retrieve_model(request: Request) -> Response:
 
 async def health(request: Request) -> Response:
     state: ServerState = request.app.state.server
+    ended = getattr(state.engine, "ended", None)  # an engine process that died (core_client.py)
+    if ended is not None:
+        raise ApiError(503, f"The engine is not running: {ended}.", type_="server_error",
+                       code="engine_dead")  # fmt: skip
     snap = state.metrics.snapshot()
     return JSONResponse(
         {

@@ -118,6 +118,11 @@ class EngineClient:
 
     # ---- what the server calls ---------------------------------------------------------------
     @property
+    def ended(self) -> EngineError | None:
+        """Why the engine process is gone (None while it runs); /health answers 503 then."""
+        return self._ended
+
+    @property
     def has_work(self) -> bool:
         return bool(self._open)
 
