@@ -208,3 +208,28 @@ def test_serve_with_engine_process_answers_and_leaves_nothing(tiny) -> None:
     assert server.returncode == 0, out
     assert "engine process on" in out
     assert not [p for p in children if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+
+def test_the_engine_process_ends_when_its_server_is_killed(tiny, tmp_path) -> None:
+    script = (
+        "import sys, time\n"
+        "from engine.options import EngineOptions\n"
+        "from engine.server.core import CoreSpec\n"
+        "from engine.server.core_client import EngineClient\n"
+        f"c = EngineClient(CoreSpec(sys.argv[1], {{'device': 'cpu', 'max_context': {CONTEXT}, "
+        "'options': EngineOptions(fast='off'), 'warm_up': False}))\n"
+        "print(c.process.pid, flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    server = subprocess.Popen([sys.executable, "-c", script, str(tiny)], stdout=subprocess.PIPE,
+                              text=True)  # fmt: skip
+    try:
+        engine_pid = int(server.stdout.readline())
+        assert psutil.pid_exists(engine_pid)
+    finally:
+        server.kill()  # the stand-in server this test started, outright: no shutdown runs
+        server.wait(30)
+    proc = psutil.Process(engine_pid) if psutil.pid_exists(engine_pid) else None
+    if proc is not None:
+        gone, _ = psutil.wait_procs([proc], timeout=20)
+        assert gone or proc.status() == psutil.STATUS_ZOMBIE, "the engine outlived its server"

@@ -91,9 +91,11 @@ def core_main(conn: Connection, spec: CoreSpec) -> None:
     if spec.gc_freeze:  # the loaded engine's objects stay out of every later collection
         gc.collect()
         gc.freeze()
-    conn.send(("ready", engine_facts(eng)))
     try:
+        conn.send(("ready", engine_facts(eng)))
         Core(conn, eng).run()
+    except (BrokenPipeError, ConnectionResetError, EOFError):
+        pass  # the server's end went away: nobody is left to serve
     finally:
         eng.close()
         conn.close()
@@ -117,11 +119,8 @@ class Core:
             busy = eng.has_work
             # idle: block on the pipe (no interpreter held); busy: only what already came
             if conn.poll(0 if busy else 1.0):
-                try:
-                    while conn.poll(0):
-                        self.handle(conn.recv())
-                except (EOFError, OSError):  # the server is gone: nobody to serve
-                    return
+                while conn.poll(0):
+                    self.handle(conn.recv())
             if self.closing:
                 break
             if eng.has_work:
