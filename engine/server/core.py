@@ -9,7 +9,7 @@ reason. Here the engine's process runs only this loop: requests and cancellation
 through a pipe between steps, each step's outputs go back in one message.
 
 Messages to the core: ("add", rid, prompt ids, SamplingParams), ("cancel", rid),
-("reset_stats",), ("close",). From it: ("ready", facts) or ("failed", text) once, after loading;
+("reset_stats",) (answered once the engine is idle), ("close",). From it: ("ready", facts) or ("failed", text) once, after loading;
 ("added", rid, None or the refusal), ("outs", [(rid, Output, started_at, first_token_at)],
 stats or None), ("reset", done), ("closed",). engine/server/core_client.py is the other end.
 """
@@ -112,6 +112,7 @@ class Core:
         self.stats_sent = 0.0
         self.idle_sent = True  # "ready" carried the idle engine's counters
         self.closing = False
+        self.reset_wanted = False
 
     def run(self) -> None:
         conn, eng = self.conn, self.eng
@@ -126,6 +127,10 @@ class Core:
             if eng.has_work:
                 eng.step()  # a failing step ends its requests with the error (their outputs)
             self.flush(idle=not eng.has_work)
+            if self.reset_wanted and not eng.has_work:
+                self.reset_wanted = False
+                done = eng.reset_stats()
+                self.conn.send(("reset", done, eng.stats()))
         self.conn.send(("closed",))
 
     def handle(self, msg: tuple[Any, ...]) -> None:
@@ -143,9 +148,8 @@ class Core:
             seq = self.seqs.get(msg[1])
             if seq is not None:
                 seq.cancel()
-        elif kind == "reset_stats":
-            done = self.eng.reset_stats()
-            self.conn.send(("reset", done, self.eng.stats()))
+        elif kind == "reset_stats":  # once the engine is idle (its last step may be running)
+            self.reset_wanted = True
         elif kind == "close":
             self.closing = True
 
