@@ -15,7 +15,7 @@
 # GPURIG_*=value settings, e.g. "base GPURIG_DEFER_OUTPUTS=1 GPURIG_STEPS_FIRST=1"; its label is
 # the setting with "=" and "," made "-" and "_".
 #
-# AB_CONC=1,8,16 sweeps fewer concurrencies (a shorter call).
+# AB_CONC=1,8,16 and AB_REPEATS=2 sweep fewer cells (a shorter call).
 # steps: each bucket's graph on the rows it last ran, and on rows 600 tokens deep (the sweep's
 # attention). Parts default to both. $OUT gets, per value, sweep_<value>/ (REPORT.md, results.json,
 # roofline.json) and steps_<value>.json: 4 files a value, so two values fit the 8 files a call
@@ -66,7 +66,7 @@ for value in $values; do
             rm -rf /tmp/ab_sweep
             (cd "$here" && env "${setting[@]}" timeout 300 python3 -m bench.sweep_e2b --emb4 \
                 --ckpt "$GPURIG_BENCH_CKPT" --input-lens 512 --concurrency "${AB_CONC:-1,4,8,16}" \
-                --repeats 3 --output-len 128 --out /tmp/ab_sweep > /tmp/ab_sweep.log 2>&1)
+                --repeats "${AB_REPEATS:-3}" --output-len 128 --out /tmp/ab_sweep > /tmp/ab_sweep.log 2>&1)
             echo "$name=$label sweep rc=$?"
             mkdir -p "$OUT/sweep_$label"
             for f in REPORT.md results.json roofline.json; do
