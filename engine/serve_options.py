@@ -26,6 +26,7 @@ DEFAULT_MAX_BODY_MIB = 8
 MOST_NUM_SEQS = 64  # the KV pool's limit (engine/batching.py)
 API_KEY_ENV = "GPURIG_ENGINE_API_KEY"
 ENGINE_PROCESS_ENV = "GPURIG_ENGINE_PROCESS"
+ENGINE_PROCESS_MODES = ("auto", "on", "off")
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
 
@@ -148,9 +149,9 @@ OPTIONS: tuple[ServeOption, ...] = (
     ServeOption(
         "engine_process",
         "on: the engine runs in a process of its own, so the server's threads never hold up its "
-        "launches (vLLM's engine-core split); off: in the server's process (default: "
-        f"${ENGINE_PROCESS_ENV}, else off)",
-        choices=("on", "off"),
+        "launches (vLLM's engine-core split); off: in the server's process; auto: on for a "
+        f"CUDA device (default: ${ENGINE_PROCESS_ENV}, else auto)",
+        choices=ENGINE_PROCESS_MODES,
     ),
     ServeOption(
         "log_level",
@@ -186,9 +187,10 @@ def check(values: Mapping[str, Any], threads_hint: int) -> None:
             f"{arg('threads')} {values['threads']} must be at least 1", f"use e.g. {threads_hint}"
         )
     process = values.get("engine_process")
-    if process not in (None, "on", "off"):
+    if process is not None and process not in ENGINE_PROCESS_MODES:
         raise InvalidInputError(
-            f"{arg('engine_process')} (or ${ENGINE_PROCESS_ENV}) is {process!r}", "use on or off"
+            f"{arg('engine_process')} (or ${ENGINE_PROCESS_ENV}) is {process!r}",
+            "use auto, on or off",
         )
     if values["max_tokens_limit"] < 0:
         raise InvalidInputError(

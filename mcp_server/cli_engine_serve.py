@@ -168,6 +168,19 @@ def _exposure_warning(host: str, port: int, api_key: str | None) -> str:
     )
 
 
+def _serves_cuda(device: str | None) -> bool:
+    """Whether the engine will run on a CUDA device (a device name torch cannot parse: no, and
+    `engine.load` says what is wrong with it)."""
+    import torch
+
+    if not device:
+        return torch.cuda.is_available()
+    try:
+        return torch.device(device).type == "cuda"
+    except RuntimeError:
+        return False
+
+
 def _threads(args: argparse.Namespace) -> int | None:
     """The thread count to set, or None to leave torch's (OMP_NUM_THREADS, set by the user)."""
     if args.threads is not None:
@@ -184,7 +197,7 @@ def _serve(args: argparse.Namespace) -> int:
             f"{model_dir} is not a directory", "pass a checkpoint directory to --model"
         )
     if args.engine_process is None:
-        args.engine_process = os.environ.get(ENGINE_PROCESS_ENV, "off").strip().lower() or "off"
+        args.engine_process = os.environ.get(ENGINE_PROCESS_ENV, "").strip().lower() or "auto"
     serve_options.check(vars(args), threads_hint=default_threads())
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     if not check_bind(args.host, args.port):
@@ -227,6 +240,8 @@ def _serve(args: argparse.Namespace) -> int:
         warm_up=not args.no_warmup,
     )
     gc_freeze = os.environ.get("GPURIG_GC_FREEZE", "1").strip() != "0"  # gc_watch.py
+    if args.engine_process == "auto":  # measured ahead on CUDA (bench/NOTES.md v25)
+        args.engine_process = "on" if _serves_cuda(args.device) else "off"
     if args.engine_process == "on":  # engine/server/core.py: its own process, its own lock
         from engine.server.core import CoreSpec
         from engine.server.core_client import EngineClient

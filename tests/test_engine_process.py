@@ -235,3 +235,15 @@ def test_the_engine_process_ends_when_its_server_is_killed(tiny, tmp_path) -> No
     if proc is not None:
         gone, _ = psutil.wait_procs([proc], timeout=20)
         assert gone or proc.status() == psutil.STATUS_ZOMBIE, "the engine outlived its server"
+
+
+def test_auto_puts_the_engine_in_its_own_process_on_cuda_only(tiny, run_gpurig) -> None:
+    from mcp_server.cli_engine_serve import _serves_cuda
+
+    assert _serves_cuda("cuda:0") and _serves_cuda("cuda")
+    assert not _serves_cuda("cpu") and not _serves_cuda("no-such-device")
+    bad = run_gpurig("engine", "serve", "--model", str(tiny), "--engine-process", "maybe")
+    assert bad.returncode == 2 and "--engine-process" in bad.stderr and "maybe" in bad.stderr
+    from_env = run_gpurig("engine", "serve", "--model", str(tiny),
+                          env={"GPURIG_ENGINE_PROCESS": "sometimes"})  # fmt: skip
+    assert from_env.returncode == 2 and "use auto, on or off" in from_env.stderr
