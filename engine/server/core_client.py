@@ -52,7 +52,7 @@ class RemoteSequence:
         """Stop it at the engine's next step (safe any number of times)."""
         if not self.cancelled and not self.finished:
             self.cancelled = True
-            self._client.send(("cancel", self.id))
+            self._client.post(("cancel", self.id))
 
 
 class EngineClient:
@@ -157,7 +157,7 @@ class EngineClient:
             self._acks.pop(rid, None)
             self._open.pop(rid, None)
             if self._ended is None and not accepted.done():  # the caller left meanwhile
-                self._try_send(("cancel", rid))
+                self.post(("cancel", rid))
             raise
         if refusal is not None:
             self._open.pop(rid, None)
@@ -189,7 +189,7 @@ class EngineClient:
         if self._closed:
             return
         self._closed = True
-        self._try_send(("close",))
+        self.post(("close",))
         self._stop_process(timeout)
         self._reader.join(timeout)
         self._fail_open(EngineError("the server is shutting down", "send the request again"))
@@ -242,17 +242,23 @@ class EngineClient:
     def _fail_open(self, error: EngineError) -> None:
         if self._ended is None:
             self._ended = error
+        # (the event loop's thread may drop an entry meanwhile: a caller that left)
         for rid in list(self._acks):
-            loop, accepted = self._acks.pop(rid)
-            loop.call_soon_threadsafe(_settle, accepted, error)
+            loop, accepted = self._acks.pop(rid, (None, None))
+            if loop is not None and accepted is not None:
+                loop.call_soon_threadsafe(_settle, accepted, error)
         for rid in list(self._open):
-            seq = self._open.pop(rid)
-            seq.finished = True
-            seq.sink(seq, Output([], finished=True, error=error))
+            seq = self._open.pop(rid, None)
+            if seq is not None:
+                seq.finished = True
+                seq.sink(seq, Output([], finished=True, error=error))
         if self._reset is not None:
             self._reset[0].set()
 
-    def _try_send(self, msg: tuple[Any, ...]) -> None:
+    def post(self, msg: tuple[Any, ...]) -> None:
+        """Send, ignoring an engine that is gone (a cancel or a close then has nothing to do)."""
+        if self._ended is not None:
+            return
         try:
             with self._send_lock:
                 self._conn.send(msg)

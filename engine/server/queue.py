@@ -7,6 +7,10 @@ queue; the handler's side turns them into text there (engine/detokenize.py: the 
 detokeniser and the stop strings), so no thread relays anything and the loop keeps answering
 /health and /metrics while generations run. Cancelling a request (a client that left, a stop
 string) is one flag on its sequence, read by the next step.
+
+An engine in a process of its own (engine/server/core_client.py, the default on a GPU) steps
+itself: `submit` then waits for it to accept the request, and the thread reading its pipe calls
+the sinks instead of the engine's thread.
 """
 
 from __future__ import annotations
