@@ -21,6 +21,7 @@ import pickle
 import signal
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -153,7 +154,9 @@ class Core:
         elif kind == "close":
             self.closing = True
 
-    def _sink(self, rid: int):
+    def _sink(self, rid: int) -> Callable[[Any, Any], None]:
+        """The request's outputs into this step's message (on this, the stepping thread)."""
+
         def sink(seq: Any, out: Any) -> None:
             if out.error is not None:
                 out.error = portable(out.error)
