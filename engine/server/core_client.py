@@ -77,7 +77,7 @@ class EngineClient:
         self._ended: EngineError | None = None
         self._closed = False
         facts = self._wait_ready(ready_timeout)
-        self.model_dir = facts["model_dir"]
+        self.model_dir = Path(facts["model_dir"])
         self.model_name: str = facts["model_name"]
         self.max_context: int = facts["max_context"]
         self.bos_id: int | None = facts["bos_id"]
@@ -88,7 +88,6 @@ class EngineClient:
         self.kv_cache_line: str = facts["kv_cache_line"]
         self.warm_up_line: str | None = facts["warm_up_line"]
         self._stats = facts["stats"]
-        self.model_dir = Path(self.model_dir)
         self.tokenizer = load_tokenizer(self.model_dir)
         self._reader = threading.Thread(target=self._receive, name="gpurig-engine-pipe",
                                         daemon=True)  # fmt: skip
@@ -99,7 +98,7 @@ class EngineClient:
         while not self._conn.poll(READY_POLL_S):
             if not self.process.is_alive():
                 raise EngineError(
-                    f"the engine process exited while loading (exit code {self.process.exitcode})",
+                    f"the engine process exited while loading{_how(self.process.exitcode)}",
                     "see the lines above for why; check the checkpoint and the GPU",
                 )
             if deadline is not None and time.monotonic() > deadline:
@@ -113,7 +112,8 @@ class EngineClient:
             if isinstance(exc, GpurigError):  # a bad checkpoint, no memory: says what to do
                 raise exc
             raise EngineError(f"the engine failed to load: {type(exc).__name__}: {exc}\n{trace}",
-                              "see the traceback above")  # fmt: skip
+                              "the traceback says where; --engine-process off loads it in the "
+                              "server's process instead")  # fmt: skip
         return msg[1]
 
     # ---- what the server calls ---------------------------------------------------------------

@@ -355,7 +355,9 @@ def wait_ready(
             time.sleep(0.1)  # the supervisor writes the exit file just before it ends
             return mark_dead(record, weights=weights, context=context)
         answer, _detail, ids = health(record, timeout=1.0)
-        if answer == "ok" and ids:
+        # what answers must be ours: another process may have taken the port since it was
+        # found free (then ours fails to bind and dies, and the wait reports that)
+        if answer == "ok" and ids and process.listens_on(record.pid, record.port) is not False:
             if record.served_model_name not in ids and len(ids) == 1:
                 record.served_model_name = ids[0]
             if record.served_model_name in ids:

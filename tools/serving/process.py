@@ -79,6 +79,31 @@ def group_members(pgid: int) -> list[int]:
     return out
 
 
+def listens_on(pid: int, port: int) -> bool | None:
+    """Whether `pid` or a process under it holds a listening socket on `port`; None when this
+    host will not say (no permission to read the sockets). A server started on a port that
+    another process took in the meantime fails to bind, and what answers there is not it."""
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return False
+    unknown = False
+    for proc in procs:
+        try:
+            read = getattr(proc, "net_connections", None) or proc.connections  # psutil < 6
+            conns = read(kind="inet")
+        except psutil.AccessDenied:
+            unknown = True
+            continue
+        except psutil.Error:
+            continue
+        if any(c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port
+               for c in conns):  # fmt: skip
+            return True
+    return None if unknown else False
+
+
 def server_child(pid: int) -> int | None:
     """The server under the supervisor (its first child), when alive."""
     try:
