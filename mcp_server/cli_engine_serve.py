@@ -215,6 +215,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     import engine
     from engine.server import create_app
+    from engine.server.core import CoreSpec, startup_lines
     from engine.server.gc_watch import freeze
     from engine.server.limits import ServerOptions
 
@@ -243,17 +244,13 @@ def _serve(args: argparse.Namespace) -> int:
     if args.engine_process == "auto":  # measured ahead on CUDA (bench/NOTES.md v25)
         args.engine_process = "on" if _serves_cuda(args.device) else "off"
     if args.engine_process == "on":  # engine/server/core.py: its own process, its own lock
-        from engine.server.core import CoreSpec
         from engine.server.core_client import EngineClient
 
         eng = EngineClient(CoreSpec(model_dir, load_kwargs, threads, gc_freeze))
         line, warm_line = eng.kv_cache_line, eng.warm_up_line
     else:
-        from engine.batching import kv_cache_line
-
         eng = engine.load(model_dir, **load_kwargs)
-        line = kv_cache_line(eng.batching, eng.pool.nbytes(), eng.device.type)
-        warm_line = eng.warm_up_report.line() if eng.warm_up_report is not None else None
+        line, warm_line = startup_lines(eng)
     sys.stderr.write(f"gpurig engine: {line}\n")
     if warm_line is not None:  # first-use costs stay out of every request's time
         sys.stderr.write(f"gpurig engine: {warm_line}\n")
@@ -280,7 +277,8 @@ def _serve(args: argparse.Namespace) -> int:
     sys.stderr.write(
         f"gpurig engine: serving '{name}' on http://{args.host}:{args.port}/v1 "
         f"(device {eng.device}, context {eng.max_context}{capped}, {torch.get_num_threads()} "
-        f"CPU threads, engine process {args.engine_process}, max_tokens limit {cap}, API key {'on' if api_key else 'off'})\n"
+        f"CPU threads, engine process {args.engine_process}, max_tokens limit {cap}, "
+        f"API key {'on' if api_key else 'off'})\n"
     )
     sys.stderr.flush()
     uvicorn.run(

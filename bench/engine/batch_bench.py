@@ -90,22 +90,29 @@ def concurrent(eng, conc: int, input_len: int, output_len: int, salt: int = 0,
         t.join()
     wall = max(done) - t0
     tokens = sum(g.completion_tokens for g in gens)
-    per_stream = [g.timings.decode_tokens_per_s or 0.0 for g in gens]
-    ttft = [g.timings.time_to_first_token * 1000 for g in gens]
+    shape = {"concurrency": conc, "rounds": rounds, "input_len": input_len,
+             "output_len": output_len}  # fmt: skip
+    return _closed_result(eng, shape, tokens, wall, [g.timings for g in gens], clock0)
+
+
+def _closed_result(eng, shape: dict[str, int], tokens: int, wall: float, timings: list[Any],
+                   clock0: Any) -> dict[str, Any]:  # fmt: skip
+    """A closed loop's figures: its shape, throughput, per-stream rates and TTFT from the
+    requests' timings (engine.generation.Timings), and the decode stream's clock since clock0
+    (engine/step_clock.py: its GPU time between steps, the late steps' host phases)."""
+    per_stream = [t.decode_tokens_per_s or 0.0 for t in timings]
+    ttft = [t.time_to_first_token * 1000 for t in timings]
+    clock1 = eng.runner.clock.times()
     return {
-        "concurrency": conc,
-        "rounds": rounds,
-        "input_len": input_len,
-        "output_len": output_len,
+        **shape,
         "tokens": tokens,
         "wall_s": round(wall, 4),
         "aggregate_tok_s": round(tokens / wall, 1),
         "per_stream_tok_s_median": round(statistics.median(per_stream), 1),
         "ttft_ms_median": round(statistics.median(ttft), 1),
         "ttft_ms_max": round(max(ttft), 1),
-        # the decode stream's GPU time between steps (engine/step_clock.py), with no server
-        "decode_idle_share": _idle_share(clock0, eng.runner.clock.times()),
-        **_late_steps(clock0, eng.runner.clock.times()),
+        "decode_idle_share": _idle_share(clock0, clock1),
+        **_late_steps(clock0, clock1),
     }
 
 
@@ -148,25 +155,9 @@ def alone(eng, conc: int, input_len: int, output_len: int, salt: int = 0,
     from engine.generation import Timings
 
     timings = [Timings.of(s, made.get(id(s), 0)) for s in seqs]
-    tokens = sum(made.values())
-    return {
-        "concurrency": conc,
-        "rounds": rounds,
-        "input_len": input_len,
-        "output_len": output_len,
-        "tokens": tokens,
-        "wall_s": round(wall, 4),
-        "aggregate_tok_s": round(tokens / wall, 1),
-        "per_stream_tok_s_median": round(
-            statistics.median(t.decode_tokens_per_s or 0.0 for t in timings), 1
-        ),
-        "ttft_ms_median": round(
-            statistics.median(t.time_to_first_token * 1000 for t in timings), 1
-        ),
-        "ttft_ms_max": round(max(t.time_to_first_token * 1000 for t in timings), 1),
-        "decode_idle_share": _idle_share(clock0, eng.runner.clock.times()),
-        **_late_steps(clock0, eng.runner.clock.times()),
-    }
+    shape = {"concurrency": conc, "rounds": rounds, "input_len": input_len,
+             "output_len": output_len}  # fmt: skip
+    return _closed_result(eng, shape, sum(made.values()), wall, timings, clock0)
 
 
 def _late_steps(before, after) -> dict[str, Any]:

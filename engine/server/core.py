@@ -43,11 +43,18 @@ class CoreSpec:
     gc_freeze: bool = True
 
 
-def engine_facts(eng: Any) -> dict[str, Any]:
-    """What the server reads of a loaded engine, as plain values (the client's attributes)."""
+def startup_lines(eng: Any) -> tuple[str, str | None]:
+    """The lines a server logs of a loaded engine: its KV cache, and its warm-up if it ran."""
     from engine.batching import kv_cache_line
 
     report = eng.warm_up_report
+    line = kv_cache_line(eng.batching, eng.pool.nbytes(), eng.device.type)
+    return line, report.line() if report is not None else None
+
+
+def engine_facts(eng: Any) -> dict[str, Any]:
+    """What the server reads of a loaded engine, as plain values (the client's attributes)."""
+    kv_line, warm_line = startup_lines(eng)
     return {
         "model_dir": str(eng.model_dir),
         "model_name": eng.model_name,
@@ -57,8 +64,8 @@ def engine_facts(eng: Any) -> dict[str, Any]:
         "chat_template": eng.chat_template,
         "vocab_size": int(eng.config.vocab_size),
         "device": str(eng.device),
-        "kv_cache_line": kv_cache_line(eng.batching, eng.pool.nbytes(), eng.device.type),
-        "warm_up_line": report.line() if report is not None else None,
+        "kv_cache_line": kv_line,
+        "warm_up_line": warm_line,
         "stats": eng.stats(),
     }
 
