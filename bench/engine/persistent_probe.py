@@ -17,7 +17,10 @@ output the next one's input:
 * ``persistent``: the same tile code in ONE launch of as many programs as fit on the card at
   once, a barrier (an atomic count, then a spin) between products;
 * ``persistent_l2``: that, and each program pulls its share of the next product's weights into
-  L2 (`prefetch.global.L2`) before it waits at the barrier.
+  L2 (`prefetch.global.L2`) before it waits at the barrier;
+* ``layered``: per layer, q|k|v as one launch and the five products after it as one persistent
+  launch (PDL between them): the design that leaves the attention's kernels where they are and
+  makes the block after them one kernel.
 
 ``launch`` against ``persistent`` is the barrier against the boundary with the same arithmetic;
 ``product`` against ``launch`` is what the engine's tuned tiles are worth. The tokens of the
@@ -165,8 +168,10 @@ def _grid_barrier(bar_ptr, err_ptr, target):
 @triton.jit
 def _persistent_kernel(table_ptr, n_products, bar_ptr, err_ptr, BLOCK_N: tl.constexpr,
                        BLOCK_KW: tl.constexpr, H2: tl.constexpr, USE_ASM: tl.constexpr,
-                       PREFETCH: tl.constexpr, LINES: tl.constexpr):  # fmt: skip
+                       PREFETCH: tl.constexpr, LINES: tl.constexpr,
+                       PDL: tl.constexpr = False):  # fmt: skip
     """Every product of the table in turn; each program takes tiles pid, pid + grid, ..."""
+    wait_inputs(PDL)
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     for p in range(n_products):
@@ -221,7 +226,7 @@ class Chain:
             [[self._input(i).data_ptr(), w.data_ptr(), s.data_ptr(), self.outs[i].data_ptr(), p.n, p.k]
              for i, (p, (w, s)) in enumerate(zip(products, self.weights, strict=True))],
             dtype=torch.int64, device=device)  # fmt: skip
-        self.bar = torch.zeros(1, dtype=torch.int32, device=device)
+        self.bar = torch.zeros(max(1, len(products)), dtype=torch.int32, device=device)
         self.err = torch.zeros(1, dtype=torch.int32, device=device)
 
     def _input(self, i: int) -> torch.Tensor:
@@ -248,12 +253,26 @@ class Chain:
 
     def run_persistent(self, programs: int, prefetch: bool = False) -> None:
         self.bar.zero_()
+        self._persistent(programs, 0, len(self.products), prefetch)
+
+    def _persistent(self, programs: int, first: int, count: int, prefetch: bool) -> None:
+        """Products [first, first + count) in one launch, on barrier counter `first`."""
         lines = triton.next_power_of_2(max(p.k // 2 // 128 for p in self.products) or 1)
-        _persistent_kernel[(programs,)](
-            self.table, len(self.products), self.bar, self.err, BLOCK_N=self.block_n,
-            BLOCK_KW=self.block_kw, PREFETCH=prefetch, LINES=lines, num_warps=self.num_warps,
-            **self._flags(),
-        )  # fmt: skip
+        run_kernel(_persistent_kernel, (programs,), self.table[first:], count,
+                   self.bar[first:], self.err, BLOCK_N=self.block_n, BLOCK_KW=self.block_kw,
+                   PREFETCH=prefetch, LINES=lines, num_warps=self.num_warps, **self._flags())  # fmt: skip
+
+    def run_layered(self, programs: int, per_layer: int = 6) -> None:
+        """Each layer's first product as one launch, the rest as one persistent launch."""
+        self.bar.zero_()
+        for first in range(0, len(self.products), per_layer):
+            p = self.products[first]
+            w, s = self.weights[first]
+            run_kernel(_launch_kernel, (triton.cdiv(p.n, self.block_n),),
+                       self._input(first)[: p.k], w, s, self.outs[first], p.n, p.k,
+                       BLOCK_N=self.block_n, BLOCK_KW=self.block_kw, num_warps=self.num_warps,
+                       **self._flags())  # fmt: skip
+            self._persistent(programs, first + 1, per_layer - 1, False)
 
     def reference(self) -> torch.Tensor:
         """The chain in float32 from the dequantised weights (the rounding of each output to
@@ -340,6 +359,14 @@ def measure(preset: str, per_sm: list[int], block_n: int, num_warps: int) -> dic
                 out["variants"][name]["equal_to_launch"] = bool(
                     torch.equal(finals[name], finals["launch"])
                 )
+        name = f"layered_{n}x"
+        with pdl_launches():
+            record(name, lambda p=programs: chain.run_layered(p))
+        if name in finals:
+            out["variants"][name]["programs"] = programs
+            out["variants"][name]["equal_to_launch"] = bool(
+                torch.equal(finals[name], finals["launch"])
+            )
     return out
 
 

@@ -48,7 +48,16 @@ def test_persistent_equals_one_launch_per_product(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()
     assert chain.err.item() == 0
-    assert chain.bar.item() == programs * len(SMALL)  # every program passed every barrier
+    assert chain.bar[0].item() == programs * len(SMALL)  # every program passed every barrier
+    for a, b in zip(launched, chain.outs, strict=True):
+        assert torch.equal(a, b)
+    for o in chain.outs:
+        o.zero_()
+    chain.run_layered(programs, per_layer=3)  # q|k|v alone, then two products in one launch
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    assert chain.err.item() == 0
+    assert chain.bar[[1, 4]].tolist() == [2 * programs] * 2  # one counter per persistent launch
     for a, b in zip(launched, chain.outs, strict=True):
         assert torch.equal(a, b)
     final = chain.outs[-1].float()
