@@ -260,6 +260,10 @@ def test_error_shapes(client, server):
     with pytest.raises(openai.BadRequestError) as exc:  # the prompt alone
         client.completions.create(model=MODEL, prompt=[5] * 4097, max_tokens=1)
     assert "4096" in exc.value.message and "4097" in exc.value.message
+    assert "1 in the completion" in exc.value.message  # the max_tokens asked, not 0
+    with pytest.raises(openai.BadRequestError) as exc:  # no max_tokens: the prompt is all
+        client.completions.create(model=MODEL, prompt=[5] * 4096)
+    assert "your prompt has 4096 tokens" in exc.value.message
     with pytest.raises(openai.BadRequestError) as exc:
         client.completions.create(model=MODEL, prompt=[5, 99999], max_tokens=1)
     assert "99999" in exc.value.message

@@ -29,7 +29,9 @@ def _precheck(state: ServerState, data: dict[str, Any]) -> None:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], list):
         prompt = prompt[0]
     if isinstance(prompt, list) and len(prompt) >= state.max_context:
-        raise context_error(state.max_context, len(prompt), None, "prompt")
+        asked = data.get("max_tokens")
+        asked = asked if isinstance(asked, int) and not isinstance(asked, bool) else None
+        raise context_error(state.max_context, len(prompt), asked, "prompt")
 
 
 def completion_prompt(state: ServerState, req: CompletionRequest) -> list[int]:

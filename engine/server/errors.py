@@ -56,12 +56,16 @@ def server_error(exc: BaseException) -> ApiError:
 def context_error(limit: int, prompt_len: int, asked: int | None, param: str) -> ApiError:
     """OpenAI's wording for a prompt (+ completion) over the context, so clients that look for
     it (and people) recognise it."""
-    wanted = prompt_len + (asked or 0)
+    if asked is None:  # the prompt alone leaves no room for one token
+        told = (f"However, your prompt has {prompt_len} tokens, which leaves no room for a "
+                "completion. Please reduce the length of the prompt.")  # fmt: skip
+    else:
+        told = (f"However, you requested {prompt_len + asked} tokens ({prompt_len} in the "
+                f"prompt, {asked} in the completion). Please reduce the length of the prompt "
+                "or of max_tokens.")  # fmt: skip
     return ApiError(
         400,
-        f"This model's maximum context length is {limit} tokens. However, you requested "
-        f"{wanted} tokens ({prompt_len} in the prompt, {asked or 0} in the completion). "
-        "Please reduce the length of the prompt or of max_tokens.",
+        f"This model's maximum context length is {limit} tokens. {told}",
         param=param,
         code="context_length_exceeded",
     )
