@@ -87,10 +87,14 @@ def layer_products(preset: str) -> list[Product]:
 
 
 @triton.jit
-def _x8(x_ptr, rk, kw0):
+def _x8(x_ptr, rk, kw0, KW, EVEN_K: tl.constexpr):
     """One K step's activations as 8 vectors (nibble j of every word), fp32. `.cg` reads L2:
-    L1 is not coherent, and the persistent programs rewrite these buffers between products."""
-    off = (kw0 + rk) * 8
+    L1 is not coherent, and the persistent programs rewrite these buffers between products.
+    Past the row's end (not EVEN_K) the address is clamped; the weights there are masked to 0."""
+    if EVEN_K:  # noqa: SIM108 - a constexpr branch
+        off = (kw0 + rk) * 8
+    else:
+        off = tl.where((kw0 + rk) < KW, kw0 + rk, 0) * 8
     x0 = tl.load(x_ptr + off + 0, cache_modifier=".cg").to(tl.float32)
     x1 = tl.load(x_ptr + off + 1, cache_modifier=".cg").to(tl.float32)
     x2 = tl.load(x_ptr + off + 2, cache_modifier=".cg").to(tl.float32)
@@ -104,9 +108,9 @@ def _x8(x_ptr, rk, kw0):
 
 @triton.jit
 def _tile(x_ptr, w_ptr, s_ptr, y_ptr, N, K, t, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr,
-          H2: tl.constexpr, USE_ASM: tl.constexpr):  # fmt: skip
+          EVEN_K: tl.constexpr, H2: tl.constexpr, USE_ASM: tl.constexpr):  # fmt: skip
     """Rows [t * BLOCK_N, +BLOCK_N) of one product, K walked one step ahead (the engine's PIPE).
-    BLOCK_KW divides K / 8 for every product here, so no K masks."""
+    EVEN_K: BLOCK_KW divides K / 8 for every product, so no K masks."""
     KW = K // 8
     rk = tl.arange(0, BLOCK_KW)
     rn = t * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -114,12 +118,12 @@ def _tile(x_ptr, w_ptr, s_ptr, y_ptr, N, K, t, BLOCK_N: tl.constexpr, BLOCK_KW: 
     rows = tl.where(n_mask, rn, 0).to(tl.int64)
     w_ptrs = w_ptr + rows[:, None] * KW + rk[None, :]
     s_ptrs = s_ptr + rows[:, None] * (K // 32) + rk[None, :] // 4
-    w, s = ws_loads(w_ptrs, s_ptrs, rk, 0, KW, True)
-    x0, x1, x2, x3, x4, x5, x6, x7 = _x8(x_ptr, rk, 0)
+    w, s = ws_loads(w_ptrs, s_ptrs, rk, 0, KW, EVEN_K)
+    x0, x1, x2, x3, x4, x5, x6, x7 = _x8(x_ptr, rk, 0, KW, EVEN_K)
     acc = tl.zeros([BLOCK_N, BLOCK_KW], dtype=tl.float32)
     for kn in range(BLOCK_KW, KW, BLOCK_KW):
-        nw, ns = ws_loads(w_ptrs, s_ptrs, rk, kn, KW, True)
-        n0, n1, n2, n3, n4, n5, n6, n7 = _x8(x_ptr, rk, kn)
+        nw, ns = ws_loads(w_ptrs, s_ptrs, rk, kn, KW, EVEN_K)
+        n0, n1, n2, n3, n4, n5, n6, n7 = _x8(x_ptr, rk, kn, KW, EVEN_K)
         acc = _tile_step(acc, w, s, x0, x1, x2, x3, x4, x5, x6, x7, H2, USE_ASM)
         w, s, x0, x1, x2, x3, x4, x5, x6, x7 = nw, ns, n0, n1, n2, n3, n4, n5, n6, n7
     acc = _tile_step(acc, w, s, x0, x1, x2, x3, x4, x5, x6, x7, H2, USE_ASM)
@@ -143,11 +147,13 @@ def _prefetch_rows(w_ptr, N, K, t, BLOCK_N: tl.constexpr, LINES: tl.constexpr):
 
 @triton.jit
 def _launch_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N, K, BLOCK_N: tl.constexpr,
-                   BLOCK_KW: tl.constexpr, H2: tl.constexpr, USE_ASM: tl.constexpr,
+                   BLOCK_KW: tl.constexpr, EVEN_K: tl.constexpr, H2: tl.constexpr,
+                   USE_ASM: tl.constexpr,
                    PDL: tl.constexpr = False):  # fmt: skip
     """One product, one tile per program (``launch``)."""
     wait_inputs(PDL)
-    _tile(x_ptr, w_ptr, s_ptr, y_ptr, N, K, tl.program_id(0), BLOCK_N, BLOCK_KW, H2, USE_ASM)
+    _tile(x_ptr, w_ptr, s_ptr, y_ptr, N, K, tl.program_id(0), BLOCK_N, BLOCK_KW, EVEN_K, H2,
+          USE_ASM)  # fmt: skip
 
 
 @triton.jit
@@ -167,7 +173,8 @@ def _grid_barrier(bar_ptr, err_ptr, target):
 
 @triton.jit
 def _persistent_kernel(table_ptr, n_products, bar_ptr, err_ptr, BLOCK_N: tl.constexpr,
-                       BLOCK_KW: tl.constexpr, H2: tl.constexpr, USE_ASM: tl.constexpr,
+                       BLOCK_KW: tl.constexpr, EVEN_K: tl.constexpr, H2: tl.constexpr,
+                   USE_ASM: tl.constexpr,
                        PREFETCH: tl.constexpr, LINES: tl.constexpr,
                        PDL: tl.constexpr = False):  # fmt: skip
     """Every product of the table in turn; each program takes tiles pid, pid + grid, ..."""
@@ -183,7 +190,7 @@ def _persistent_kernel(table_ptr, n_products, bar_ptr, err_ptr, BLOCK_N: tl.cons
         n = tl.load(row + 4).to(tl.int32)
         k = tl.load(row + 5).to(tl.int32)
         for t in range(pid, tl.cdiv(n, BLOCK_N), nprog):
-            _tile(x_ptr, w_ptr, s_ptr, y_ptr, n, k, t, BLOCK_N, BLOCK_KW, H2, USE_ASM)
+            _tile(x_ptr, w_ptr, s_ptr, y_ptr, n, k, t, BLOCK_N, BLOCK_KW, EVEN_K, H2, USE_ASM)
         if PREFETCH:  # noqa: SIM102 - a constexpr test beside a tensor one
             if p + 1 < n_products:
                 nxt = row + 6
@@ -201,21 +208,21 @@ class Chain:
     reads `x0`), its first K values."""
 
     def __init__(self, products: list[Product], device: torch.device, seed: int = 0,
-                 block_n: int = 16, num_warps: int = 4):  # fmt: skip
+                 block_n: int = 16, num_warps: int = 4, block_kw: int | None = None):  # fmt: skip
         self.products, self.device = products, device
         if any(p.k % 32 for p in products):
             raise ValueError("every product's K must be a multiple of 32 (one scale group)")
-        # the widest K step (at most 32 words) that divides every product's K / 8: no K masks
-        self.block_kw = min(32, *(p.k // 8 & -(p.k // 8) for p in products))
-        self.block_n, self.num_warps = block_n, num_warps
+        self.set_tiles(block_n, block_kw, num_warps)
         gen = torch.Generator(device=device).manual_seed(seed)
         self.weights: list[tuple[torch.Tensor, torch.Tensor]] = []
         for p in products:  # codes uniform in 0..15 (variance 21.5 about 8): |y| stays ~ |x|
             packed = torch.randint(-(2**31), 2**31, (p.n, p.k // 8), generator=gen,
                                    dtype=torch.int64, device=device).to(torch.int32)  # fmt: skip
-            scale = (torch.rand(p.n, p.k // 32, generator=gen, device=device) + 0.5) / (
-                21.5 * p.k
-            ) ** 0.5
+            # a random sign per group: the codes' mean (-0.5) would otherwise grow the chain's
+            # common direction ~4x per product, to inf within a few layers
+            sign = torch.randint(0, 2, (p.n, p.k // 32), generator=gen, device=device) * 2 - 1
+            scale = sign * (torch.rand(p.n, p.k // 32, generator=gen, device=device) + 0.5)
+            scale = scale / (21.5 * 1.0833 * p.k) ** 0.5  # E[(u + 0.5)^2] = 1.0833
             self.weights.append((packed, scale.to(torch.bfloat16)))
         self.x0 = torch.randn(products[0].k, generator=gen, device=device).to(torch.bfloat16)
         self.outs = [torch.zeros(p.n, dtype=torch.bfloat16, device=device) for p in products]
@@ -229,6 +236,13 @@ class Chain:
         self.bar = torch.zeros(max(1, len(products)), dtype=torch.int32, device=device)
         self.err = torch.zeros(1, dtype=torch.int32, device=device)
 
+    def set_tiles(self, block_n: int, block_kw: int | None, num_warps: int) -> None:
+        """Rows, K words (default: the widest step up to 32 words that divides every product's
+        K / 8) and warps of a program."""
+        self.block_n, self.num_warps = block_n, num_warps
+        self.block_kw = block_kw or min(32, *(p.k // 8 & -(p.k // 8) for p in self.products))
+        self.even_k = all(p.k // 8 % self.block_kw == 0 for p in self.products)
+
     def _input(self, i: int) -> torch.Tensor:
         return self.x0 if i == 0 else self.outs[i - 1]
 
@@ -237,7 +251,8 @@ class Chain:
         return sum(w.numel() * 4 + s.numel() * 2 for w, s in self.weights)
 
     def _flags(self) -> dict[str, Any]:
-        return {"H2": h2_on(torch.bfloat16, self.device), "USE_ASM": asm_on(self.device)}
+        return {"H2": h2_on(torch.bfloat16, self.device), "USE_ASM": asm_on(self.device),
+                "EVEN_K": self.even_k}  # fmt: skip
 
     def run_launch(self) -> None:
         for i, (p, (w, s)) in enumerate(zip(self.products, self.weights, strict=True)):
@@ -314,25 +329,26 @@ def _time_us(graph: torch.cuda.CUDAGraph, reps: int = 50, rounds: int = 7) -> fl
     return statistics.median(times)
 
 
-def measure(preset: str, per_sm: list[int], block_n: int, num_warps: int) -> dict[str, Any]:
-    """Every variant's time for the whole chain, and their outputs against each other."""
+def measure(preset: str, per_sm: list[int], tiles: list[tuple[int, int, int]]) -> dict[str, Any]:
+    """Every variant's time for the whole chain under each tiling (rows x K words x warps per
+    program), and their outputs against each other."""
     dev = torch.device("cuda")
-    chain = Chain(layer_products(preset), dev, block_n=block_n, num_warps=num_warps)
+    chain = Chain(layer_products(preset), dev)
     ref = chain.reference()
     out: dict[str, Any] = {"gpu": torch.cuda.get_device_name(dev), "preset": preset,
                            "products": len(chain.products), "weight_mb": chain.weight_bytes / 1e6,
-                           "block_n": block_n, "num_warps": num_warps, "variants": {}}  # fmt: skip
+                           "variants": {}, "tiles": {}}  # fmt: skip
     finals: dict[str, torch.Tensor] = {}
 
-    def record(name: str, fn) -> None:
+    def record(into: dict[str, Any], name: str, fn) -> None:
         chain.outs[-1].zero_()
         chain.err.zero_()
         fn()  # compile, and find out whether the programs were resident at once
         torch.cuda.synchronize()
         if chain.err.item():
-            out["variants"][name] = {"error": "a barrier timed out: the programs were not all "
-                                              "resident at once (too many per SM)"}  # fmt: skip
-            print(name, out["variants"][name], flush=True)
+            into[name] = {"error": "a barrier timed out: the programs were not all resident "
+                                   "at once (too many per SM)"}  # fmt: skip
+            print(name, into[name], flush=True)
             return
         graph = _graph(fn)
         graph.replay()
@@ -341,32 +357,30 @@ def measure(preset: str, per_sm: list[int], block_n: int, num_warps: int) -> dic
         finals[name] = final
         us = _time_us(graph)
         rel = ((final - ref).norm() / ref.norm()).item()
-        out["variants"][name] = {"us": round(us, 1), "us_per_product": round(us / len(chain.products), 2),
-                                 "gb_per_s": round(chain.weight_bytes / us / 1e3, 1),
-                                 "rel_err_vs_fp32": rel, "error_flag": int(chain.err.item())}  # fmt: skip
-        print(name, out["variants"][name], flush=True)
+        into[name] = {"us": round(us, 1), "us_per_product": round(us / len(chain.products), 2),
+                      "gb_per_s": round(chain.weight_bytes / us / 1e3, 1),
+                      "rel_err_vs_fp32": round(rel, 5)}  # fmt: skip
+        if name != "product" and "launch" in finals:
+            into[name]["equal_to_launch"] = bool(torch.equal(final, finals["launch"]))
+        print(name, into[name], flush=True)
 
     with pdl_launches():
-        record("product", chain.run_product)
-        record("launch", chain.run_launch)
-    for n in per_sm:
-        programs = resident_programs(chain, n)
-        for prefetch in (False, True):
-            name = f"persistent_{n}x" + ("_l2" if prefetch else "")
-            record(name, lambda p=programs, f=prefetch: chain.run_persistent(p, f))
-            out["variants"][name]["programs"] = programs
-            if name in finals:
-                out["variants"][name]["equal_to_launch"] = bool(
-                    torch.equal(finals[name], finals["launch"])
-                )
-        name = f"layered_{n}x"
+        record(out["variants"], "product", chain.run_product)
+    for block_n, block_kw, warps in tiles:
+        chain.set_tiles(block_n, block_kw, warps)
+        label = f"{block_n}x{block_kw}x{warps}"
+        print("tiles", label, "even K" if chain.even_k else "masked K", flush=True)
+        into = out["tiles"][label] = {}
+        finals.pop("launch", None)
         with pdl_launches():
-            record(name, lambda p=programs: chain.run_layered(p))
-        if name in finals:
-            out["variants"][name]["programs"] = programs
-            out["variants"][name]["equal_to_launch"] = bool(
-                torch.equal(finals[name], finals["launch"])
-            )
+            record(into, "launch", chain.run_launch)
+        for n in per_sm:
+            programs = resident_programs(chain, n)
+            for prefetch in (False, True):
+                name = f"persistent_{n}x" + ("_l2" if prefetch else "")
+                record(into, name, lambda p=programs, f=prefetch: chain.run_persistent(p, f))
+            with pdl_launches():
+                record(into, f"layered_{n}x", lambda p=programs: chain.run_layered(p))
     return out
 
 
@@ -374,8 +388,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", default="e2b")
     ap.add_argument("--per-sm", default="1,2,4", help="programs per SM of the persistent kernel")
-    ap.add_argument("--block-n", type=int, default=16)
-    ap.add_argument("--num-warps", type=int, default=4)
+    ap.add_argument("--tiles", default="16x32x4,4x128x4,2x256x4,4x256x8",
+                    help="tilings to try: rows x K words x warps per program")  # fmt: skip
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -383,7 +397,8 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)  # fmt: skip
         return 2
     per_sm = [int(v) for v in args.per_sm.split(",")]
-    result = measure(args.preset, per_sm, args.block_n, args.num_warps)
+    tiles = [tuple(int(v) for v in t.split("x")) for t in args.tiles.split(",")]
+    result = measure(args.preset, per_sm, tiles)  # type: ignore[arg-type]
     from tools.fileio import write_atomic
 
     write_atomic(args.out, json.dumps(result, indent=2) + "\n")

@@ -31,9 +31,13 @@ def test_a_product_that_reads_more_than_the_last_one_wrote_is_refused() -> None:
         Chain([Product("a", 64, 64), Product("b", 64, 128)], torch.device("cpu"))
 
 
-def test_persistent_equals_one_launch_per_product(device: torch.device) -> None:
-    chain = Chain(SMALL, device, block_n=16, num_warps=4)
-    assert chain.block_kw == 4  # the widest step dividing every K / 8 (K = 32 -> 4 words)
+@pytest.mark.parametrize("block_kw", [None, 8])
+def test_persistent_equals_one_launch_per_product(device: torch.device, block_kw) -> None:
+    chain = Chain(SMALL, device, block_n=16, num_warps=4, block_kw=block_kw)
+    if block_kw is None:  # the widest step dividing every K / 8 (K = 32 -> 4 words)
+        assert chain.block_kw == 4 and chain.even_k
+    else:  # 8 words: the K = 32 products walk a masked step
+        assert not chain.even_k
     ref = chain.reference()
     chain.run_launch()
     launched = [o.clone() for o in chain.outs]
