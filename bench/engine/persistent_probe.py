@@ -47,7 +47,7 @@ import triton.language as tl
 
 from engine.kernels.launch import pdl_launches, run_kernel
 from engine.kernels.pdl import wait_inputs
-from engine.kernels.w4gemv_kernel import _tile_step, asm_on, h2_on, ws_loads
+from engine.kernels.w4gemv_kernel import tile_step, asm_on, h2_on, ws_loads
 
 SPIN_LIMIT = tl.constexpr(
     1 << 16
@@ -124,9 +124,9 @@ def _tile(x_ptr, w_ptr, s_ptr, y_ptr, N, K, t, BLOCK_N: tl.constexpr, BLOCK_KW: 
     for kn in range(BLOCK_KW, KW, BLOCK_KW):
         nw, ns = ws_loads(w_ptrs, s_ptrs, rk, kn, KW, EVEN_K)
         n0, n1, n2, n3, n4, n5, n6, n7 = _x8(x_ptr, rk, kn, KW, EVEN_K)
-        acc = _tile_step(acc, w, s, x0, x1, x2, x3, x4, x5, x6, x7, H2, USE_ASM)
+        acc = tile_step(acc, w, s, x0, x1, x2, x3, x4, x5, x6, x7, H2, USE_ASM)
         w, s, x0, x1, x2, x3, x4, x5, x6, x7 = nw, ns, n0, n1, n2, n3, n4, n5, n6, n7
-    acc = _tile_step(acc, w, s, x0, x1, x2, x3, x4, x5, x6, x7, H2, USE_ASM)
+    acc = tile_step(acc, w, s, x0, x1, x2, x3, x4, x5, x6, x7, H2, USE_ASM)
     y = tl.sum(acc, axis=1)
     tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty), mask=n_mask)
 

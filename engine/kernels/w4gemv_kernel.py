@@ -220,7 +220,7 @@ def _h2_tile_dot(w, x0, x1, x2, x3, x4, x5, x6, x7):
 
 
 @triton.jit
-def _tile_step(acc, w, s, x0, x1, x2, x3, x4, x5, x6, x7, H2: tl.constexpr,
+def tile_step(acc, w, s, x0, x1, x2, x3, x4, x5, x6, x7, H2: tl.constexpr,
                USE_ASM: tl.constexpr):  # fmt: skip
     """acc + every word's dot with its 8 activations, times its group scale."""
     if H2:  # half2 arithmetic: ~2 instructions per code instead of ~4.4
@@ -298,14 +298,14 @@ def _w4_gemv_kernel(
             nw, ns, n0, n1, n2, n3, n4, n5, n6, n7 = _tile_loads(
                 w_ptrs, s_ptrs, xm_ptr, rk, kn, KW, BLOCK_KW, EVEN_K, PRO, py_ptr, ph_ptr, pwp_ptr,
                 pwn_ptr, inv1, inv2, sc, PRO_SCALAR, PRO_NEXT, DTA)  # fmt: skip
-            acc = _tile_step(acc, w, s, x0, x1, x2, x3, x4, x5, x6, x7, H2, USE_ASM)
+            acc = tile_step(acc, w, s, x0, x1, x2, x3, x4, x5, x6, x7, H2, USE_ASM)
         else:
-            acc = _tile_step(acc, w, s, x0, x1, x2, x3, x4, x5, x6, x7, H2, USE_ASM)
+            acc = tile_step(acc, w, s, x0, x1, x2, x3, x4, x5, x6, x7, H2, USE_ASM)
             nw, ns, n0, n1, n2, n3, n4, n5, n6, n7 = _tile_loads(
                 w_ptrs, s_ptrs, xm_ptr, rk, kn, KW, BLOCK_KW, EVEN_K, PRO, py_ptr, ph_ptr, pwp_ptr,
                 pwn_ptr, inv1, inv2, sc, PRO_SCALAR, PRO_NEXT, DTA)  # fmt: skip
         w, s, x0, x1, x2, x3, x4, x5, x6, x7 = nw, ns, n0, n1, n2, n3, n4, n5, n6, n7
-    acc = _tile_step(acc, w, s, x0, x1, x2, x3, x4, x5, x6, x7, H2, USE_ASM)  # the last step
+    acc = tile_step(acc, w, s, x0, x1, x2, x3, x4, x5, x6, x7, H2, USE_ASM)  # the last step
     y = tl.sum(acc, axis=1)
     DT: tl.constexpr = y_ptr.dtype.element_ty
     if EPI == 1:
