@@ -47,7 +47,7 @@ import triton.language as tl
 
 from engine.kernels.launch import pdl_launches, run_kernel
 from engine.kernels.pdl import wait_inputs
-from engine.kernels.w4gemv_kernel import tile_step, asm_on, h2_on, ws_loads
+from engine.kernels.w4gemv_kernel import asm_on, h2_on, tile_step, ws_loads
 
 SPIN_LIMIT = tl.constexpr(
     1 << 16
