@@ -97,6 +97,12 @@ class SchedulerStats:
     # the host's time before late steps by phase (engine.step_clock.HOST_PHASES), and how many
     late_host_ms: tuple[float, ...] = (0.0, 0.0, 0.0, 0.0)
     late_timed_steps: int = 0
+    # the engine process's own garbage collections (engine/server/core.py), which stop its
+    # stepping thread; zeros where the engine runs in the server's process (whose collector
+    # the server's python_gc_* metrics count)
+    process_gc_collections: int = 0
+    process_gc_s: float = 0.0
+    process_gc_max_pause_s: float = 0.0
 
 
 # (sequence id, token, its log-probabilities or None) for each row of a step

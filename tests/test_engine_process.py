@@ -7,6 +7,7 @@ requests with a clear error when it dies, and reports a bad checkpoint; then
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import signal
 import subprocess
@@ -24,7 +25,7 @@ from engine.checkpoint_maker import make_checkpoint
 from engine.errors import CheckpointError, ContextLengthError, EngineError
 from engine.options import EngineOptions
 from engine.sampling import SamplingParams
-from engine.server.core import CoreSpec
+from engine.server.core import Core, CoreSpec
 from engine.server.core_client import EngineClient
 
 CONTEXT = 256
@@ -91,6 +92,26 @@ def test_tokens_equal_the_in_process_engine(tiny, client) -> None:
     time.sleep(0.2)  # the counters come with the step that leaves the engine idle
     stats = client.stats()
     assert stats.running == 0 and stats.step_rows >= 3 * 8
+    assert stats.process_gc_s < 5  # the engine process's collector, timed there
+
+
+def test_the_core_counts_its_own_process_collections(tiny) -> None:
+    """What the core sends with the counters: the engine's own, and the pauses of its
+    process's collector (which stop its stepping thread; the server's metrics report them)."""
+    eng = engine.load(tiny, **_options())
+    core = Core(None, eng)  # type: ignore[arg-type] - no pipe: only its counters are read
+    core.gc.install()
+    try:
+        assert core.stats().process_gc_collections == 0
+        gc.collect()
+        gc.collect()
+        stats = core.stats()
+    finally:
+        core.gc.uninstall()
+        eng.close()
+    assert stats.process_gc_collections == 2 and stats.process_gc_s > 0
+    assert 0 < stats.process_gc_max_pause_s <= stats.process_gc_s
+    assert stats.max_num_seqs == eng.max_num_seqs  # the engine's counters beside them
 
 
 def test_refusal_raises_before_anything_is_queued(client) -> None:
@@ -117,6 +138,7 @@ def test_reset_stats_zeroes_the_engine_counters(client) -> None:
     asyncio.run(_run(client, _prompt(6, 6), SamplingParams(max_tokens=4, stop_ids=())))
     assert client.reset_stats()
     assert client.stats().steps == 0 and client.stats().step_rows == 0
+    assert client.stats().process_gc_s < 0.05  # its pauses were counted from zero again
 
 
 def test_a_dead_engine_fails_open_requests_and_refuses_new_ones(tiny) -> None:

@@ -257,7 +257,8 @@ def test_the_report_names_the_engines_decode_idle_share_per_concurrency() -> Non
         tele = CellTelemetry(decode_idle_share=idle, decode_starved_share=starved,
                              decode_late_host_ms=late,
                              decode_idle_plain_share=None if idle is None else 0.5,
-                             gc_ms_per_s=None if idle is None else 10 * idle + repeat)  # fmt: skip
+                             gc_ms_per_s=None if idle is None else 10 * idle + repeat,
+                             engine_gc_ms_per_s=None if conc == 1 else 0.5 + repeat)  # fmt: skip
         return CellRecord(target="engine", input_len=512, concurrency=conc, repeat=repeat, seed=0,
                           driver="builtin", status="ok", started_at="x", telemetry=tele)  # fmt: skip
 
@@ -273,6 +274,8 @@ def test_the_report_names_the_engines_decode_idle_share_per_concurrency() -> Non
     )
     (gc,) = [n for n in notes if n.startswith("Server garbage-collector pauses")]
     assert gc.endswith("engine c=1: 0.10, engine c=8: 1.40.")  # 10 * 0.04 + repeat 1
+    (own,) = [n for n in notes if n.startswith("Engine process garbage-collector pauses")]
+    assert own.endswith("engine c=8: 1.50.")  # the worst repeat; c=1's engine reported none
 
 
 # ---- prompts -----------------------------------------------------------------------------------
@@ -384,6 +387,7 @@ def test_metrics_parsed_from_engine_and_vllm_pages() -> None:
         decode_busy_ms, decode_idle_ms, starved_steps = 1500.0, 500.0, 2
         decode_plain_idle_ms = 200.0
         late_host_ms, late_timed_steps = (0.5, 4.0, 0.0, 1.0), 2
+        process_gc_collections, process_gc_s, process_gc_max_pause_s = 3, 0.25, 0.125
 
     engine.scheduler_stats = Stats
     got = parse_metrics(engine.prometheus())
@@ -392,6 +396,7 @@ def test_metrics_parsed_from_engine_and_vllm_pages() -> None:
     assert (got["decode_steps"], got["decode_step_rows"]) == (10, 42)
     assert (got["decode_gpu_busy_s"], got["decode_gpu_idle_s"]) == (1.5, 0.5)
     assert got["decode_steps_starved"] == 2 and got["decode_gpu_idle_plain_s"] == 0.2
+    assert (got["engine_gc_collections"], got["engine_gc_s"]) == (3, 0.25)  # its own process
     # two late steps timed: 4 ms back in the loop in all, 1 ms preparing
     assert late_host_ms(dict.fromkeys(got, 0.0), got) == {"deliver": 0.25, "loop": 2.0, "schedule": 0.0,
                                        "prepare": 0.5}  # fmt: skip

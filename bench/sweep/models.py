@@ -361,6 +361,9 @@ class CellTelemetry(BaseModel):
     gc_ms_per_s: float | None = Field(
         None, description="the engine server's garbage-collector pauses, ms per second of cell"
     )
+    engine_gc_ms_per_s: float | None = Field(
+        None, description="the engine process's own collector pauses (--engine-process on), ms/s"
+    )
     metrics_missing: str | None = None
 
 

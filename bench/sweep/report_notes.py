@@ -93,15 +93,17 @@ def telemetry_notes(cells: list[CellRecord]) -> list[str]:
                      for t, conc, ms in late]  # fmt: skip
             notes.append(f"Engine host ms before a late step ({' / '.join(HOST_PHASES)}), same "
                          "repeats: " + ", ".join(parts) + ".")  # fmt: skip
-    gc_cells = [c for c in cells if c.telemetry.gc_ms_per_s is not None]
-    if gc_cells:
+    for field, what in (("gc_ms_per_s", "Server"), ("engine_gc_ms_per_s", "Engine process")):
         gc_worst: dict[tuple[str, int], float] = {}
-        for c in gc_cells:
-            key = (c.target, c.concurrency)
-            gc_worst[key] = max(gc_worst.get(key, 0.0), c.telemetry.gc_ms_per_s or 0.0)
-        parts = [f"{t} c={conc}: {ms:.2f}" for (t, conc), ms in sorted(gc_worst.items())]
-        notes.append("Server garbage-collector pauses, ms per second of the cell (worst "
-                     "repeat): " + ", ".join(parts) + ".")  # fmt: skip
+        for c in cells:
+            ms = getattr(c.telemetry, field)
+            if ms is not None:
+                key = (c.target, c.concurrency)
+                gc_worst[key] = max(gc_worst.get(key, 0.0), ms)
+        if gc_worst:
+            parts = [f"{t} c={conc}: {ms:.2f}" for (t, conc), ms in sorted(gc_worst.items())]
+            notes.append(f"{what} garbage-collector pauses, ms per second of the cell (worst "
+                         "repeat): " + ", ".join(parts) + ".")  # fmt: skip
     hits = [c for c in cells if c.telemetry.prefix_cache_hit_rate is not None]
     if hits:
         worst = max(hits, key=lambda c: c.telemetry.prefix_cache_hit_rate or 0.0)

@@ -59,6 +59,8 @@ KEPT = {
     **{f"gpurig_engine_decode_late_host_{p}_seconds_total": f"late_{p}_s" for p in HOST_PHASES},
     "gpurig_engine_python_gc_seconds_total": "gc_s",
     "gpurig_engine_python_gc_collections_total": "gc_collections",
+    "gpurig_engine_engine_process_gc_seconds_total": "engine_gc_s",
+    "gpurig_engine_engine_process_gc_collections_total": "engine_gc_collections",
     "gpurig_engine_completion_tokens_total": "generation_tokens",
     "gpurig_engine_prompt_tokens_total": "prompt_tokens",
     "llamacpp:requests_processing": "requests_running",
@@ -304,6 +306,8 @@ class CellWatch:
         r.decode_late_host_ms = late_host_ms(before, after)
         if _moved(before, after, "gc_collections") > 0 and wall > 0:  # engine/server/gc_watch.py
             r.gc_ms_per_s = round(_moved(before, after, "gc_s") * 1000 / wall, 3)
+        if _moved(before, after, "engine_gc_collections") > 0 and wall > 0:  # its own process
+            r.engine_gc_ms_per_s = round(_moved(before, after, "engine_gc_s") * 1000 / wall, 3)
 
 
 def _moved(before: dict[str, float], after: dict[str, float], key: str) -> float:

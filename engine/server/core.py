@@ -22,12 +22,13 @@ import signal
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
 from engine.errors import EngineError
+from engine.server.gc_watch import GcWatch
 
 STATS_EVERY_S = 0.05  # while busy, the scheduler's counters go along at most this often
 
@@ -121,9 +122,17 @@ class Core:
         self.idle_sent = True  # "ready" carried the idle engine's counters
         self.closing = False
         self.reset_wanted = False
+        self.gc = GcWatch()  # this process's collections: they stop the stepping thread
+
+    def stats(self) -> Any:
+        """The engine's counters with this process's garbage-collector pauses."""
+        t = self.gc.totals()
+        return replace(self.eng.stats(), process_gc_collections=t.collections,
+                       process_gc_s=t.seconds, process_gc_max_pause_s=t.max_pause_s)  # fmt: skip
 
     def run(self) -> None:
         conn, eng = self.conn, self.eng
+        self.gc.install()
         while not self.closing:
             busy = eng.has_work
             # idle: block on the pipe (no interpreter held); busy: only what already came
@@ -138,7 +147,9 @@ class Core:
             if self.reset_wanted and not eng.has_work:
                 self.reset_wanted = False
                 done = eng.reset_stats()
-                self.conn.send(("reset", done, eng.stats()))
+                if done:
+                    self.gc.reset()
+                self.conn.send(("reset", done, self.stats()))
         self.conn.send(("closed",))
 
     def handle(self, msg: tuple[Any, ...]) -> None:
@@ -185,6 +196,6 @@ class Core:
             return
         stats = None
         if due:
-            stats, self.stats_sent, self.idle_sent = self.eng.stats(), now, idle
+            stats, self.stats_sent, self.idle_sent = self.stats(), now, idle
         self.conn.send(("outs", self.outs, stats))
         self.outs = []

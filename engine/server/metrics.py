@@ -127,6 +127,9 @@ class Metrics:
             "decode_late_timed_steps_total": st.late_timed_steps,
             **{f"decode_late_host_{name}_seconds_total": round(ms / 1000, 6)
                for name, ms in zip(HOST_PHASES, st.late_host_ms, strict=True)},
+            "engine_process_gc_collections_total": st.process_gc_collections,
+            "engine_process_gc_seconds_total": round(st.process_gc_s, 6),
+            "engine_process_gc_max_pause_seconds": round(st.process_gc_max_pause_s, 6),
         }  # fmt: skip
 
     def prometheus(self) -> str:
@@ -205,6 +208,11 @@ _BATCH_METRICS = (
         ("loop", "back in the stepping loop (its lock, the interpreter held elsewhere)"),
         ("schedule", "the scheduler's plan"),
         ("prepare", "the plan's bookkeeping, admissions and prompt passes before the launch"))),
+    ("engine_process_gc_collections_total", "counter",
+     "Garbage collections in the engine's own process (--engine-process on; else 0)."),
+    ("engine_process_gc_seconds_total", "counter",
+     "Time those collections stopped the engine's stepping thread."),
+    ("engine_process_gc_max_pause_seconds", "gauge", "The engine process's longest collection."),
 )  # fmt: skip
 
 
