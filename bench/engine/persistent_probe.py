@@ -28,7 +28,7 @@ chain are checked too: ``persistent`` must equal ``launch`` bit for bit (same ti
 order), and both must agree with a float32 reference.
 
 A spin that outlives ``SPIN_LIMIT`` polls gives up and sets a flag, so a grid that could not be
-co-resident reports an error instead of hanging the device.
+co-resident reports an error instead of hanging the device. What it measured: bench/NOTES.md v26.
 """
 
 from __future__ import annotations
@@ -49,10 +49,9 @@ from engine.kernels.launch import pdl_launches, run_kernel
 from engine.kernels.pdl import wait_inputs
 from engine.kernels.w4gemv_kernel import asm_on, h2_on, tile_step, ws_loads
 
-SPIN_LIMIT = tl.constexpr(
-    1 << 16
-)  # polls of one barrier before it gives up (ms; a real wait is us)
-FIELDS = 6  # per product in the table: x, w, s, y addresses, N, K
+# polls of one barrier before it gives up (milliseconds; a real wait is microseconds)
+SPIN_LIMIT = tl.constexpr(1 << 16)
+FIELDS = tl.constexpr(6)  # per product in the table: x, w, s, y addresses, N, K
 
 
 @dataclass(frozen=True)
@@ -182,7 +181,7 @@ def _persistent_kernel(table_ptr, n_products, bar_ptr, err_ptr, BLOCK_N: tl.cons
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     for p in range(n_products):
-        row = table_ptr + p * 6
+        row = table_ptr + p * FIELDS
         x_ptr = tl.load(row + 0).to(tl.pointer_type(tl.bfloat16))
         w_ptr = tl.load(row + 1).to(tl.pointer_type(tl.int32))
         s_ptr = tl.load(row + 2).to(tl.pointer_type(tl.bfloat16))
@@ -193,7 +192,7 @@ def _persistent_kernel(table_ptr, n_products, bar_ptr, err_ptr, BLOCK_N: tl.cons
             _tile(x_ptr, w_ptr, s_ptr, y_ptr, n, k, t, BLOCK_N, BLOCK_KW, EVEN_K, H2, USE_ASM)
         if PREFETCH:  # noqa: SIM102 - a constexpr test beside a tensor one
             if p + 1 < n_products:
-                nxt = row + 6
+                nxt = row + FIELDS
                 nw_ptr = tl.load(nxt + 1).to(tl.pointer_type(tl.int32))
                 nn = tl.load(nxt + 4).to(tl.int32)
                 nk = tl.load(nxt + 5).to(tl.int32)
