@@ -393,10 +393,13 @@ def test_fifo_order_and_queue_time(serial_server):
     long = threading.Thread(target=run, args=("long", 120))
     long.start()
     wait_for(server, lambda h: h["busy"])  # the long one is running now
-    first = threading.Thread(target=run, args=("first", 2))
+    # the two behind it make 30 tokens each, not 2: the order is read from when each client
+    # thread got its answer, and on a loaded 2-core host the long request's thread can take
+    # milliseconds to get the interpreter back after its answer came (CI saw "first" land first)
+    first = threading.Thread(target=run, args=("first", 30))
     first.start()
     wait_for(server, lambda h: h["queue_waiting"] == 1)  # the first is in line
-    second = threading.Thread(target=run, args=("second", 2))
+    second = threading.Thread(target=run, args=("second", 30))
     second.start()
     for t in (long, first, second):
         t.join(60)
