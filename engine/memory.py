@@ -9,6 +9,8 @@ checked against what the device really holds.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -263,3 +265,59 @@ def plan_prompt(
     largest = 1 + (max(smaller) if smaller else 0)
     needed = fixed + MIN_CHUNK * per_token + hq * MIN_CHUNK * 512 * SCORE_BYTES
     raise PromptMemoryError(prompt_tokens, largest, max(0, available), needed)
+
+
+PLAN_REFRESH_S = 1.0  # how long one measurement of the memory left serves new requests' plans
+
+
+class PromptPlanner:
+    """Each new request's prompt plan (`plan_prompt`) from a measurement of the memory left
+    that is at most PLAN_REFRESH_S old, measured afresh whenever that plan is not the roomy
+    one (the whole chunk and the full score budget).
+
+    Why: a measurement asks the driver for its free memory, and under a cap first hands the
+    allocator's free segments back (a cudaFree waits for the device, and the next prompt pass
+    allocates them again). Once per request that sat on the stepping thread, where a late
+    millisecond idles the decode stream; on some hosts the driver's query alone takes
+    milliseconds (sglang #25225). An old measurement only ever settles a roomy plan, which a
+    fresh one on a roomy device gives too; any plan that reads in a smaller chunk, trims the
+    score budget or refuses rests on a fresh measurement, as before."""
+
+    def __init__(
+        self,
+        model,
+        cap_mib: int | None,
+        measure: Callable[[torch.device, int | None], int | None] = available_bytes,
+        clock: Callable[[], float] = time.monotonic,
+        refresh_s: float = PLAN_REFRESH_S,
+    ) -> None:
+        self.model, self.cap_mib = model, cap_mib
+        self._measure, self._clock, self.refresh_s = measure, clock, refresh_s
+        self._seen: int | None = None
+        self._seen_at = 0.0
+        self.measurements = 0  # how often the driver was asked (a test reads it)
+
+    def plan(self, prompt_tokens: int, max_chunk: int) -> PromptPlan:
+        if self._seen is not None and self._clock() - self._seen_at <= self.refresh_s:
+            try:
+                plan = plan_prompt(self.model, prompt_tokens, max_chunk, self.cap_mib,
+                                   available=self._seen)  # fmt: skip
+            except PromptMemoryError:
+                plan = None
+            if plan is not None and _roomy(plan, prompt_tokens, max_chunk):
+                return plan
+        available = self._measure(self.model.device, self.cap_mib)
+        self.measurements += 1
+        if available is None:  # the CPU: nothing measured, the chunk asked for
+            return plan_prompt(self.model, prompt_tokens, max_chunk, self.cap_mib)
+        self._seen, self._seen_at = available, self._clock()
+        return plan_prompt(self.model, prompt_tokens, max_chunk, self.cap_mib,
+                           available=available)  # fmt: skip
+
+
+def _roomy(plan: PromptPlan, prompt_tokens: int, max_chunk: int) -> bool:
+    """Whether memory bounded nothing in `plan`: the chunk `plan_prompt` starts from (the
+    whole body, or the largest power of two up to max_chunk) and the full score budget."""
+    body = max(0, prompt_tokens - 1)
+    whole = 1 if body == 0 else body if body <= max_chunk else 1 << (max_chunk.bit_length() - 1)
+    return plan.chunk == whole and plan.score_budget == SCORE_BUDGET_MAX

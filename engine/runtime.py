@@ -29,7 +29,7 @@ from engine.errors import CheckpointError, EngineError
 from engine.generation import Generation
 from engine.kernels.tuning import configure as configure_tuning
 from engine.kv_pool import KVPool
-from engine.memory import MemoryReport, apply_memory_cap, build_report, plan_prompt
+from engine.memory import MemoryReport, PromptPlanner, apply_memory_cap, build_report
 from engine.model import Gemma4Model
 from engine.options import EngineConfig, EngineOptions, default_dtype, triton_interpreted
 from engine.runner import Launched, ModelRunner, make_kernels, prefill_chunk_for
@@ -66,6 +66,7 @@ class Engine:
         self.chat_template = chat_template
         self.prefill_chunk = prefill_chunk
         self.memory_cap_mib = memory_cap_mib
+        self.prompt_planner = PromptPlanner(model, memory_cap_mib)  # each request's reading
         self.device = model.device
         self.dtype = model.dtype
         self.max_context = plan.geometry.max_context
@@ -131,7 +132,7 @@ class Engine:
         chunk = min(self.prefill_chunk, self.batching.prefill_budget)
         score_budget = None
         if params.max_tokens:  # refused now, not as an out-of-memory error halfway through
-            memory = plan_prompt(self.model, len(prompt), chunk, self.memory_cap_mib)
+            memory = self.prompt_planner.plan(len(prompt), chunk)
             chunk, score_budget = memory.chunk, memory.score_budget
         return Sequence(prompt, params, stops, chunk, score_budget)
 

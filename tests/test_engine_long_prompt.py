@@ -158,3 +158,58 @@ def test_the_engine_refuses_before_reading(long_eng, monkeypatch):
     with pytest.raises(PromptMemoryError, match="largest prompt that fits"):
         long_eng.stream(list(range(3, 503)) * 2, SamplingParams(max_tokens=4))
     assert all(bool((c.pos == 3).all()) for c in cache.layers.values())
+
+
+class _Driver:
+    """The memory left as a GPU's driver would report it, one figure per measurement (a GPU
+    cannot exist here), and a clock the test moves."""
+
+    def __init__(self, *figures: int) -> None:
+        self.figures, self.now, self.asked = list(figures), 0.0, 0
+
+    def measure(self, device, cap_mib):
+        self.asked += 1
+        return self.figures.pop(0) if len(self.figures) > 1 else self.figures[0]
+
+    def clock(self) -> float:
+        return self.now
+
+
+def test_the_planner_asks_the_driver_once_a_second_while_plans_are_roomy():
+    driver = _Driver(40 << 30)
+    planner = memory.PromptPlanner(E2B, None, driver.measure, driver.clock)
+    for n in (512, 40, 9_000, 1):
+        assert planner.plan(n, 4096) == plan_prompt(E2B, n, 4096, available=40 << 30)
+        driver.now += 0.2
+    assert driver.asked == 1 and planner.measurements == 1
+    driver.now += memory.PLAN_REFRESH_S
+    planner.plan(512, 4096)
+    assert driver.asked == 2
+
+
+def test_a_bounded_plan_or_a_refusal_rests_on_a_fresh_measurement():
+    # just roomy for a 512-token prompt, not for a long one's 4,096-token chunks: the long
+    # prompt's plan is made on a fresh figure (by then the device has filled)
+    just = plan_prompt(E2B, 512, 4096, available=40 << 30).need_bytes
+    driver = _Driver(just, 420 * MIB, 420 * MIB, 133 * MIB)
+    planner = memory.PromptPlanner(E2B, 3732, driver.measure, driver.clock)
+    assert planner.plan(512, 4096) == plan_prompt(E2B, 512, 4096, available=just)
+    assert planner.plan(512, 4096).score_budget == memory.SCORE_BUDGET_MAX and driver.asked == 1
+    capped = planner.plan(131_000, 4096)
+    assert capped == plan_prompt(E2B, 131_000, 4096, available=420 * MIB) and driver.asked == 2
+    # a bounded plan is never reused: the next long prompt measures again, even within the second
+    assert planner.plan(131_000, 4096) == capped and driver.asked == 3
+    with pytest.raises(PromptMemoryError) as err:
+        planner.plan(131_000, 4096)
+    assert err.value.available == 133 * MIB and driver.asked == 4
+    # after that fresh figure a short prompt's plan is not roomy either (the score budget is
+    # bounded), so it too is planned on a fresh one
+    short = err.value.largest
+    assert planner.plan(short, 4096) == plan_prompt(E2B, short, 4096, available=133 * MIB)
+    assert driver.asked == 5
+
+
+def test_the_planner_on_the_cpu_plans_as_before():
+    driver = _Driver(None)
+    planner = memory.PromptPlanner(E2B, None, driver.measure, driver.clock)
+    assert planner.plan(131_000, 256) == plan_prompt(E2B, 131_000, 256)
