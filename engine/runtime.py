@@ -186,6 +186,11 @@ class Engine:
                 log.exception("engine step failed")
             return self.has_work
 
+    def note(self, mark: str) -> None:
+        """A caller's own loop reached `mark` ("sent", "received": the engine process's, see
+        engine/server/core.py) now: timed as host phases before late steps (step_clock)."""
+        self.runner.clock.note(mark)
+
     def stats(self) -> SchedulerStats:
         """The scheduler's counters with the decode stream's GPU time (engine/step_clock.py)."""
         t = self.runner.clock.times()

@@ -16,8 +16,11 @@ shows it. Two timing events per step measure it on the GPU:
   event loop), not a new request's;
 - late_host_ms: for the late steps, where the host's time went between the moment the step
   before the previous one had finished (its tokens collected) and this launch, by phase
-  (HOST_PHASES): delivering those tokens, back in the caller's loop (the engine lock, the
-  interpreter held elsewhere), scheduling, preparing the launch (blocks, admissions, passes).
+  (HOST_PHASES): delivering those tokens; in the engine process (engine/server/core.py),
+  sending them to the server and receiving what came in (new requests added, cancellations);
+  back in the caller's loop (the engine lock, the interpreter held elsewhere); scheduling;
+  preparing the launch (blocks, admissions, passes). An engine stepped in the server's own
+  process notes no send or receive: those phases are 0 there.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ class StepTimes:
     timed_steps: int = 0  # steps measured
     starved_steps: int = 0  # steps launched after their predecessor had ended
     plain_idle_ms: float = 0.0  # of idle_ms, before steps that admitted, read and ended nothing
-    late_host_ms: tuple[float, ...] = (0.0,) * 4  # per HOST_PHASES, summed over late steps
+    late_host_ms: tuple[float, ...] = (0.0,) * 6  # per HOST_PHASES, summed over late steps
     late_timed: int = 0  # late steps whose phases were all noted
 
     @property
@@ -77,15 +80,23 @@ class StepMarks:
 
 
 # the host's phases before a launch, each from the note before it (`StepClock.note`)
-HOST_PHASES = ("deliver", "loop", "schedule", "prepare")
-_NOTES = ("collected", "delivered", "stepping", "scheduled")
+HOST_PHASES = ("deliver", "send", "receive", "loop", "schedule", "prepare")
+_NOTES = ("collected", "delivered", "sent", "received", "stepping", "scheduled")
+_OPTIONAL = frozenset({"sent", "received"})  # noted by the engine process's loop alone
 
 
 def late_phases(notes: dict[str, float], last_begin: float, now: float) -> list[float] | None:
     """Milliseconds of each HOST_PHASES before a launch at `now` from the notes' times, or None
     where a phase was not noted since the last launch at `last_begin` (the first steps, or a
-    caller that steps the engine its own way)."""
-    marks = [notes.get(m, -1.0) for m in _NOTES] + [now]
+    caller that steps the engine its own way). An optional note not made since that launch
+    takes the time of the note before it (its phase: 0)."""
+    marks: list[float] = []
+    for m in _NOTES:
+        t = notes.get(m, -1.0)
+        if m in _OPTIONAL and t < last_begin:
+            t = marks[-1]
+        marks.append(t)
+    marks.append(now)
     if marks[0] < last_begin or any(b < a for a, b in pairwise(marks)):
         return None
     return [(b - a) * 1000 for a, b in pairwise(marks)]

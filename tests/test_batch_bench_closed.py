@@ -15,14 +15,14 @@ from engine.step_clock import HOST_PHASES, StepTimes
 
 
 def test_late_steps_are_the_counters_differences() -> None:
-    before = StepTimes(timed_steps=10, starved_steps=1, late_host_ms=(1.0, 0.0, 0.0, 2.0),
+    before = StepTimes(timed_steps=10, starved_steps=1, late_host_ms=(1.0, 0.0, 0.0, 0.0, 0.0, 2.0),
                        late_timed=1)  # fmt: skip
-    after = StepTimes(timed_steps=110, starved_steps=5, late_host_ms=(1.4, 0.8, 0.4, 18.0),
+    after = StepTimes(timed_steps=110, starved_steps=5, late_host_ms=(1.4, 0.4, 0.8, 0.8, 0.4, 18.0),
                       late_timed=5)  # fmt: skip
     got = batch_bench._late_steps(before, after)
     assert got["late_step_share"] == 0.04
     assert list(got["late_host_ms"]) == list(HOST_PHASES)
-    assert list(got["late_host_ms"].values()) == pytest.approx([0.1, 0.2, 0.1, 4.0])
+    assert list(got["late_host_ms"].values()) == pytest.approx([0.1, 0.1, 0.2, 0.2, 0.1, 4.0])
     none = batch_bench._late_steps(before, before)
     assert none["late_step_share"] is None and set(none["late_host_ms"].values()) == {0.0}
 

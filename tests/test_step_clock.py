@@ -19,14 +19,21 @@ def test_idle_share_of_step_times() -> None:
 
 
 def test_a_late_steps_host_time_by_phase() -> None:
-    """deliver / loop / schedule / prepare from Engine.step's notes; nothing where a note is
-    older than the last launch or out of order."""
+    """deliver / send / receive / loop / schedule / prepare from Engine.step's notes and the
+    engine process's; send and receive 0 where that process noted nothing since the last
+    launch (one process); nothing where a note is older than that launch or out of order."""
     notes = {"collected": 10.000, "delivered": 10.001, "stepping": 10.004, "scheduled": 10.0045}
-    assert HOST_PHASES == ("deliver", "loop", "schedule", "prepare")
+    assert HOST_PHASES == ("deliver", "send", "receive", "loop", "schedule", "prepare")
     got = late_phases(notes, last_begin=9.999, now=10.005)
-    assert got == pytest.approx([1.0, 3.0, 0.5, 0.5])
+    assert got == pytest.approx([1.0, 0.0, 0.0, 3.0, 0.5, 0.5])
+    stale = notes | {"sent": 9.5, "received": 9.6}  # the loop's notes from before that launch
+    assert late_phases(stale, last_begin=9.999, now=10.005) == pytest.approx(got)
+    process = notes | {"sent": 10.0012, "received": 10.0037}
+    got = late_phases(process, last_begin=9.999, now=10.005)
+    assert got == pytest.approx([1.0, 0.2, 2.5, 0.3, 0.5, 0.5])
     assert late_phases(notes, last_begin=10.0001, now=10.005) is None  # collected before it
     assert late_phases(notes | {"stepping": 10.0005}, 9.999, 10.005) is None  # out of order
+    assert late_phases(process | {"received": 10.0045}, 9.999, 10.005) is None
     assert late_phases({}, 0.0, 1.0) is None
 
 

@@ -252,8 +252,9 @@ def test_the_report_names_the_engines_decode_idle_share_per_concurrency() -> Non
     from bench.sweep.report_notes import telemetry_notes
 
     def cell(conc: int, repeat: int, idle: float | None, starved: float | None) -> CellRecord:
-        late = None if idle is None else {"deliver": 0.1, "loop": 2.5, "schedule": 0.05,
-                                               "prepare": 0.3 + repeat}  # fmt: skip
+        late = None if idle is None else {"deliver": 0.1, "send": 0.02, "receive": 1.25,
+                                          "loop": 2.5, "schedule": 0.05,
+                                          "prepare": 0.3 + repeat}  # fmt: skip
         tele = CellTelemetry(decode_idle_share=idle, decode_starved_share=starved,
                              decode_late_host_ms=late,
                              decode_idle_plain_share=None if idle is None else 0.5,
@@ -268,10 +269,10 @@ def test_the_report_names_the_engines_decode_idle_share_per_concurrency() -> Non
     assert idle.endswith("engine c=1: 1.0% (0.0%; 50%), engine c=8: 6.0% (12.5%; 50%).")
     assert not [n for n in telemetry_notes([cell(1, 0, None, None)]) if "idle" in n]
     (late,) = [n for n in notes if n.startswith("Engine host ms before a late step")]
-    assert "(deliver / loop / schedule / prepare)" in late  # the worst-idle repeat's (repeat 0)
-    assert late.endswith(
-        "engine c=1: 0.10 / 2.50 / 0.05 / 0.30, engine c=8: 0.10 / 2.50 / 0.05 / 0.30."
-    )
+    # the worst-idle repeat's (repeat 0)
+    assert "(deliver / send / receive / loop / schedule / prepare)" in late
+    assert late.endswith("engine c=1: 0.10 / 0.02 / 1.25 / 2.50 / 0.05 / 0.30, "
+                         "engine c=8: 0.10 / 0.02 / 1.25 / 2.50 / 0.05 / 0.30.")  # fmt: skip
     (gc,) = [n for n in notes if n.startswith("Server garbage-collector pauses")]
     assert gc.endswith("engine c=1: 0.10, engine c=8: 1.40.")  # 10 * 0.04 + repeat 1
     (own,) = [n for n in notes if n.startswith("Engine process garbage-collector pauses")]
@@ -386,7 +387,7 @@ def test_metrics_parsed_from_engine_and_vllm_pages() -> None:
         steps, step_rows, last_step_rows = 10, 42, 5
         decode_busy_ms, decode_idle_ms, starved_steps = 1500.0, 500.0, 2
         decode_plain_idle_ms = 200.0
-        late_host_ms, late_timed_steps = (0.5, 4.0, 0.0, 1.0), 2
+        late_host_ms, late_timed_steps = (0.5, 0.25, 1.0, 4.0, 0.0, 1.0), 2
         process_gc_collections, process_gc_s, process_gc_max_pause_s = 3, 0.25, 0.125
 
     engine.scheduler_stats = Stats
@@ -397,9 +398,11 @@ def test_metrics_parsed_from_engine_and_vllm_pages() -> None:
     assert (got["decode_gpu_busy_s"], got["decode_gpu_idle_s"]) == (1.5, 0.5)
     assert got["decode_steps_starved"] == 2 and got["decode_gpu_idle_plain_s"] == 0.2
     assert (got["engine_gc_collections"], got["engine_gc_s"]) == (3, 0.25)  # its own process
-    # two late steps timed: 4 ms back in the loop in all, 1 ms preparing
-    assert late_host_ms(dict.fromkeys(got, 0.0), got) == {"deliver": 0.25, "loop": 2.0, "schedule": 0.0,
-                                       "prepare": 0.5}  # fmt: skip
+    # two late steps timed: 1 ms receiving requests and 4 ms back in the loop in all, 1 ms
+    # preparing
+    assert late_host_ms(dict.fromkeys(got, 0.0), got) == {
+        "deliver": 0.25, "send": 0.125, "receive": 0.5, "loop": 2.0, "schedule": 0.0,
+        "prepare": 0.5}  # fmt: skip
     assert late_host_ms(got, got) is None
     # over a cell: 42 rows in 10 steps, a quarter of the stream's GPU time idle, 2 steps late
     zero = dict.fromkeys(got, 0.0)

@@ -139,11 +139,13 @@ class Core:
             if conn.poll(0 if busy else 1.0):
                 while conn.poll(0):
                     self.handle(conn.recv())
+            eng.note("received")  # the host's phases before a late step (engine/step_clock.py)
             if self.closing:
                 break
             if eng.has_work:
                 eng.step()  # a failing step ends its requests with the error (their outputs)
             self.flush(idle=not eng.has_work)
+            eng.note("sent")
             if self.reset_wanted and not eng.has_work:
                 self.reset_wanted = False
                 done = eng.reset_stats()

@@ -205,6 +205,8 @@ _BATCH_METRICS = (
     *((f"decode_late_host_{name}_seconds_total", "counter",
        f"Host time before late steps: {what}.") for name, what in (
         ("deliver", "handing the tokens of the step before to their requests"),
+        ("send", "the engine process sending outputs to the server (0 in one process)"),
+        ("receive", "the engine process receiving and adding requests (0 in one process)"),
         ("loop", "back in the stepping loop (its lock, the interpreter held elsewhere)"),
         ("schedule", "the scheduler's plan"),
         ("prepare", "the plan's bookkeeping, admissions and prompt passes before the launch"))),
