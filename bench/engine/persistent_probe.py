@@ -86,7 +86,7 @@ def layer_products(preset: str) -> list[Product]:
 
 
 @triton.jit
-def _x8(x_ptr, rk, kw0, KW, EVEN_K: tl.constexpr):
+def x8_l2(x_ptr, rk, kw0, KW, EVEN_K: tl.constexpr):
     """One K step's activations as 8 vectors (nibble j of every word), fp32. `.cg` reads L2:
     L1 is not coherent, and the persistent programs rewrite these buffers between products.
     Past the row's end (not EVEN_K) the address is clamped; the weights there are masked to 0."""
@@ -106,10 +106,30 @@ def _x8(x_ptr, rk, kw0, KW, EVEN_K: tl.constexpr):
 
 
 @triton.jit
-def _tile(x_ptr, w_ptr, s_ptr, y_ptr, N, K, t, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr,
-          EVEN_K: tl.constexpr, H2: tl.constexpr, USE_ASM: tl.constexpr):  # fmt: skip
+def wait_chunk(count_ptr, kn, N_PREV, err_ptr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr):
+    """Before the K step at word kn (the dataflow probe): its BLOCK_KW * 8 activations, chunk
+    kn / BLOCK_KW of the producer's N_PREV outputs, are stored, i.e. that chunk's count has
+    reached its tiles (acquire: their stores are visible after it)."""
+    CHUNK: tl.constexpr = BLOCK_KW * 8
+    c = kn // BLOCK_KW
+    expected = tl.cdiv(tl.minimum(N_PREV - c * CHUNK, CHUNK), BLOCK_N)
+    seen = tl.atomic_add(count_ptr + c, 0, sem="acquire", scope="gpu")
+    polls = tl.full([], 0, tl.int32)
+    while (seen < expected) & (polls < SPIN_LIMIT):
+        seen = tl.atomic_add(count_ptr + c, 0, sem="acquire", scope="gpu")
+        polls += 1
+    if seen < expected:  # not co-resident, or a bug: report instead of hanging
+        tl.atomic_max(err_ptr, 1)
+    tl.debug_barrier()  # every thread reads the activations after the wait
+
+
+@triton.jit
+def tile(x_ptr, w_ptr, s_ptr, y_ptr, N, K, t, count_ptr, N_PREV, WAIT, err_ptr,
+         BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr, EVEN_K: tl.constexpr, H2: tl.constexpr,
+         USE_ASM: tl.constexpr, FLOW: tl.constexpr):  # fmt: skip
     """Rows [t * BLOCK_N, +BLOCK_N) of one product, K walked one step ahead (the engine's PIPE).
-    EVEN_K: BLOCK_KW divides K / 8 for every product, so no K masks."""
+    EVEN_K: BLOCK_KW divides K / 8 for every product, so no K masks. FLOW (the dataflow probe):
+    where WAIT, each K step's activations are read after `wait_chunk`."""
     KW = K // 8
     rk = tl.arange(0, BLOCK_KW)
     rn = t * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -117,12 +137,18 @@ def _tile(x_ptr, w_ptr, s_ptr, y_ptr, N, K, t, BLOCK_N: tl.constexpr, BLOCK_KW: 
     rows = tl.where(n_mask, rn, 0).to(tl.int64)
     w_ptrs = w_ptr + rows[:, None] * KW + rk[None, :]
     s_ptrs = s_ptr + rows[:, None] * (K // 32) + rk[None, :] // 4
-    w, s = ws_loads(w_ptrs, s_ptrs, rk, 0, KW, EVEN_K)
-    x0, x1, x2, x3, x4, x5, x6, x7 = _x8(x_ptr, rk, 0, KW, EVEN_K)
+    w, s = ws_loads(w_ptrs, s_ptrs, rk, 0, KW, EVEN_K)  # weights first: they wait for nothing
+    if FLOW:  # noqa: SIM102 - a constexpr test beside a tensor one
+        if WAIT:
+            wait_chunk(count_ptr, 0, N_PREV, err_ptr, BLOCK_N, BLOCK_KW)
+    x0, x1, x2, x3, x4, x5, x6, x7 = x8_l2(x_ptr, rk, 0, KW, EVEN_K)
     acc = tl.zeros([BLOCK_N, BLOCK_KW], dtype=tl.float32)
     for kn in range(BLOCK_KW, KW, BLOCK_KW):
         nw, ns = ws_loads(w_ptrs, s_ptrs, rk, kn, KW, EVEN_K)
-        n0, n1, n2, n3, n4, n5, n6, n7 = _x8(x_ptr, rk, kn, KW, EVEN_K)
+        if FLOW:  # noqa: SIM102 - a constexpr test beside a tensor one
+            if WAIT:
+                wait_chunk(count_ptr, kn, N_PREV, err_ptr, BLOCK_N, BLOCK_KW)
+        n0, n1, n2, n3, n4, n5, n6, n7 = x8_l2(x_ptr, rk, kn, KW, EVEN_K)
         acc = tile_step(acc, w, s, x0, x1, x2, x3, x4, x5, x6, x7, H2, USE_ASM)
         w, s, x0, x1, x2, x3, x4, x5, x6, x7 = nw, ns, n0, n1, n2, n3, n4, n5, n6, n7
     acc = tile_step(acc, w, s, x0, x1, x2, x3, x4, x5, x6, x7, H2, USE_ASM)
@@ -151,8 +177,8 @@ def _launch_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N, K, BLOCK_N: tl.constexpr,
                    PDL: tl.constexpr = False):  # fmt: skip
     """One product, one tile per program (``launch``)."""
     wait_inputs(PDL)
-    _tile(x_ptr, w_ptr, s_ptr, y_ptr, N, K, tl.program_id(0), BLOCK_N, BLOCK_KW, EVEN_K, H2,
-          USE_ASM)  # fmt: skip
+    tile(x_ptr, w_ptr, s_ptr, y_ptr, N, K, tl.program_id(0), y_ptr, 0, False, y_ptr, BLOCK_N,
+         BLOCK_KW, EVEN_K, H2, USE_ASM, False)  # fmt: skip
 
 
 @triton.jit
@@ -171,6 +197,17 @@ def _grid_barrier(bar_ptr, err_ptr, target):
 
 
 @triton.jit
+def table_row(table_ptr, p):
+    """Product p's operands from the table: x, w, s, y pointers, N and K."""
+    row = table_ptr + p * FIELDS
+    x_ptr = tl.load(row + 0).to(tl.pointer_type(tl.bfloat16))
+    w_ptr = tl.load(row + 1).to(tl.pointer_type(tl.int32))
+    s_ptr = tl.load(row + 2).to(tl.pointer_type(tl.bfloat16))
+    y_ptr = tl.load(row + 3).to(tl.pointer_type(tl.bfloat16))
+    return x_ptr, w_ptr, s_ptr, y_ptr, tl.load(row + 4).to(tl.int32), tl.load(row + 5).to(tl.int32)
+
+
+@triton.jit
 def _persistent_kernel(table_ptr, n_products, bar_ptr, err_ptr, BLOCK_N: tl.constexpr,
                        BLOCK_KW: tl.constexpr, EVEN_K: tl.constexpr, H2: tl.constexpr,
                    USE_ASM: tl.constexpr,
@@ -181,18 +218,13 @@ def _persistent_kernel(table_ptr, n_products, bar_ptr, err_ptr, BLOCK_N: tl.cons
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     for p in range(n_products):
-        row = table_ptr + p * FIELDS
-        x_ptr = tl.load(row + 0).to(tl.pointer_type(tl.bfloat16))
-        w_ptr = tl.load(row + 1).to(tl.pointer_type(tl.int32))
-        s_ptr = tl.load(row + 2).to(tl.pointer_type(tl.bfloat16))
-        y_ptr = tl.load(row + 3).to(tl.pointer_type(tl.bfloat16))
-        n = tl.load(row + 4).to(tl.int32)
-        k = tl.load(row + 5).to(tl.int32)
+        x_ptr, w_ptr, s_ptr, y_ptr, n, k = table_row(table_ptr, p)
         for t in range(pid, tl.cdiv(n, BLOCK_N), nprog):
-            _tile(x_ptr, w_ptr, s_ptr, y_ptr, n, k, t, BLOCK_N, BLOCK_KW, EVEN_K, H2, USE_ASM)
+            tile(x_ptr, w_ptr, s_ptr, y_ptr, n, k, t, y_ptr, 0, False, bar_ptr, BLOCK_N,
+                 BLOCK_KW, EVEN_K, H2, USE_ASM, False)  # fmt: skip
         if PREFETCH:  # noqa: SIM102 - a constexpr test beside a tensor one
             if p + 1 < n_products:
-                nxt = row + FIELDS
+                nxt = table_ptr + (p + 1) * FIELDS
                 nw_ptr = tl.load(nxt + 1).to(tl.pointer_type(tl.int32))
                 nn = tl.load(nxt + 4).to(tl.int32)
                 nk = tl.load(nxt + 5).to(tl.int32)
@@ -328,6 +360,35 @@ def _time_us(graph: torch.cuda.CUDAGraph, reps: int = 50, rounds: int = 7) -> fl
     return statistics.median(times)
 
 
+def record_variant(chain: Chain, ref: torch.Tensor, finals: dict[str, torch.Tensor],
+                   into: dict[str, Any], name: str, fn) -> None:  # fmt: skip
+    """Time variant `fn` (one CUDA graph) into `into[name]`, with its error against the float32
+    chain and, past ``launch``, whether it equals ``launch``'s output bit for bit; or the
+    error where a wait timed out (its programs were not all resident at once)."""
+    chain.outs[-1].zero_()
+    chain.err.zero_()
+    fn()  # compile, and find out whether the programs were resident at once
+    torch.cuda.synchronize()
+    if chain.err.item():
+        into[name] = {"error": "a wait timed out: the programs were not all resident at once "
+                               "(too many per SM)"}  # fmt: skip
+        print(name, into[name], flush=True)
+        return
+    graph = _graph(fn)
+    graph.replay()
+    torch.cuda.synchronize()
+    final = chain.outs[-1].float().clone()
+    finals[name] = final
+    us = _time_us(graph)
+    rel = ((final - ref).norm() / ref.norm()).item()
+    into[name] = {"us": round(us, 1), "us_per_product": round(us / len(chain.products), 2),
+                  "gb_per_s": round(chain.weight_bytes / us / 1e3, 1),
+                  "rel_err_vs_fp32": round(rel, 5)}  # fmt: skip
+    if name != "product" and "launch" in finals:
+        into[name]["equal_to_launch"] = bool(torch.equal(final, finals["launch"]))
+    print(name, into[name], flush=True)
+
+
 def measure(preset: str, per_sm: list[int], tiles: list[tuple[int, int, int]]) -> dict[str, Any]:
     """Every variant's time for the whole chain under each tiling (rows x K words x warps per
     program), and their outputs against each other."""
@@ -340,28 +401,7 @@ def measure(preset: str, per_sm: list[int], tiles: list[tuple[int, int, int]]) -
     finals: dict[str, torch.Tensor] = {}
 
     def record(into: dict[str, Any], name: str, fn) -> None:
-        chain.outs[-1].zero_()
-        chain.err.zero_()
-        fn()  # compile, and find out whether the programs were resident at once
-        torch.cuda.synchronize()
-        if chain.err.item():
-            into[name] = {"error": "a barrier timed out: the programs were not all resident "
-                                   "at once (too many per SM)"}  # fmt: skip
-            print(name, into[name], flush=True)
-            return
-        graph = _graph(fn)
-        graph.replay()
-        torch.cuda.synchronize()
-        final = chain.outs[-1].float().clone()
-        finals[name] = final
-        us = _time_us(graph)
-        rel = ((final - ref).norm() / ref.norm()).item()
-        into[name] = {"us": round(us, 1), "us_per_product": round(us / len(chain.products), 2),
-                      "gb_per_s": round(chain.weight_bytes / us / 1e3, 1),
-                      "rel_err_vs_fp32": round(rel, 5)}  # fmt: skip
-        if name != "product" and "launch" in finals:
-            into[name]["equal_to_launch"] = bool(torch.equal(final, finals["launch"]))
-        print(name, into[name], flush=True)
+        record_variant(chain, ref, finals, into, name, fn)
 
     with pdl_launches():
         record(out["variants"], "product", chain.run_product)
@@ -383,25 +423,40 @@ def measure(preset: str, per_sm: list[int], tiles: list[tuple[int, int, int]]) -
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def probe_main(argv: list[str] | None, doc: str, measure_fn, per_sm: str, tiles: str) -> int:
+    """The probes' command line: --preset, --per-sm, --tiles, --out; the JSON written
+    atomically."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     ap.add_argument("--preset", default="e2b")
-    ap.add_argument("--per-sm", default="1,2,4", help="programs per SM of the persistent kernel")
-    ap.add_argument("--tiles", default="16x32x4,4x128x4,2x256x4,4x256x8",
+    ap.add_argument("--per-sm", default=per_sm, help="programs per SM of the resident kernels")
+    ap.add_argument("--tiles", default=tiles,
                     help="tilings to try: rows x K words x warps per program")  # fmt: skip
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
-        print("persistent_probe: needs a CUDA GPU (the CPU interpreter runs the tests only)",
+        print(f"{ap.prog}: needs a CUDA GPU (the CPU interpreter runs the tests only)",
               file=sys.stderr)  # fmt: skip
         return 2
-    per_sm = [int(v) for v in args.per_sm.split(",")]
-    tiles = [tuple(int(v) for v in t.split("x")) for t in args.tiles.split(",")]
-    result = measure(args.preset, per_sm, tiles)  # type: ignore[arg-type]
+    per_sm_list = [int(v) for v in args.per_sm.split(",")]
+    tile_list = [tuple(int(v) for v in t.split("x")) for t in args.tiles.split(",")]
+    result = measure_fn(args.preset, per_sm_list, tile_list)
     from tools.fileio import write_atomic
 
     write_atomic(args.out, json.dumps(result, indent=2) + "\n")
     return 0
+
+
+def resident_for_tests(device: torch.device) -> int:
+    """Programs of a resident kernel in the tests: one on the CPU interpreter (it runs programs
+    one after another, so a wait across several would wait for one not yet started), two per
+    SM on a GPU."""
+    if device.type == "cpu":
+        return 1
+    return 2 * torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def main(argv: list[str] | None = None) -> int:
+    return probe_main(argv, __doc__, measure, "1,2,4", "16x32x4,4x128x4,2x256x4,4x256x8")
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench.engine.persistent_probe import Chain, Product, layer_products
+from bench.engine.persistent_probe import Chain, Product, layer_products, resident_for_tests
 
 SMALL = [Product("qkv", 96, 64), Product("o", 64, 64), Product("gate_up", 256, 64),
          Product("down", 64, 128), Product("ple_gate", 32, 64), Product("ple_proj", 64, 32)]  # fmt: skip
@@ -43,11 +43,7 @@ def test_persistent_equals_one_launch_per_product(device: torch.device, block_kw
     launched = [o.clone() for o in chain.outs]
     for o in chain.outs:
         o.zero_()
-    programs = (
-        1
-        if device.type == "cpu"
-        else 2 * torch.cuda.get_device_properties(device).multi_processor_count
-    )
+    programs = resident_for_tests(device)
     chain.run_persistent(programs, prefetch=device.type == "cuda")
     if device.type == "cuda":
         torch.cuda.synchronize()
