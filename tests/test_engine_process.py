@@ -114,6 +114,37 @@ def test_the_core_counts_its_own_process_collections(tiny) -> None:
     assert stats.max_num_seqs == eng.max_num_seqs  # the engine's counters beside them
 
 
+def test_the_core_notes_its_sending_and_receiving_for_the_late_steps(tiny) -> None:
+    """The engine process's loop marks when a step's outputs are sent and when what came in is
+    received, after the engine's own notes, so a late step's host time splits into deliver /
+    send / receive / loop (engine/step_clock.py)."""
+    import multiprocessing
+    import threading
+
+    eng = engine.load(tiny, **_options())
+    ours, theirs = multiprocessing.Pipe()
+    core = Core(theirs, eng)
+    loop = threading.Thread(target=core.run, daemon=True)
+    loop.start()
+    try:
+        ours.send(("add", 1, _prompt(6, 3), SamplingParams(max_tokens=4)))
+        finished = False
+        while not finished:
+            msg = ours.recv()
+            if msg[0] == "outs":
+                finished = any(out.finished for rid, out, *_ in msg[1] if rid == 1)
+        ours.send(("close",))
+        while ours.recv() != ("closed",):
+            pass
+        loop.join(10)
+        notes = dict(eng.runner.clock._notes)
+    finally:
+        eng.close()
+    assert not loop.is_alive()
+    # each iteration: the step's tokens delivered, then sent; the close received after them
+    assert notes["collected"] <= notes["delivered"] <= notes["sent"] <= notes["received"]
+
+
 def test_refusal_raises_before_anything_is_queued(client) -> None:
     async def too_long():
         return await client.add_request_async(_prompt(CONTEXT + 10, 1), SamplingParams(), None)
