@@ -268,6 +268,7 @@ def plan_prompt(
 
 
 PLAN_REFRESH_S = 1.0  # how long one measurement of the memory left serves new requests' plans
+UNBOUNDED_BYTES = 1 << 62  # memory that bounds no plan
 
 
 class PromptPlanner:
@@ -304,7 +305,7 @@ class PromptPlanner:
                                    available=self._seen)  # fmt: skip
             except PromptMemoryError:
                 plan = None
-            if plan is not None and _roomy(plan, prompt_tokens, max_chunk):
+            if plan is not None and _roomy(plan, self.model, prompt_tokens, max_chunk):
                 return plan
         available = self._measure(self.model.device, self.cap_mib)
         self.measurements += 1
@@ -315,9 +316,8 @@ class PromptPlanner:
                            available=available)  # fmt: skip
 
 
-def _roomy(plan: PromptPlan, prompt_tokens: int, max_chunk: int) -> bool:
-    """Whether memory bounded nothing in `plan`: the chunk `plan_prompt` starts from (the
-    whole body, or the largest power of two up to max_chunk) and the full score budget."""
-    body = max(0, prompt_tokens - 1)
-    whole = 1 if body == 0 else body if body <= max_chunk else 1 << (max_chunk.bit_length() - 1)
-    return plan.chunk == whole and plan.score_budget == SCORE_BUDGET_MAX
+def _roomy(plan: PromptPlan, model, prompt_tokens: int, max_chunk: int) -> bool:
+    """Whether memory bounded nothing in `plan`: its chunk and score budget are those
+    `plan_prompt` picks where memory is no limit."""
+    free = plan_prompt(model, prompt_tokens, max_chunk, available=UNBOUNDED_BYTES)
+    return (plan.chunk, plan.score_budget) == (free.chunk, free.score_budget)

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from engine.block_manager import BlockGrant, BlockManager
 from engine.errors import ContextLengthError, EngineError
 from engine.sequence import Output, Sequence
+from engine.step_clock import HOST_PHASES
 
 
 @dataclass(frozen=True)
@@ -95,7 +96,7 @@ class SchedulerStats:
     starved_steps: int = 0  # steps launched after the step before them had ended
     decode_plain_idle_ms: float = 0.0  # of the idle, before steps admitting/reading/ending none
     # the host's time before late steps by phase (engine.step_clock.HOST_PHASES), and how many
-    late_host_ms: tuple[float, ...] = (0.0,) * 6
+    late_host_ms: tuple[float, ...] = (0.0,) * len(HOST_PHASES)
     late_timed_steps: int = 0
     # the engine process's own garbage collections (engine/server/core.py), which stop its
     # stepping thread; zeros where the engine runs in the server's process (whose collector

@@ -35,6 +35,12 @@ if TYPE_CHECKING:  # torch on first use: /metrics' module imports this one for H
     import torch
 
 
+# the host's phases before a launch, each from the note before it (`StepClock.note`)
+HOST_PHASES = ("deliver", "send", "receive", "loop", "schedule", "prepare")
+_NOTES = ("collected", "delivered", "sent", "received", "stepping", "scheduled")
+_OPTIONAL = frozenset({"sent", "received"})  # noted by the engine process's loop alone
+
+
 @dataclass(frozen=True)
 class StepTimes:
     """Totals since the engine started (counters: a reader takes differences)."""
@@ -44,7 +50,7 @@ class StepTimes:
     timed_steps: int = 0  # steps measured
     starved_steps: int = 0  # steps launched after their predecessor had ended
     plain_idle_ms: float = 0.0  # of idle_ms, before steps that admitted, read and ended nothing
-    late_host_ms: tuple[float, ...] = (0.0,) * 6  # per HOST_PHASES, summed over late steps
+    late_host_ms: tuple[float, ...] = (0.0,) * len(HOST_PHASES)  # summed over late steps
     late_timed: int = 0  # late steps whose phases were all noted
 
     @property
@@ -77,12 +83,6 @@ class StepMarks:
     previous_end: torch.cuda.Event | None  # the step launched just before (consecutive)
     starved: bool
     plain: bool = False  # its plan admitted, read and ended nothing
-
-
-# the host's phases before a launch, each from the note before it (`StepClock.note`)
-HOST_PHASES = ("deliver", "send", "receive", "loop", "schedule", "prepare")
-_NOTES = ("collected", "delivered", "sent", "received", "stepping", "scheduled")
-_OPTIONAL = frozenset({"sent", "received"})  # noted by the engine process's loop alone
 
 
 def late_phases(notes: dict[str, float], last_begin: float, now: float) -> list[float] | None:

@@ -74,8 +74,10 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=200)
     args = ap.parse_args()
     result = measure(args.calls)
+    from tools.fileio import write_atomic
+
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    write_atomic(args.out, json.dumps(result, indent=1) + "\n")
     print(json.dumps(result, indent=1))
 
 
