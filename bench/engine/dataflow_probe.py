@@ -14,11 +14,12 @@ schedules by such counters). Its first K
 steps then overlap the previous product's last tiles, and no program waits for a tile it does
 not read.
 
-Variants (one CUDA graph each; the probe's own tile code, so only their differences count):
-``launch`` (one launch per product, PDL), ``persistent_Nx`` (the barrier, for the same run's
-comparison) and ``dataflow_Nx`` (the counts), N programs per SM. Every variant's output must
-equal ``launch``'s bit for bit. A wait that outlives SPIN_LIMIT polls raises the error flag
-instead of hanging (programs not all resident). What it measured: bench/NOTES.md.
+Variants (one CUDA graph each): ``product`` (the engine's GEMV, one launch per product, PDL:
+today's step), then with the probe's own tile code ``launch`` (one launch per product, PDL),
+``persistent_Nx`` (the barrier, for the same run's comparison) and ``dataflow_Nx`` (the
+counts), N programs per SM. Every variant's output must equal ``launch``'s bit for bit. A wait
+that outlives SPIN_LIMIT polls raises the error flag instead of hanging (programs not all
+resident). What it measured: bench/NOTES.md.
 """
 
 from __future__ import annotations
@@ -95,7 +96,9 @@ def measure(preset: str, per_sm: list[int], tiles: list[tuple[int, int, int]]) -
     ref = chain.reference()
     out: dict[str, Any] = {"gpu": torch.cuda.get_device_name(dev), "preset": preset,
                            "products": len(chain.products), "weight_mb": chain.weight_bytes / 1e6,
-                           "tiles": {}}  # fmt: skip
+                           "variants": {}, "tiles": {}}  # fmt: skip
+    with pdl_launches():  # the engine's own GEMV chain: what a variant must beat
+        record_variant(chain, ref, {}, out["variants"], "product", chain.run_product)
     for block_n, block_kw, warps in tiles:
         chain.set_tiles(block_n, block_kw, warps)
         label = f"{block_n}x{block_kw}x{warps}"

@@ -130,12 +130,14 @@ def tile(x_ptr, w_ptr, s_ptr, y_ptr, N, K, t, count_ptr, N_PREV, WAIT, err_ptr,
     """Rows [t * BLOCK_N, +BLOCK_N) of one product, K walked one step ahead (the engine's PIPE).
     EVEN_K: BLOCK_KW divides K / 8 for every product, so no K masks. FLOW (the dataflow probe):
     where WAIT, each K step's activations are read after `wait_chunk`."""
-    KW = K // 8
+    # the Chain's K are multiples of 32, so every row of words starts on 16 bytes; a pointer
+    # read from the table carries no alignment, so say it, or Triton loads one word at a time
+    KW = tl.multiple_of(K // 8, 4)
     rk = tl.arange(0, BLOCK_KW)
     rn = t * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = rn < N
     rows = tl.where(n_mask, rn, 0).to(tl.int64)
-    w_ptrs = w_ptr + rows[:, None] * KW + rk[None, :]
+    w_ptrs = tl.multiple_of(w_ptr + rows[:, None] * KW + rk[None, :], [16, 16])
     s_ptrs = s_ptr + rows[:, None] * (K // 32) + rk[None, :] // 4
     w, s = ws_loads(w_ptrs, s_ptrs, rk, 0, KW, EVEN_K)  # weights first: they wait for nothing
     if FLOW:  # noqa: SIM102 - a constexpr test beside a tensor one
