@@ -2,7 +2,9 @@
 
 A thin front door: it checks its arguments, the model path and the bind address (before torch is
 imported, so mistakes cost nothing), sets the CPU thread count, loads the checkpoint with
-`engine.load`, and runs `engine.server.create_app` under uvicorn.
+`engine.load`, and runs `engine.server.create_app` under uvicorn. Where the engine gets a process
+of its own, that process is started before this one imports torch and the server, so its own
+imports and load overlap them.
 
 Threads: torch's default is one thread per core, each spinning at a barrier after every op. A
 batch-1 decode runs hundreds of small ops per token, so as soon as one core is busy with anything
@@ -22,6 +24,7 @@ import os
 import re
 import socket
 import sys
+from pathlib import Path
 
 from engine import serve_options
 from engine.serve_options import (
@@ -34,6 +37,9 @@ from engine.serve_options import (
 from mcp_server.cli_engine import MAX_DEFAULT_THREADS
 from mcp_server.cli_engine import default_threads as engine_default_threads
 from tools.errors import GpurigError, InvalidInputError, NotFoundError, RefusedError
+
+# what an NVIDIA driver leaves on a Linux machine (WSL has neither: there torch decides alone)
+NVIDIA_DRIVER_FILES = ("/proc/driver/nvidia/version", "/dev/nvidiactl")
 
 
 def default_threads() -> int:
@@ -181,6 +187,17 @@ def _serves_cuda(device: str | None) -> bool:
         return False
 
 
+def _engine_process_expected(args: argparse.Namespace) -> bool:
+    """Whether the engine will run in a process of its own, guessed without torch (which takes
+    seconds to import): "on" and "off" say so; "auto" means CUDA, which a --device names, or
+    else an NVIDIA driver on this machine suggests. `_serves_cuda` decides "auto" afterwards."""
+    if args.engine_process != "auto":
+        return args.engine_process == "on"
+    if args.device:
+        return str(args.device).split(":")[0].strip().lower() == "cuda"
+    return any(Path(p).exists() for p in NVIDIA_DRIVER_FILES)
+
+
 def _threads(args: argparse.Namespace) -> int | None:
     """The thread count to set, or None to leave torch's (OMP_NUM_THREADS, set by the user)."""
     if args.threads is not None:
@@ -189,8 +206,6 @@ def _threads(args: argparse.Namespace) -> int | None:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     model_dir = Path(args.model).expanduser()
     if not model_dir.is_dir():
         raise NotFoundError(
@@ -210,18 +225,10 @@ def _serve(args: argparse.Namespace) -> int:
     # tool's, so main() prints it and exits 2), before torch is imported
     limit = load_config(model_dir).max_position_embeddings
 
-    import torch
-    import uvicorn
-
-    import engine
-    from engine.server import create_app
-    from engine.server.core import CoreSpec, startup_lines
-    from engine.server.gc_watch import freeze
-    from engine.server.limits import ServerOptions
+    import engine  # light too: the options and load's signature, no torch
+    from engine.server.core import CoreSpec, start_core
 
     threads = _threads(args)
-    if threads is not None:
-        torch.set_num_threads(threads)
     max_ctx = min(args.max_context, limit)
     if not args.no_warmup:
         sys.stderr.write(
@@ -241,16 +248,38 @@ def _serve(args: argparse.Namespace) -> int:
         warm_up=not args.no_warmup,
     )
     gc_freeze = os.environ.get("GPURIG_GC_FREEZE", "1").strip() != "0"  # gc_watch.py
-    if args.engine_process == "auto":  # measured ahead on CUDA (bench/NOTES.md v25)
-        args.engine_process = "on" if _serves_cuda(args.device) else "off"
-    if args.engine_process == "on":  # engine/server/core.py: its own process, its own lock
-        from engine.server.core_client import EngineClient
+    spec = CoreSpec(model_dir, load_kwargs, threads, gc_freeze)
+    # the engine process starts loading before this process imports torch and the server: its
+    # own imports (torch's again) overlap ours; torch has the last word on "auto" below
+    early = start_core(spec) if _engine_process_expected(args) else None
+    try:
+        import torch
+        import uvicorn
 
-        eng = EngineClient(CoreSpec(model_dir, load_kwargs, threads, gc_freeze))
-        line, warm_line = eng.kv_cache_line, eng.warm_up_line
-    else:
-        eng = engine.load(model_dir, **load_kwargs)
-        line, warm_line = startup_lines(eng)
+        from engine.server import create_app
+        from engine.server.core import startup_lines
+        from engine.server.gc_watch import freeze
+        from engine.server.limits import ServerOptions
+
+        if threads is not None:
+            torch.set_num_threads(threads)
+        if args.engine_process == "auto":  # measured ahead on CUDA (bench/NOTES.md v25)
+            args.engine_process = "on" if _serves_cuda(args.device) else "off"
+        if args.engine_process == "on":  # engine/server/core.py: its own process, its own lock
+            from engine.server.core_client import EngineClient
+
+            started, early = early, None  # the client's now: it stops it if loading fails
+            eng = EngineClient(spec, started=started)
+            line, warm_line = eng.kv_cache_line, eng.warm_up_line
+        else:
+            if early is not None:  # a driver, but no CUDA for this torch: load it here
+                early.abandon()
+                early = None
+            eng = engine.load(model_dir, **load_kwargs)
+            line, warm_line = startup_lines(eng)
+    finally:
+        if early is not None:  # something failed before anyone took the process
+            early.abandon()
     sys.stderr.write(f"gpurig engine: {line}\n")
     if warm_line is not None:  # first-use costs stay out of every request's time
         sys.stderr.write(f"gpurig engine: {warm_line}\n")

@@ -300,3 +300,68 @@ def test_auto_puts_the_engine_in_its_own_process_on_cuda_only(tiny, run_gpurig) 
     from_env = run_gpurig("engine", "serve", "--model", str(tiny),
                           env={"GPURIG_ENGINE_PROCESS": "sometimes"})  # fmt: skip
     assert from_env.returncode == 2 and "use auto, on or off" in from_env.stderr
+
+
+def test_the_engine_process_is_guessed_before_torch(tmp_path, monkeypatch) -> None:
+    """The server starts the engine process before it imports torch when it expects one: "on",
+    a CUDA --device, or under "auto" an NVIDIA driver's files (a driver cannot exist here: the
+    files stand in for it). torch decides "auto" afterwards."""
+    import argparse
+
+    from mcp_server import cli_engine_serve as serve
+
+    def expected(mode: str, device: str | None = None) -> bool:
+        return serve._engine_process_expected(argparse.Namespace(engine_process=mode,
+                                                                 device=device))  # fmt: skip
+
+    driver = tmp_path / "version"
+    monkeypatch.setattr(serve, "NVIDIA_DRIVER_FILES", (str(driver),))
+    assert expected("on") and expected("on", "cpu") and not expected("off", "cuda")
+    assert expected("auto", "cuda:1") and expected("auto", "CUDA") and not expected("auto", "cpu")
+    assert not expected("auto")  # no driver
+    driver.write_text("NVRM version: 580.159.04\n")
+    assert expected("auto") and not expected("auto", "cpu")
+
+
+def test_the_server_starts_its_engine_process_before_importing_torch(tiny) -> None:
+    """Through the real command line: when `start_core` is called, this process has not
+    imported torch (the spawned process imports it meanwhile, not after)."""
+    script = (
+        "import sys\n"
+        "import engine.server.core as core\n"
+        "def start(spec):\n"
+        "    print('torch before the engine process:', 'torch' in sys.modules, flush=True)\n"
+        "    raise SystemExit(3)\n"
+        "core.start_core = start\n"
+        "from mcp_server.cli import main\n"
+        "sys.exit(main(['engine', 'serve', '--model', sys.argv[1], '--device', 'cuda',\n"
+        "               '--no-warmup']))\n"
+    )
+    run = subprocess.run([sys.executable, "-c", script, str(tiny)], capture_output=True,
+                         text=True, timeout=120)  # fmt: skip
+    assert run.returncode == 3, run.stderr
+    assert "torch before the engine process: False" in run.stdout
+
+
+def test_a_started_core_serves_its_client_or_is_abandoned(tiny) -> None:
+    """`start_core` begins loading at once; an EngineClient takes the started process and
+    serves from it; one abandoned (the server chose to load in its own process) is stopped and
+    reaped."""
+    from engine.server.core import start_core
+
+    spec = CoreSpec(tiny, _options(), torch_threads=1)
+    started = start_core(spec)
+    c = EngineClient(spec, started=started)
+    try:
+        assert c.process is started.process
+        params = SamplingParams(max_tokens=4, temperature=0.0)
+        tokens, out, _ = asyncio.run(_run(c, _prompt(10, 5), params))
+        assert len(tokens) == 4 and out.finished
+    finally:
+        c.close()
+    spare = start_core(spec)
+    pid = spare.process.pid
+    assert psutil.pid_exists(pid)
+    spare.abandon()
+    assert not spare.process.is_alive() and spare.process.exitcode == -signal.SIGTERM
+    assert pid not in {p.pid for p in psutil.Process().children()}

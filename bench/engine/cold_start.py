@@ -11,14 +11,16 @@ cache directory and kernel-tuning cache:
 * cold_serial: an empty cache with GPURIG_COMPILE_THREADS=1 (kernels compiled one after
   another, as before the compile pass existed);
 * warm_no_first: the warm caches, without the server's in-process first requests
-  (GPURIG_FIRST_REQUESTS=0): what its first client paid before they existed.
+  (GPURIG_FIRST_REQUESTS=0): what its first client paid before they existed;
+* warm_in_process: the warm caches, the engine in the server's own process
+  (GPURIG_ENGINE_PROCESS=off): what the engine process's own start costs.
 
 Ready is the time from the process's start to /health answering 200. Then, for each length, one
 streamed /v1/completions request on token ids (the first of that length: it pays whatever the
 warm-up left), then two more of the same length on other ids (warm); the time to first token is
 the client's, from sending to the first streamed token. Last, after IDLE_S seconds idle, one
 more request of the first length (seen already): what idleness alone costs. The server's own
-warm-up line is kept.
+lines are kept, each with the second it came.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -45,6 +48,7 @@ VARIANTS = {
     "warm": {"fresh": False, "env": {}},
     "cold_serial": {"fresh": True, "env": {"GPURIG_COMPILE_THREADS": "1"}},
     "warm_no_first": {"fresh": False, "env": {"GPURIG_FIRST_REQUESTS": "0"}},
+    "warm_in_process": {"fresh": False, "env": {"GPURIG_ENGINE_PROCESS": "off"}},
 }
 
 
@@ -77,6 +81,18 @@ def _ttft(client: httpx.Client, url: str, model: str, ids: list[int]) -> float:
     return first
 
 
+def _copy_lines(proc: subprocess.Popen, log_path: Path, t0: float,
+                timed: list[tuple[float, str]]) -> None:  # fmt: skip
+    """The server's output into its log file, each line with the time it came (where a start's
+    seconds go: the engine process's own start and load against the warm-up it reports)."""
+    with log_path.open("w") as log:
+        for raw in proc.stdout:
+            line = raw.decode(errors="replace").rstrip("\n")
+            timed.append((time.perf_counter() - t0, line))
+            log.write(line + "\n")
+            log.flush()
+
+
 def run_variant(name: str, args: argparse.Namespace, dirs: dict[str, Path]) -> dict[str, Any]:
     spec = VARIANTS[name]
     if spec["fresh"] or "triton" not in dirs:
@@ -93,8 +109,10 @@ def run_variant(name: str, args: argparse.Namespace, dirs: dict[str, Path]) -> d
     log_path = Path(tempfile.mkstemp(prefix=f"gpurig-cold-{name}-", suffix=".log")[1])
     url = f"http://127.0.0.1:{port}"
     t0 = time.perf_counter()
-    with log_path.open("w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+    timed: list[tuple[float, str]] = []  # (seconds since the start, line) as the lines came
+    copier = threading.Thread(target=_copy_lines, args=(proc, log_path, t0, timed), daemon=True)
+    copier.start()
     out: dict[str, Any] = {"variant": name, "env": spec["env"], "command": cmd}
     try:
         with httpx.Client(timeout=600) as client:
@@ -134,8 +152,10 @@ def run_variant(name: str, args: argparse.Namespace, dirs: dict[str, Path]) -> d
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-    lines = log_path.read_text(errors="replace").splitlines()
-    out["server_lines"] = [ln for ln in lines if ln.startswith("gpurig engine:")]
+    copier.join(10)
+    ours = [(t, ln) for t, ln in timed if ln.startswith("gpurig engine:")]
+    out["server_lines"] = [ln for _, ln in ours]
+    out["server_line_s"] = [round(t, 2) for t, _ in ours]  # when each line came, from the start
     out["triton_cache_entries"] = (
         sum(1 for _ in dirs["triton"].glob("*")) if dirs["triton"].is_dir() else 0
     )

@@ -17,6 +17,7 @@ stats or None), ("reset", done), ("closed",). engine/server/core_client.py is th
 from __future__ import annotations
 
 import gc
+import multiprocessing as mp
 import pickle
 import signal
 import time
@@ -24,6 +25,7 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +44,39 @@ class CoreSpec:
     load_kwargs: dict[str, Any] = field(default_factory=dict)
     torch_threads: int | None = None
     gc_freeze: bool = True
+
+
+@dataclass
+class StartedCore:
+    """An engine process started and loading, whose "ready" nobody has read yet: the server
+    starts it before its own imports (torch's among them, which the process pays again), so
+    the two overlap, and wraps it in an EngineClient once it needs it."""
+
+    process: BaseProcess
+    conn: Connection
+
+    def abandon(self, timeout: float = 5.0) -> None:
+        """Stop the process (ours) and reap it: the server decided to keep the engine in its
+        own process after all (no CUDA after a driver was seen)."""
+        self.conn.close()
+        self.process.terminate()
+        self.process.join(timeout)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join()
+
+
+def start_core(spec: CoreSpec) -> StartedCore:
+    """Spawn the engine process, which loads `spec` at once. Spawned, not forked: the server's
+    process never touches CUDA. This module imports no torch, so a caller that has not imported
+    it yet starts the process before paying for it."""
+    ctx = mp.get_context("spawn")
+    conn, child = ctx.Pipe()
+    process = ctx.Process(target=core_main, args=(child, spec), name="gpurig-engine",
+                          daemon=True)  # fmt: skip
+    process.start()
+    child.close()
+    return StartedCore(process, conn)
 
 
 def startup_lines(eng: Any) -> tuple[str, str | None]:

@@ -1,10 +1,10 @@
 """The server's end of the engine process (engine/server/core.py): an object with the engine's
 surface that the server's queue and handlers use as they use an in-process engine.
 
-It starts the process (spawned: the server's process never touches CUDA), waits for it to load,
-and keeps the facts it reported. Requests go in with `add_request_async`, which returns once the
-engine accepted them (or raises its refusal: a prompt over the context, a bad parameter), so the
-handlers answer 400 as they do in process. One thread here reads the pipe and hands each step's
+It starts the process (`start_core`), or takes one the server started early, waits for it to
+load, and keeps the facts it reported. Requests go in with `add_request_async`, which returns
+once the engine accepted them (or raises its refusal: a prompt over the context, a bad
+parameter), so the handlers answer 400 as they do in process. One thread here reads the pipe and hands each step's
 outputs to the requests' sinks, as the engine's own thread does in process. If the engine process
 dies, every open request ends with an error that says so, and new ones are refused.
 """
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import multiprocessing as mp
 import signal
 import threading
 import time
@@ -24,7 +23,7 @@ from typing import Any
 from engine.errors import EngineError, GpurigError
 from engine.runtime import load_tokenizer
 from engine.sequence import Output
-from engine.server.core import CoreSpec, core_main
+from engine.server.core import CoreSpec, StartedCore, start_core
 
 READY_POLL_S = 0.5
 REPLY_TIMEOUT_S = 30.0
@@ -60,15 +59,13 @@ class EngineClient:
 
     runs_itself = True  # the queue starts no stepping thread for it (engine/server/queue.py)
 
-    def __init__(self, spec: CoreSpec, ready_timeout: float | None = None) -> None:
-        """Start the engine process and wait until it has loaded (and warmed up): raises its
-        load error (a GpurigError for a bad checkpoint) if it could not."""
-        ctx = mp.get_context("spawn")
-        self._conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=core_main, args=(child, spec), name="gpurig-engine",
-                                   daemon=True)  # fmt: skip
-        self.process.start()
-        child.close()
+    def __init__(self, spec: CoreSpec, ready_timeout: float | None = None,
+                 started: StartedCore | None = None) -> None:  # fmt: skip
+        """Start the engine process (or take `started`, one `start_core(spec)` began) and wait
+        until it has loaded (and warmed up): raises its load error (a GpurigError for a bad
+        checkpoint) if it could not."""
+        started = started or start_core(spec)
+        self.process, self._conn = started.process, started.conn
         self._send_lock = threading.Lock()
         self._open: dict[int, RemoteSequence] = {}
         self._acks: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future[Any]]] = {}
