@@ -10,35 +10,30 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from types import ModuleType
 
-from mcp_server import (
-    cli_compare,
-    cli_demo,
-    cli_engine,
-    cli_engine_serve,
-    cli_eval,
-    cli_host,
-    cli_patch,
-    cli_serve,
-    cli_sweep,
-    cli_up,
-)
-from mcp_server.output import report_error
 from tools.errors import GpurigError
 
-# Each module has `register(subparsers)` adding its subcommands.
-TOP_LEVEL_MODULES = [
-    cli_host,
-    cli_patch,
-    cli_serve,
-    cli_up,
-    cli_sweep,
-    cli_demo,
-    cli_compare,
-    cli_eval,
-]
-# Modules adding subcommands under `gpurig engine ...`.
-ENGINE_MODULES = [cli_engine, cli_engine_serve]
+
+def _subcommand_modules() -> tuple[list[ModuleType], list[ModuleType]]:
+    """The modules with `register(subparsers)`: the top-level ones and those under `gpurig
+    engine ...`. Imported when the parser is built, not with this module: the engine process
+    (spawned) imports the server's main module again, and needs none of them."""
+    from mcp_server import (
+        cli_compare,
+        cli_demo,
+        cli_engine,
+        cli_engine_serve,
+        cli_eval,
+        cli_host,
+        cli_patch,
+        cli_serve,
+        cli_sweep,
+        cli_up,
+    )
+
+    top = [cli_host, cli_patch, cli_serve, cli_up, cli_sweep, cli_demo, cli_compare, cli_eval]
+    return top, [cli_engine, cli_engine_serve]
 
 
 def _register_mcp(subparsers: argparse._SubParsersAction) -> None:
@@ -97,12 +92,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"gpurig {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     _register_mcp(sub)
-    for module in TOP_LEVEL_MODULES:
+    top_level, engine_modules = _subcommand_modules()
+    for module in top_level:
         module.register(sub)
     engine = sub.add_parser("engine", help="the in-process 4-bit Gemma 4 engine")
     engine_sub = engine.add_subparsers(dest="engine_command", metavar="ENGINE_COMMAND")
     engine.set_defaults(func=lambda _a: (engine.print_help(), 2)[1])
-    for module in ENGINE_MODULES:
+    for module in engine_modules:
         module.register(engine_sub)
     _mark_parsers(parser)
     return parser
@@ -145,6 +141,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except GpurigError as err:
+        from mcp_server.output import report_error
+
         return report_error(err)
     except KeyboardInterrupt:  # Ctrl-C: the shell's convention, 128 + SIGINT, no traceback
         sys.stderr.write("gpurig: interrupted\n")

@@ -189,3 +189,16 @@ def test_omp_num_threads_is_respected_and_the_flag_wins(monkeypatch: pytest.Monk
         assert set_threads(None) >= 1
     finally:
         torch.set_num_threads(before)
+
+
+def test_importing_the_command_line_imports_no_subcommand() -> None:
+    """The engine process (spawned) imports the server's main module again: importing
+    mcp_server.cli must not import the subcommands (the sweep's stack, the MCP tools, torch),
+    which cost it 0.6 s before it could import torch and load."""
+    code = ("import sys, mcp_server.cli\n"
+            "print(sorted(m for m in sys.modules if m.startswith(('mcp_server.cli_', 'bench',"
+            " 'torch', 'mcp_server.output'))))")  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, timeout=60)  # fmt: skip
+    assert out.stdout.strip() == "[]", out.stdout
+    assert "serve" in build_parser().format_help()  # the parser still has every subcommand
