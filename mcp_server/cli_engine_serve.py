@@ -233,8 +233,9 @@ def _serve(args: argparse.Namespace) -> int:
     if not args.no_warmup:
         sys.stderr.write(
             "gpurig engine: loading, then warming up (kernels compiled on every core, graphs "
-            "captured, a prompt of each kind read; on a GPU without shipped tiles the first run "
-            "also tunes every GEMV shape, a few minutes once, cached per GPU name)\n"
+            "captured, a prompt of each kind read; on a GPU with no tiles shipped for its kind "
+            "(Hopper has them) the first run also tunes every GEMV shape, a few minutes once, "
+            "cached per GPU name)\n"
         )
         sys.stderr.flush()
     load_kwargs = dict(

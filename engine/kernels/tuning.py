@@ -10,7 +10,10 @@ tuning_cache_dir, which the front doors read from GPURIG_KERNEL_AUTOTUNE / GPURI
 They are process-wide because the cache files are: one GPU, one file.
 
 Configurations shipped with the package (``engine/kernels/configs/<gpu>.json``, measured on the
-lent H200) are used when the cache has no entry, so a known card needs no tuning at all.
+lent H200) are used when the cache has no entry, so a known card needs no tuning at all. A card
+with none of its own takes those of the shipped card of its architecture (SHIPPED_FOR: every
+Hopper the H200's), as every H100 figure in bench/NOTES.md was measured: tuning each GEMV shape
+at the first start costs an H100 about 100 s, which put its first start past a minute.
 """
 
 from __future__ import annotations
@@ -33,6 +36,9 @@ from engine.kernels.launch import compiling_only
 _BUNDLED_DIR = Path(__file__).with_name("configs")
 _LOCK = threading.Lock()
 _MEMORY: dict[str, dict[str, dict[str, Any]]] = {}
+# compute capability -> the card whose shipped tables stand in for an unshipped one of it
+SHIPPED_FOR: dict[tuple[int, int], str] = {(9, 0): "NVIDIA_H200"}
+_STAND_IN: dict[str, str] = {}  # a card's name -> the shipped card whose tables it reads
 
 
 _SETTINGS: dict[str, Any] = {"autotune": True, "cache_dir": None}
@@ -61,15 +67,32 @@ def shipped_table(kernel: str, gpu: str) -> dict[str, dict[str, Any]]:
     """A kernel's table measured on a GPU model and shipped with the package
     (configs/<kernel>_<gpu>.json; empty if there is none or it cannot be read)."""
     try:
-        return json.loads((_BUNDLED_DIR / f"{kernel}_{gpu}.json").read_text())
+        return json.loads((_BUNDLED_DIR / f"{kernel}_{shipped_card(gpu)}.json").read_text())
     except (OSError, ValueError):
         return {}
 
 
 def gpu_key(device: torch.device | int | None = None) -> str:
-    """A file-name-safe name for the card, e.g. 'NVIDIA_H200' (configs are per GPU model)."""
+    """A file-name-safe name for the card, e.g. 'NVIDIA_H200' (configs are per GPU model).
+    Notes which shipped card's tables the card reads (`stand_in`)."""
     name = torch.cuda.get_device_name(device)
-    return re.sub(r"[^A-Za-z0-9_.-]+", "_", name).strip("_") or "unknown_gpu"
+    key = re.sub(r"[^A-Za-z0-9_.-]+", "_", name).strip("_") or "unknown_gpu"
+    if key not in _STAND_IN:
+        _STAND_IN[key] = stand_in(key, torch.cuda.get_device_capability(device))
+    return key
+
+
+def stand_in(gpu: str, capability: tuple[int, int]) -> str:
+    """The card whose shipped tables `gpu` reads: its own where the package has them, else the
+    shipped card of its compute capability (SHIPPED_FOR), else its own (none: it tunes)."""
+    if (_BUNDLED_DIR / f"{gpu}.json").is_file():
+        return gpu
+    return SHIPPED_FOR.get(tuple(capability), gpu)
+
+
+def shipped_card(gpu: str) -> str:
+    """The shipped card whose tables `gpu` reads (its own name until `gpu_key` saw it)."""
+    return _STAND_IN.get(gpu, gpu)
 
 
 def _write_atomic(path: Path, text: str) -> None:
@@ -96,9 +119,10 @@ def _read_json(path: Path) -> dict[str, dict[str, Any]]:
 
 
 def _table(gpu: str) -> dict[str, dict[str, Any]]:
-    """The merged configs for one GPU: bundled defaults overlaid by the user's cache file."""
+    """The merged configs for one GPU: the shipped card's (its own or its stand-in's)
+    overlaid by the user's cache file for this card."""
     if gpu not in _MEMORY:
-        merged = _read_json(_BUNDLED_DIR / f"{gpu}.json")
+        merged = _read_json(_BUNDLED_DIR / f"{shipped_card(gpu)}.json")
         for kernel, entries in _read_json(cache_dir() / f"{gpu}.json").items():
             merged.setdefault(kernel, {}).update(entries)
         _MEMORY[gpu] = merged

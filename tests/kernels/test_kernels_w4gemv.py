@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -97,6 +98,35 @@ def test_config_cache_round_trips_through_its_file(tmp_path, monkeypatch) -> Non
     assert tuning.lookup("w4gemv", "N1_K32_bfloat16_M1", "Some_GPU") is None
     assert not list(tmp_path.glob("*.tmp"))
     tuning.forget_memory()
+
+
+def test_an_unshipped_hopper_reads_the_h200s_tables(tmp_path, monkeypatch) -> None:
+    """A card with no shipped tables of its own (an H100) reads those of the shipped card of its
+    compute capability (the H200's: its first start then tunes nothing); its own tuned entries
+    still win; a card of an unshipped capability reads nothing and tunes. (No GPU here: the
+    names and capabilities are what `gpu_key` reads from torch on one.)"""
+    monkeypatch.setattr(tuning, "_SETTINGS", dict(tuning._SETTINGS))
+    monkeypatch.setattr(tuning, "_STAND_IN", {})
+    tuning.configure(directory=tmp_path)
+    tuning.forget_memory()
+    h200 = json.loads((Path(tuning.__file__).with_name("configs") / "NVIDIA_H200.json").read_text())
+    key, shipped = next(iter(h200["w4gemv"].items()))
+    assert tuning.stand_in("NVIDIA_H200", (9, 0)) == "NVIDIA_H200"
+    assert tuning.stand_in("NVIDIA_H100_80GB_HBM3", (9, 0)) == "NVIDIA_H200"
+    assert tuning.stand_in("NVIDIA_A100-SXM4-80GB", (8, 0)) == "NVIDIA_A100-SXM4-80GB"
+    tuning._STAND_IN.update({"NVIDIA_H100_80GB_HBM3": "NVIDIA_H200", "Tesla_T4": "Tesla_T4"})
+    assert tuning.lookup("w4gemv", key, "NVIDIA_H100_80GB_HBM3") == shipped
+    assert tuning.lookup("w4gemv", key, "Tesla_T4") is None  # its first use tunes
+    mma = tuning.shipped_table("w4mma", "NVIDIA_H100_80GB_HBM3")
+    assert mma and mma == tuning.shipped_table("w4mma", "NVIDIA_H200")
+    own = {"BLOCK_N": 2, "BLOCK_KW": 64, "num_warps": 1, "num_stages": 2, "us": 1.0}
+    tuning.store("w4gemv", key, "NVIDIA_H100_80GB_HBM3", own)  # tuned on the card itself
+    tuning.forget_memory()
+    assert tuning.lookup("w4gemv", key, "NVIDIA_H100_80GB_HBM3") == own
+    assert tuning.lookup("w4gemv", key, "NVIDIA_H200") == shipped
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["NVIDIA_H100_80GB_HBM3.json"]
+    tuning.forget_memory()
+    tuning.shipped_table.cache_clear()  # it read through this test's stand-ins
 
 
 def test_autotune_switch_comes_from_the_engine_options(tmp_path, monkeypatch) -> None:
