@@ -4,9 +4,10 @@ surface that the server's queue and handlers use as they use an in-process engin
 It starts the process (`start_core`), or takes one the server started early, waits for it to
 load, and keeps the facts it reported. Requests go in with `add_request_async`, which returns
 once the engine accepted them (or raises its refusal: a prompt over the context, a bad
-parameter), so the handlers answer 400 as they do in process. One thread here reads the pipe and hands each step's
-outputs to the requests' sinks, as the engine's own thread does in process. If the engine process
-dies, every open request ends with an error that says so, and new ones are refused.
+parameter), so the handlers answer 400 as they do in process. One thread here reads the pipe
+and hands each step's outputs to the requests' sinks, as the engine's own thread does in
+process. If the engine process dies, every open request ends with an error that says so, and
+new ones are refused.
 """
 
 from __future__ import annotations
