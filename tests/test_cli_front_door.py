@@ -202,3 +202,15 @@ def test_importing_the_command_line_imports_no_subcommand() -> None:
                          check=True, timeout=60)  # fmt: skip
     assert out.stdout.strip() == "[]", out.stdout
     assert "serve" in build_parser().format_help()  # the parser still has every subcommand
+
+
+def test_building_the_parser_imports_no_sweep_machinery_and_no_torch() -> None:
+    """Every `gpurig` start builds the whole parser before it runs a subcommand (`engine
+    serve` before it starts its engine process): the sweep package's entry points and torch
+    stay out of it."""
+    code = ("import sys\nfrom mcp_server.cli import build_parser\nbuild_parser()\n"
+            "print(sorted(m for m in sys.modules if m in ('bench.sweep.run', 'bench.sweep.lookup',"
+            " 'torch', 'engine.runtime')))")  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, timeout=60)  # fmt: skip
+    assert out.stdout.strip() == "[]", out.stdout
