@@ -276,11 +276,11 @@ class PromptPlanner:
     that is at most PLAN_REFRESH_S old, measured afresh whenever that plan is not the roomy
     one (the whole chunk and the full score budget).
 
-    Why: a measurement asks the driver for its free memory, and under a cap first hands the
+    Why: a measurement reads the allocator's counters (torch builds its whole statistics
+    dictionary for each), asks the driver for its free memory, and under a cap first hands the
     allocator's free segments back (a cudaFree waits for the device, and the next prompt pass
     allocates them again). Once per request that sat on the stepping thread, where a late
-    millisecond idles the decode stream; on some hosts the driver's query alone takes
-    milliseconds (sglang #25225). An old measurement only ever settles a roomy plan, which a
+    millisecond idles the decode stream (bench/NOTES.md v28 times each call). An old measurement only ever settles a roomy plan, which a
     fresh one on a roomy device gives too; any plan that reads in a smaller chunk, trims the
     score budget or refuses rests on a fresh measurement, as before."""
 

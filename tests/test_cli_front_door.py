@@ -195,12 +195,9 @@ def test_importing_the_command_line_imports_no_subcommand() -> None:
     """The engine process (spawned) imports the server's main module again: importing
     mcp_server.cli must not import the subcommands (the sweep's stack, the MCP tools, torch),
     which cost it 0.6 s before it could import torch and load."""
-    code = ("import sys, mcp_server.cli\n"
-            "print(sorted(m for m in sys.modules if m.startswith(('mcp_server.cli_', 'bench',"
-            " 'torch', 'mcp_server.output'))))")  # fmt: skip
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True, timeout=60)  # fmt: skip
-    assert out.stdout.strip() == "[]", out.stdout
+    loaded = _modules_after("import mcp_server.cli")
+    assert not [m for m in loaded if m.startswith(("mcp_server.cli_", "bench", "torch",
+                                                   "mcp_server.output"))]  # fmt: skip
     assert "serve" in build_parser().format_help()  # the parser still has every subcommand
 
 
@@ -208,9 +205,13 @@ def test_building_the_parser_imports_no_sweep_machinery_and_no_torch() -> None:
     """Every `gpurig` start builds the whole parser before it runs a subcommand (`engine
     serve` before it starts its engine process): the sweep package's entry points and torch
     stay out of it."""
-    code = ("import sys\nfrom mcp_server.cli import build_parser\nbuild_parser()\n"
-            "print(sorted(m for m in sys.modules if m in ('bench.sweep.run', 'bench.sweep.lookup',"
-            " 'torch', 'engine.runtime')))")  # fmt: skip
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+    loaded = _modules_after("from mcp_server.cli import build_parser\nbuild_parser()")
+    assert not loaded & {"bench.sweep.run", "bench.sweep.lookup", "torch", "engine.runtime"}
+
+
+def _modules_after(code: str) -> set[str]:
+    """The modules a fresh interpreter holds after running `code`."""
+    script = f"import sys\n{code}\nprint('\\n'.join(sys.modules))"
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                          check=True, timeout=60)  # fmt: skip
-    assert out.stdout.strip() == "[]", out.stdout
+    return set(out.stdout.split())

@@ -33,6 +33,8 @@ import triton.language as tl
 from bench.engine.persistent_probe import (
     FIELDS,
     Chain,
+    chain_result,
+    each_tiling,
     layer_products,
     probe_main,
     record_variant,
@@ -91,18 +93,10 @@ class FlowChain(Chain):
 
 def measure(preset: str, per_sm: list[int], tiles: list[tuple[int, int, int]]) -> dict[str, Any]:
     """launch, persistent and dataflow for the whole chain under each tiling."""
-    dev = torch.device("cuda")
-    chain = FlowChain(layer_products(preset), dev)
+    chain = FlowChain(layer_products(preset), torch.device("cuda"))
     ref = chain.reference()
-    out: dict[str, Any] = {"gpu": torch.cuda.get_device_name(dev), "preset": preset,
-                           "products": len(chain.products), "weight_mb": chain.weight_bytes / 1e6,
-                           "variants": {}, "tiles": {}}  # fmt: skip
-    with pdl_launches():  # the engine's own GEMV chain: what a variant must beat
-        record_variant(chain, ref, {}, out["variants"], "product", chain.run_product)
-    for block_n, block_kw, warps in tiles:
-        chain.set_tiles(block_n, block_kw, warps)
-        label = f"{block_n}x{block_kw}x{warps}"
-        into = out["tiles"][label] = {}
+    out = chain_result(chain, ref, preset)
+    for into in each_tiling(chain, tiles, out):
         finals: dict[str, torch.Tensor] = {}
         with pdl_launches():
             record_variant(chain, ref, finals, into, "launch", chain.run_launch)

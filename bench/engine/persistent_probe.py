@@ -37,6 +37,7 @@ import argparse
 import json
 import statistics
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -391,37 +392,50 @@ def record_variant(chain: Chain, ref: torch.Tensor, finals: dict[str, torch.Tens
     print(name, into[name], flush=True)
 
 
-def measure(preset: str, per_sm: list[int], tiles: list[tuple[int, int, int]]) -> dict[str, Any]:
-    """Every variant's time for the whole chain under each tiling (rows x K words x warps per
-    program), and their outputs against each other."""
-    dev = torch.device("cuda")
-    chain = Chain(layer_products(preset), dev)
-    ref = chain.reference()
-    out: dict[str, Any] = {"gpu": torch.cuda.get_device_name(dev), "preset": preset,
+def chain_result(chain: Chain, ref: torch.Tensor, preset: str) -> dict[str, Any]:
+    """A probe's result head, with the engine's own GEMV chain (`product`: one launch per
+    product, PDL, today's step) timed into its variants: what every variant must beat."""
+    out: dict[str, Any] = {"gpu": torch.cuda.get_device_name(chain.device), "preset": preset,
                            "products": len(chain.products), "weight_mb": chain.weight_bytes / 1e6,
                            "variants": {}, "tiles": {}}  # fmt: skip
-    finals: dict[str, torch.Tensor] = {}
-
-    def record(into: dict[str, Any], name: str, fn) -> None:
-        record_variant(chain, ref, finals, into, name, fn)
-
     with pdl_launches():
-        record(out["variants"], "product", chain.run_product)
+        record_variant(chain, ref, {}, out["variants"], "product", chain.run_product)
+    return out
+
+
+def each_tiling(chain: Chain, tiles: list[tuple[int, int, int]],
+                out: dict[str, Any]) -> Iterator[dict[str, Any]]:  # fmt: skip
+    """Each tiling (rows x K words x warps per program) set on the chain in turn: yields the
+    dict its variants are recorded into, out["tiles"][label]."""
     for block_n, block_kw, warps in tiles:
         chain.set_tiles(block_n, block_kw, warps)
         label = f"{block_n}x{block_kw}x{warps}"
         print("tiles", label, "even K" if chain.even_k else "masked K", flush=True)
-        into = out["tiles"][label] = {}
-        finals.pop("launch", None)
+        out["tiles"][label] = {}
+        yield out["tiles"][label]
+
+
+def measure(preset: str, per_sm: list[int], tiles: list[tuple[int, int, int]]) -> dict[str, Any]:
+    """Every variant's time for the whole chain under each tiling (rows x K words x warps per
+    program), and their outputs against each other."""
+    chain = Chain(layer_products(preset), torch.device("cuda"))
+    ref = chain.reference()
+    out = chain_result(chain, ref, preset)
+    for into in each_tiling(chain, tiles, out):
+        finals: dict[str, torch.Tensor] = {}
+
+        def record(name: str, fn, into=into, finals=finals) -> None:
+            record_variant(chain, ref, finals, into, name, fn)
+
         with pdl_launches():
-            record(into, "launch", chain.run_launch)
+            record("launch", chain.run_launch)
         for n in per_sm:
             programs = resident_programs(chain, n)
             for prefetch in (False, True):
                 name = f"persistent_{n}x" + ("_l2" if prefetch else "")
-                record(into, name, lambda p=programs, f=prefetch: chain.run_persistent(p, f))
+                record(name, lambda p=programs, f=prefetch: chain.run_persistent(p, f))
             with pdl_launches():
-                record(into, f"layered_{n}x", lambda p=programs: chain.run_layered(p))
+                record(f"layered_{n}x", lambda p=programs: chain.run_layered(p))
     return out
 
 
