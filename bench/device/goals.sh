@@ -11,7 +11,8 @@
 #    1 / 4 / 8 / 16, 3 repeats (bench.sweep_e2b);
 # 3. the decode step of every bucket, for the 8-row step against the 1-row step
 #    (bench.engine.batch_bench throughput).
-# $OUT gets cold_start.json, sweep/{REPORT.md,results.json,roofline.json} and steps.json;
+# $OUT gets cold_start.json, sweep/{REPORT.md,results.json,roofline.json}, steps.json and
+# goals.md (every goal judged from them: bench.engine.goals);
 # GOALS_PARTS="start sweep steps" (the default) picks parts. About 6 minutes on an H100.
 set -uo pipefail
 : "${OUT:?goals.sh runs on the device machine, which sets OUT}"
@@ -48,3 +49,4 @@ print('at depth', [(b['rows'], b['step_us']) for b in d.get('buckets_at_depth', 
     *) echo "goals.sh: unknown part $part (start, sweep, steps)" >&2; exit 2 ;;
     esac
 done
+python3 -m bench.engine.goals "$OUT" --out "$OUT/goals.md"
