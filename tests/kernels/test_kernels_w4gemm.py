@@ -277,5 +277,16 @@ def test_gemm_bench_smoke_mode_writes_its_table(tmp_path) -> None:
     ours = [c for c in res["cells"] if c["method"] in ("w4_gemm", "w4_mma") and "na" not in c]
     assert len(ours) == 6  # w4_mma takes smoke_a (K=128), not smoke_b (K=224)
     assert all(c["us"] > 0 and c["rel_err"] < 3e-2 for c in ours)
+    assert res["peak_gbps"] == 4800.0  # no card named: the H200's, as before
+    assert all(c["pct_peak"] == round(100 * c["gbps"] / 4800.0, 1) for c in ours)
     assert "needs CUDA" in cells[("smoke_a", "tinygemm", 4)]["na"]
     assert "| smoke_b (96 x 224) | 4 |" in out_md.read_text()
+
+
+def test_gemm_bench_takes_each_cards_bandwidth() -> None:
+    """The % column's base follows the card: an H100's table is not read against 4.8 TB/s."""
+    from bench.engine.gemm_bench import peak_gbps
+
+    assert peak_gbps("NVIDIA H100 80GB HBM3") == 3350.0
+    assert peak_gbps("NVIDIA H200") == 4800.0
+    assert peak_gbps("cpu (interpreter)") == 4800.0
