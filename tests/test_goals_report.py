@@ -51,12 +51,10 @@ def test_every_goal_judged_from_the_recorded_files(tmp_path: Path) -> None:
 
 
 def test_a_slow_warm_start_among_several_is_missed(tmp_path: Path) -> None:
-    runs = json.loads(COLD.read_text())
-    warm = next(r for r in runs if r["variant"] == "warm")
-    runs += [dict(warm, ready_s=9.0), dict(warm, ready_s=15.5)]
-    for r in runs:
-        if r["variant"] == "warm" and r["ready_s"] not in (9.0, 15.5):
-            r["ready_s"] = 10.0
+    recorded = json.loads(COLD.read_text())
+    warm = next(r for r in recorded if r["variant"] == "warm")
+    runs = [r for r in recorded if r["variant"] != "warm"]
+    runs += [dict(warm, ready_s=s) for s in (10.0, 9.0, 15.5)]
     path = tmp_path / "cold.json"
     path.write_text(json.dumps(runs))
     found = _by_name(goals.judge(_folder(tmp_path, cold=path)))
