@@ -280,9 +280,10 @@ class PromptPlanner:
     dictionary for each), asks the driver for its free memory, and under a cap first hands the
     allocator's free segments back (a cudaFree waits for the device, and the next prompt pass
     allocates them again). Once per request that sat on the stepping thread, where a late
-    millisecond idles the decode stream (bench/NOTES.md v28 times each call). An old measurement only ever settles a roomy plan, which a
-    fresh one on a roomy device gives too; any plan that reads in a smaller chunk, trims the
-    score budget or refuses rests on a fresh measurement, as before."""
+    millisecond idles the decode stream (bench/NOTES.md v28 times each call). An old
+    measurement only ever settles a roomy plan, which a fresh one on a roomy device gives too;
+    any plan that reads in a smaller chunk, trims the score budget or refuses rests on a fresh
+    measurement, as before."""
 
     def __init__(
         self,

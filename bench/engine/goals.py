@@ -150,13 +150,28 @@ def start_goals(runs: list[dict[str, Any]] | None) -> list[Goal]:
     return goals
 
 
-def judge(folder: Path) -> list[Goal]:
-    """Every goal that goals.sh's output folder can judge."""
+class GoalsReport(BaseModel):
+    """The goals of one folder and the GPU its sweep names (None where it names none)."""
+
+    device: str | None
+    goals: list[Goal]
+
+
+def report(folder: Path) -> GoalsReport:
+    """Every goal that goals.sh's output folder can judge, each file read once."""
     if not folder.is_dir():
         raise GoalsError(f"{folder}: no such folder; give the folder goals.sh wrote ($OUT)")
-    return (sweep_goals(_load(folder / "sweep" / "results.json"))
-            + step_goal(_load(folder / "steps.json"))
-            + start_goals(_load(folder / "cold_start.json")))  # fmt: skip
+    sweep = _load(folder / "sweep" / "results.json")
+    goals = (sweep_goals(sweep) + step_goal(_load(folder / "steps.json"))
+             + start_goals(_load(folder / "cold_start.json")))  # fmt: skip
+    device = next((str(r["device"]) for r in (sweep or {}).get("roofline") or []
+                   if r.get("device")), None)  # fmt: skip
+    return GoalsReport(device=device, goals=goals)
+
+
+def judge(folder: Path) -> list[Goal]:
+    """Every goal that goals.sh's output folder can judge."""
+    return report(folder).goals
 
 
 def _verdict(met: bool | None) -> str:
@@ -171,15 +186,6 @@ def render(goals: list[Goal], device: str | None = None) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _device(folder: Path) -> str | None:
-    """The GPU the sweep ran on, where its roofline names it."""
-    results = _load(folder / "sweep" / "results.json")
-    for r in (results or {}).get("roofline") or []:
-        if r.get("device"):
-            return str(r["device"])
-    return None
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python3 -m bench.engine.goals", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
@@ -188,8 +194,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, help="write the goals here as JSON")
     args = ap.parse_args(argv)
     try:
-        goals = judge(args.folder)
-        text = render(goals, _device(args.folder))
+        found = report(args.folder)
+        goals = found.goals
+        text = render(goals, found.device)
     except GoalsError as exc:
         print(f"goals: {exc}", file=sys.stderr)
         return 2
