@@ -264,7 +264,7 @@ class Chain:
             if p.k > prev.n:
                 raise ValueError(f"{p.name} reads K={p.k} from {prev.name}'s {prev.n} outputs")
         self.table = torch.tensor(
-            [[self._input(i).data_ptr(), w.data_ptr(), s.data_ptr(), self.outs[i].data_ptr(), p.n, p.k]
+            [[self.input_of(i).data_ptr(), w.data_ptr(), s.data_ptr(), self.outs[i].data_ptr(), p.n, p.k]
              for i, (p, (w, s)) in enumerate(zip(products, self.weights, strict=True))],
             dtype=torch.int64, device=device)  # fmt: skip
         self.bar = torch.zeros(max(1, len(products)), dtype=torch.int32, device=device)
@@ -277,7 +277,7 @@ class Chain:
         self.block_kw = block_kw or min(32, *(p.k // 8 & -(p.k // 8) for p in self.products))
         self.even_k = all(p.k // 8 % self.block_kw == 0 for p in self.products)
 
-    def _input(self, i: int) -> torch.Tensor:
+    def input_of(self, i: int) -> torch.Tensor:
         return self.x0 if i == 0 else self.outs[i - 1]
 
     @property
@@ -290,7 +290,7 @@ class Chain:
 
     def run_launch(self) -> None:
         for i, (p, (w, s)) in enumerate(zip(self.products, self.weights, strict=True)):
-            run_kernel(_launch_kernel, (triton.cdiv(p.n, self.block_n),), self._input(i)[: p.k],
+            run_kernel(_launch_kernel, (triton.cdiv(p.n, self.block_n),), self.input_of(i)[: p.k],
                        w, s, self.outs[i], p.n, p.k, BLOCK_N=self.block_n,
                        BLOCK_KW=self.block_kw, num_warps=self.num_warps, **self._flags())  # fmt: skip
 
@@ -298,7 +298,7 @@ class Chain:
         from engine.kernels.w4gemv import w4_gemv
 
         for i, (p, (w, s)) in enumerate(zip(self.products, self.weights, strict=True)):
-            w4_gemv(self._input(i)[: p.k], w, s, out=self.outs[i])
+            w4_gemv(self.input_of(i)[: p.k], w, s, out=self.outs[i])
 
     def run_persistent(self, programs: int, prefetch: bool = False) -> None:
         self.bar.zero_()
@@ -318,7 +318,7 @@ class Chain:
             p = self.products[first]
             w, s = self.weights[first]
             run_kernel(_launch_kernel, (triton.cdiv(p.n, self.block_n),),
-                       self._input(first)[: p.k], w, s, self.outs[first], p.n, p.k,
+                       self.input_of(first)[: p.k], w, s, self.outs[first], p.n, p.k,
                        BLOCK_N=self.block_n, BLOCK_KW=self.block_kw, num_warps=self.num_warps,
                        **self._flags())  # fmt: skip
             self._persistent(programs, first + 1, per_layer - 1, False)
@@ -339,7 +339,7 @@ def resident_programs(chain: Chain, per_sm: int) -> int:
     return torch.cuda.get_device_properties(chain.device).multi_processor_count * per_sm
 
 
-def _graph(fn) -> torch.cuda.CUDAGraph:
+def graph_of(fn) -> torch.cuda.CUDAGraph:
     fn()  # compile and warm outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -348,7 +348,7 @@ def _graph(fn) -> torch.cuda.CUDAGraph:
     return graph
 
 
-def _time_us(graph: torch.cuda.CUDAGraph, reps: int = 50, rounds: int = 7) -> float:
+def graph_time_us(graph: torch.cuda.CUDAGraph, reps: int = 50, rounds: int = 7) -> float:
     graph.replay()
     torch.cuda.synchronize()
     times = []
@@ -377,12 +377,12 @@ def record_variant(chain: Chain, ref: torch.Tensor, finals: dict[str, torch.Tens
                                "(too many per SM)"}  # fmt: skip
         print(name, into[name], flush=True)
         return
-    graph = _graph(fn)
+    graph = graph_of(fn)
     graph.replay()
     torch.cuda.synchronize()
     final = chain.outs[-1].float().clone()
     finals[name] = final
-    us = _time_us(graph)
+    us = graph_time_us(graph)
     rel = ((final - ref).norm() / ref.norm()).item()
     into[name] = {"us": round(us, 1), "us_per_product": round(us / len(chain.products), 2),
                   "gb_per_s": round(chain.weight_bytes / us / 1e3, 1),

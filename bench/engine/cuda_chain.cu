@@ -1,0 +1,154 @@
+// The CUDA side of bench/engine/cuda_chain_probe.py: a hand-written int4 GEMV and two empty links,
+// compiled at run time by NVRTC (no nvcc needed), each launch with programmatic dependent launch.
+//
+// Why it exists: the one-row decode step is a chain of ~360 dependent kernels whose int4
+// products cost ~3.9 us each whatever their bytes (bench/NOTES.md v26-v29). Before a megakernel
+// is written in CUDA, this measures what CUDA itself changes on the same chain: the floor of a
+// PDL boundary (an empty kernel), a boundary with one dependent round trip through memory, and a
+// GEMV whose tiles are fixed at compile time per shape.
+//
+// Layout (compressed-tensors pack-quantized, symmetric, group 32): packed int32 [N, K/8], code k
+// of a row in word k/8 at bits 4*(k%8), stored unsigned as q+8; scales bf16 [N, K/32]. One 16-byte
+// load of a row is 32 codes: exactly one scale group. Activations and outputs are bf16.
+//
+// Compile-time constants (-D): KC (16-byte chunks per row, K/32), KT (threads across K, a power of
+// two <= 32: a row's partial sums meet in one warp by shuffles), RPT (rows per thread: the
+// activations are unpacked once for RPT rows), WARPS (per block), PF (chunks whose weights are
+// requested ahead of the arithmetic).
+
+typedef unsigned int u32;
+typedef unsigned short u16;
+
+#define RG (WARPS * 32 / KT)              // row groups per block
+#define CPT ((KC + KT - 1) / KT)          // chunks per thread (the last ones may be past KC)
+
+__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+__device__ __forceinline__ void pdl_release() {
+    asm volatile("griddepcontrol.launch_dependents;" :::);
+}
+
+// (a & mask) | magic in one instruction
+__device__ __forceinline__ u32 lop3_or(u32 a, u32 mask, u32 magic) {
+    u32 r;
+    asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(a), "r"(mask), "r"(magic));
+    return r;
+}
+
+__device__ __forceinline__ u16 f32_to_bf16(float f) {  // round to nearest even (finite values)
+    u32 u = __float_as_uint(f);
+    u += 0x7FFFu + ((u >> 16) & 1u);
+    return (u16)(u >> 16);
+}
+
+// The 8 activations of one word, as fp32, nibble j's scaled by 16^-j (exact powers of two), so
+// nibbles 0..4 can be read in place: (w & (0xF << 4j)) | 2^23 reads 2^23 + c * 16^j.
+__device__ __forceinline__ void unpack_x8(uint4 v, float* x) {
+    x[0] = __uint_as_float(v.x << 16);
+    x[1] = __uint_as_float(v.x & 0xFFFF0000u) * 0.0625f;
+    x[2] = __uint_as_float(v.y << 16) * 0.00390625f;
+    x[3] = __uint_as_float(v.y & 0xFFFF0000u) * 0.000244140625f;
+    x[4] = __uint_as_float(v.z << 16) * 1.52587890625e-05f;
+    x[5] = __uint_as_float(v.z & 0xFFFF0000u);  // nibbles 5..7 after one shift by 20
+    x[6] = __uint_as_float(v.w << 16) * 0.0625f;
+    x[7] = __uint_as_float(v.w & 0xFFFF0000u) * 0.00390625f;
+}
+
+// sum_j (code_j - 8) * x_j over one word, exact products (the fp32 magic-number unpack)
+__device__ __forceinline__ float dot_word(u32 w, const float* x, float acc) {
+    const u32 M = 0x4B000000u;
+    acc = fmaf(__uint_as_float(lop3_or(w, 0xFu, M)) - 8388616.f, x[0], acc);
+    acc = fmaf(__uint_as_float(lop3_or(w, 0xF0u, M)) - 8388736.f, x[1], acc);
+    acc = fmaf(__uint_as_float(lop3_or(w, 0xF00u, M)) - 8390656.f, x[2], acc);
+    acc = fmaf(__uint_as_float(lop3_or(w, 0xF000u, M)) - 8421376.f, x[3], acc);
+    acc = fmaf(__uint_as_float(lop3_or(w, 0xF0000u, M)) - 8912896.f, x[4], acc);
+    const u32 h = w >> 20;
+    acc = fmaf(__uint_as_float(lop3_or(h, 0xFu, M)) - 8388616.f, x[5], acc);
+    acc = fmaf(__uint_as_float(lop3_or(h, 0xF0u, M)) - 8388736.f, x[6], acc);
+    acc = fmaf(__uint_as_float(lop3_or(h, 0xF00u, M)) - 8390656.f, x[7], acc);
+    return acc;
+}
+
+#ifdef KC
+// y[N] = dequant(W[N, K]) @ x[K]. Block: RG row groups x KT threads across K; a thread owns RPT
+// rows and the chunks kt, kt + KT, ... of each. The first PF chunks' weights and scales are
+// requested before the wait for the previous kernel (they depend on nothing it writes).
+extern "C" __global__ void __launch_bounds__(WARPS * 32)
+w4_gemv(const u16* __restrict__ x, const uint4* __restrict__ w, const u16* __restrict__ s,
+        u16* __restrict__ y, int n) {
+    const int kt = threadIdx.x % KT;
+    const int rg = threadIdx.x / KT;
+    const int row0 = (blockIdx.x * RG + rg) * RPT;
+    uint4 wr[CPT][RPT];
+    float sr[CPT][RPT];
+#pragma unroll
+    for (int c = 0; c < CPT; ++c) {
+        const int chunk = kt + c * KT;
+#pragma unroll
+        for (int r = 0; r < RPT; ++r) {
+            const int row = min(row0 + r, n - 1);  // rows past N read row N-1, store nothing
+            if (c < PF && chunk < KC) {
+                wr[c][r] = w[(long)row * KC + chunk];
+                sr[c][r] = __uint_as_float((u32)s[(long)row * KC + chunk] << 16);
+            }
+        }
+    }
+    pdl_wait();
+    pdl_release();
+    const uint4* x4 = reinterpret_cast<const uint4*>(x);
+    float acc[RPT];
+#pragma unroll
+    for (int r = 0; r < RPT; ++r) acc[r] = 0.f;
+#pragma unroll
+    for (int c = 0; c < CPT; ++c) {
+        const int chunk = kt + c * KT;
+        if (chunk < KC) {
+            if (c >= PF) {
+#pragma unroll
+                for (int r = 0; r < RPT; ++r) {
+                    const int row = min(row0 + r, n - 1);
+                    wr[c][r] = w[(long)row * KC + chunk];
+                    sr[c][r] = __uint_as_float((u32)s[(long)row * KC + chunk] << 16);
+                }
+            }
+            float part[RPT];
+#pragma unroll
+            for (int r = 0; r < RPT; ++r) part[r] = 0.f;
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {  // the chunk's 4 words, 8 activations each
+                float xs[8];
+                unpack_x8(__ldcg(x4 + chunk * 4 + q), xs);
+#pragma unroll
+                for (int r = 0; r < RPT; ++r) {
+                    const u32 word = q == 0 ? wr[c][r].x : q == 1 ? wr[c][r].y
+                                   : q == 2 ? wr[c][r].z : wr[c][r].w;
+                    part[r] = dot_word(word, xs, part[r]);
+                }
+            }
+#pragma unroll
+            for (int r = 0; r < RPT; ++r) acc[r] = fmaf(part[r], sr[c][r], acc[r]);
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < RPT; ++r) {
+#pragma unroll
+        for (int off = KT / 2; off > 0; off >>= 1)
+            acc[r] += __shfl_xor_sync(0xFFFFFFFFu, acc[r], off, KT);
+        if (kt == 0 && row0 + r < n) y[row0 + r] = f32_to_bf16(acc[r]);
+    }
+}
+#endif
+
+// The floor of one PDL boundary: a kernel that only waits for the one before and lets the next go.
+extern "C" __global__ void null_link() {
+    pdl_wait();
+    pdl_release();
+}
+
+// One boundary with a dependent round trip: y = x + 1 over n bf16 values (each kernel reads
+// what the one before wrote).
+extern "C" __global__ void copy_link(const u16* __restrict__ x, u16* __restrict__ y, int n) {
+    pdl_wait();
+    pdl_release();
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) y[i] = f32_to_bf16(__uint_as_float((u32)__ldcg(x + i) << 16) + 1.f);
+}

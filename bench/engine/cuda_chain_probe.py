@@ -1,0 +1,232 @@
+"""What does CUDA itself change on the one-row chain? The persistent probe's 210 E2B layer products
+with a hand-written CUDA GEMV, beside the engine's Triton GEMV, and the floor of a PDL boundary.
+
+    python3 -m bench.engine.cuda_chain_probe --preset e2b --out $OUT/cuda_chain.json
+
+bench/NOTES.md (v26-v29) ends every route to the one-row goal at "a hand-scheduled CUDA
+megakernel". Before writing one, this measures on the same chain, one CUDA graph per variant,
+every launch with programmatic dependent launch (PDL):
+
+* ``product``: the engine's Triton GEMV (`w4_gemv`, tuned tiles): today's step's products;
+* ``cuda_gemv``: bench/engine/cuda_chain.cu's GEMV, compiled by NVRTC per K with its tiles
+  chosen per shape here (threads across K, rows per thread), every weight of a thread requested
+  before it waits for the product before;
+* ``null_links``: 210 kernels that only wait and release, with the GEMV's grids: what a
+  boundary costs when the kernel does nothing;
+* ``copy_links``: 210 kernels, each adding 1 to the vector the one before wrote (1,536 values):
+  a boundary plus one dependent round trip through L2.
+
+If ``cuda_gemv`` is far below ``product``, Triton's kernel has fixed cost a CUDA kernel avoids,
+and porting the step's kernels pays before any megakernel; if the links' floor is most of
+``product``'s time per product, only fewer boundaries (the megakernel) can. Every shape's CUDA
+output is checked against the float32 reference first, and the chain's final output against the
+float32 chain. What it measured: bench/NOTES.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench.engine.nvrtc_launch import CudaKernel, arch_of, compile_cubin, source_of
+from bench.engine.persistent_probe import (
+    Chain,
+    chain_result,
+    graph_of,
+    graph_time_us,
+    layer_products,
+)
+
+SOURCE = Path(__file__).with_name("cuda_chain.cu")
+WARPS = 4
+MAX_AHEAD = 16  # 16-byte weight loads a thread may hold before the wait (registers)
+
+
+@dataclass(frozen=True)
+class Tiling:
+    """Threads across K (a power of two <= 32), rows per thread, chunks requested ahead."""
+
+    kt: int
+    rpt: int
+    pf: int
+
+    def rows_per_block(self) -> int:
+        return WARPS * 32 // self.kt * self.rpt
+
+
+def tilings_for(k: int) -> list[Tiling]:
+    """The candidate tilings of a product with K inputs (K / 32 chunks of 16 bytes a row)."""
+    kc = k // 32
+    out = []
+    for kt in (8, 16, 32):
+        if kt > kc and kt != 8:
+            continue
+        for rpt in (1, 2, 4):
+            cpt = -(-kc // kt)
+            out.append(Tiling(kt, rpt, max(1, min(cpt, MAX_AHEAD // rpt))))
+    return out
+
+
+class CudaGemv:
+    """The CUDA GEMV, one module per (K, tiling), loaded once."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device, self.arch = device, arch_of(device)
+        self.source = source_of(SOURCE)
+        self._kernels: dict[tuple[int, Tiling], CudaKernel] = {}
+
+    def kernel(self, k: int, t: Tiling) -> CudaKernel:
+        key = (k, t)
+        if key not in self._kernels:
+            defines = {"KC": k // 32, "KT": t.kt, "RPT": t.rpt, "WARPS": WARPS, "PF": t.pf}
+            self._kernels[key] = CudaKernel.load(
+                compile_cubin(self.source, defines, self.arch), "w4_gemv"
+            )
+        return self._kernels[key]
+
+    def __call__(self, x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, y: torch.Tensor,
+                 t: Tiling) -> None:  # fmt: skip
+        n, k = w.shape[0], w.shape[1] * 8
+        grid = -(-n // t.rows_per_block())
+        args = [
+            ctypes.c_void_p(x.data_ptr()),
+            ctypes.c_void_p(w.data_ptr()),
+            ctypes.c_void_p(s.data_ptr()),
+            ctypes.c_void_p(y.data_ptr()),
+            ctypes.c_int(n),
+        ]
+        self.kernel(k, t).launch(grid, WARPS * 32, args)
+
+
+def check_shapes(gemv: CudaGemv, chain: Chain, choice: dict[tuple[int, int], Tiling]
+                 ) -> dict[str, float]:  # fmt: skip
+    """Each shape's CUDA output against the float32 product of its dequantised weights: the
+    largest error relative to the output's largest magnitude."""
+    from engine.kernels.w4gemv import dequantize_reference
+
+    errors: dict[str, float] = {}
+    seen: set[tuple[int, int]] = set()
+    gen = torch.Generator(device=chain.device).manual_seed(1)
+    for p, (w, s) in zip(chain.products, chain.weights, strict=True):
+        if (p.n, p.k) in seen:
+            continue
+        seen.add((p.n, p.k))
+        x = torch.randn(p.k, generator=gen, device=chain.device).to(torch.bfloat16)
+        y = torch.empty(p.n, dtype=torch.bfloat16, device=chain.device)
+        gemv(x, w, s, y, choice[(p.n, p.k)])
+        ref = dequantize_reference(w, s) @ x.float()
+        errors[f"{p.n}x{p.k}"] = ((y.float() - ref).abs().max() / ref.abs().max()).item()
+    return errors
+
+
+def tune(gemv: CudaGemv, chain: Chain, launches: int = 20) -> dict[str, Any]:
+    """Per shape, the tiling whose graph of `launches` back-to-back launches is fastest."""
+    choice: dict[tuple[int, int], Tiling] = {}
+    table: dict[str, Any] = {}
+    for p, (w, s) in zip(chain.products, chain.weights, strict=True):
+        if (p.n, p.k) in choice:
+            continue
+        x = torch.randn(p.k, device=chain.device).to(torch.bfloat16)
+        y = torch.empty(p.n, dtype=torch.bfloat16, device=chain.device)
+        times = {}
+        for t in tilings_for(p.k):
+
+            def run(t=t, w=w, s=s, x=x, y=y) -> None:
+                for _ in range(launches):
+                    gemv(x, w, s, y, t)
+
+            times[t] = graph_time_us(graph_of(run), reps=10, rounds=3) / launches
+        best = min(times, key=times.get)
+        choice[(p.n, p.k)] = best
+        mb = (w.numel() * 4 + s.numel() * 2) / 1e6
+        table[f"{p.n}x{p.k}"] = {"kt": best.kt, "rpt": best.rpt, "pf": best.pf,
+                                 "us": round(times[best], 2), "mb": round(mb, 3),
+                                 "gb_per_s": round(mb * 1e3 / times[best], 1),
+                                 "tried": {f"{t.kt}x{t.rpt}": round(v, 2)
+                                           for t, v in times.items()}}  # fmt: skip
+        print("tuned", p.n, p.k, table[f"{p.n}x{p.k}"], flush=True)
+    return {"choice": choice, "table": table}
+
+
+def _record(chain: Chain, ref: torch.Tensor, into: dict[str, Any], name: str, fn,
+            checked: bool = True) -> None:  # fmt: skip
+    """Time `fn` (one CUDA graph) into `into[name]`; `checked`: its final output against the
+    float32 chain."""
+    chain.outs[-1].zero_()
+    graph = graph_of(fn)
+    graph.replay()
+    torch.cuda.synchronize()
+    us = graph_time_us(graph)
+    n = len(chain.products)
+    into[name] = {"us": round(us, 1), "us_per_link": round(us / n, 2)}
+    if checked:
+        final = chain.outs[-1].float()
+        into[name]["gb_per_s"] = round(chain.weight_bytes / us / 1e3, 1)
+        into[name]["rel_err_vs_fp32"] = round(((final - ref).norm() / ref.norm()).item(), 5)
+    print(name, into[name], flush=True)
+
+
+def measure(preset: str) -> dict[str, Any]:
+    device = torch.device("cuda")
+    chain = Chain(layer_products(preset), device)
+    ref = chain.reference()
+    out = chain_result(chain, ref, preset)  # `product`: the engine's GEMV chain
+    gemv = CudaGemv(device)
+    tuned = tune(gemv, chain)
+    choice = tuned["choice"]
+    out["cuda_tiles"] = tuned["table"]
+    out["cuda_shape_errors"] = check_shapes(gemv, chain, choice)
+    variants = out["variants"]
+
+    def cuda_chain() -> None:
+        for i, (p, (w, s)) in enumerate(zip(chain.products, chain.weights, strict=True)):
+            gemv(chain.input_of(i)[: p.k], w, s, chain.outs[i], choice[(p.n, p.k)])
+
+    _record(chain, ref, variants, "cuda_gemv", cuda_chain)
+    links = CudaKernel.load(compile_cubin(gemv.source, {}, gemv.arch), "null_link")
+    grids = [-(-p.n // choice[(p.n, p.k)].rows_per_block()) for p in chain.products]
+
+    def null_chain() -> None:
+        for g in grids:
+            links.launch(g, WARPS * 32, [])
+
+    _record(chain, ref, variants, "null_links", null_chain, checked=False)
+    copy = CudaKernel.load(compile_cubin(gemv.source, {}, gemv.arch), "copy_link")
+    width = chain.products[0].k
+    bufs = [torch.zeros(width, dtype=torch.bfloat16, device=device) for _ in range(2)]
+
+    def copy_chain() -> None:
+        for i in range(len(chain.products)):
+            src, dst = bufs[i % 2], bufs[(i + 1) % 2]
+            copy.launch(-(-width // 128), 128, [ctypes.c_void_p(src.data_ptr()),
+                                                 ctypes.c_void_p(dst.data_ptr()),
+                                                 ctypes.c_int(width)])  # fmt: skip
+
+    _record(chain, ref, variants, "copy_links", copy_chain, checked=False)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--preset", default="e2b")
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print(f"{ap.prog}: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    result = measure(args.preset)
+    from tools.fileio import write_atomic
+
+    write_atomic(args.out, json.dumps(result, indent=2, default=str) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

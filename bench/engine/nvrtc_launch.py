@@ -1,0 +1,111 @@
+"""CUDA C++ kernels compiled at run time by NVRTC and launched on PyTorch's stream, with
+programmatic dependent launch: the bench's way to run hand-written CUDA without nvcc.
+
+Why NVRTC and the driver API (`cuda.bindings`): a CUDA build of PyTorch already installs both
+(the `nvidia-cuda-nvrtc` and `cuda-bindings` wheels), so a kernel written this way runs wherever
+the engine's Triton kernels run, with no compiler on the user's machine. A launch goes through
+`cuLaunchKernelEx` on the current PyTorch stream, so stream capture records it into a CUDA graph
+like any other kernel, PDL edge included.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+
+class CudaBuildError(RuntimeError):
+    """NVRTC rejected the source, or the driver would not load or launch what it built."""
+
+
+def _check(result: tuple, what: str) -> tuple:
+    """cuda.bindings calls return (status, *values): raise on a failed status."""
+    status, *values = result
+    if int(status) != 0:
+        raise CudaBuildError(f"{what} failed: {status!r}")
+    return tuple(values)
+
+
+def arch_of(device: torch.device | None) -> str:
+    """NVRTC's target for a device ("sm_90"); sm_90 when there is none (a compile check)."""
+    if device is None or device.type != "cuda":
+        return "sm_90"
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"sm_{major}{minor}"
+
+
+def compile_cubin(source: str, defines: dict[str, int], arch: str, name: str = "k.cu") -> bytes:
+    """Machine code for `arch` from CUDA C++ `source` with -D `defines` (NVRTC, no GPU needed).
+    The compiler's log is in the error when it fails."""
+    from cuda.bindings import nvrtc
+
+    (prog,) = _check(nvrtc.nvrtcCreateProgram(source.encode(), name.encode(), 0, [], []),
+                     "nvrtcCreateProgram")  # fmt: skip
+    opts = [f"-arch={arch}".encode(), b"--std=c++17"]
+    opts += [f"-D{k}={v}".encode() for k, v in sorted(defines.items())]
+    try:
+        (status,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
+        if int(status) != 0:
+            (size,) = _check(nvrtc.nvrtcGetProgramLogSize(prog), "nvrtcGetProgramLogSize")
+            log = b" " * size
+            _check(nvrtc.nvrtcGetProgramLog(prog, log), "nvrtcGetProgramLog")
+            raise CudaBuildError(f"NVRTC ({arch}, {defines}): {log.decode(errors='replace')}")
+        (size,) = _check(nvrtc.nvrtcGetCUBINSize(prog), "nvrtcGetCUBINSize")
+        cubin = b" " * size
+        _check(nvrtc.nvrtcGetCUBIN(prog, cubin), "nvrtcGetCUBIN")
+        return cubin
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
+
+
+@dataclass
+class CudaKernel:
+    """One loaded kernel; `launch` puts it on PyTorch's current stream."""
+
+    function: object
+    module: object  # kept: unloading the module would free the function
+    name: str
+
+    @classmethod
+    def load(cls, cubin: bytes, name: str) -> CudaKernel:
+        from cuda.bindings import driver
+
+        torch.cuda.init()  # the primary context PyTorch uses is made current
+        _check(driver.cuInit(0), "cuInit")
+        (module,) = _check(driver.cuModuleLoadData(cubin), "cuModuleLoadData")
+        (function,) = _check(driver.cuModuleGetFunction(module, name.encode()),
+                             f"cuModuleGetFunction({name})")  # fmt: skip
+        return cls(function, module, name)
+
+    def launch(self, grid: int, block: int, args: list[ctypes._SimpleCData],
+               pdl: bool = True) -> None:  # fmt: skip
+        """grid x block threads on the current stream; `args` in the kernel's order (pointers
+        as ctypes.c_void_p, ints as ctypes.c_int). PDL: the kernel may start while the one
+        before it finishes (it must `griddepcontrol.wait` before reading that one's output)."""
+        from cuda.bindings import driver
+
+        cfg = driver.CUlaunchConfig()
+        cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = grid, 1, 1
+        cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = block, 1, 1
+        cfg.sharedMemBytes = 0
+        cfg.hStream = driver.CUstream(torch.cuda.current_stream().cuda_stream)
+        if pdl:
+            attr = driver.CUlaunchAttribute()
+            attr.id = (
+                driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+            )
+            attr.value.programmaticStreamSerializationAllowed = 1
+            cfg.attrs = [attr]
+            cfg.numAttrs = 1
+        else:
+            cfg.numAttrs = 0
+        slots = (ctypes.c_void_p * max(1, len(args)))(*[ctypes.addressof(a) for a in args])
+        _check(driver.cuLaunchKernelEx(cfg, self.function, ctypes.addressof(slots), 0),
+               f"cuLaunchKernelEx({self.name})")  # fmt: skip
+
+
+def source_of(path: Path) -> str:
+    return path.read_text(encoding="utf-8")
