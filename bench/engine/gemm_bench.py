@@ -162,13 +162,13 @@ def calls_w4_mma(sh: Shape, m: int):
     """The warp-level mma kernel at its fastest (NWN, NWK) for this shape and row count, timed
     here over every candidate (the choice goes into the cell)."""
     from engine.kernels import w4mma_kernel as mk
-    from engine.kernels.w4mma_tune import default_config
+    from engine.kernels.w4mma_tune import candidate_configs, default_config
 
     x, y = sh.x[:m], sh.y[:m]
     if not mk.mma_ok(x, *sh.sets[0]):
         raise RuntimeError("w4mma does not take these operands")
     best = None
-    cands = mk.candidate_configs(sh.n, sh.k) if sh.device.type == "cuda" else []
+    cands = candidate_configs(sh.n, sh.k) if sh.device.type == "cuda" else []
     for cfg in cands or [default_config(sh.n, sh.k, m)]:  # the interpreter: the default only
         fns = [lambda p=p, s=s, cfg=cfg: mk.launch(x, p, s, y, cfg) for p, s in sh.sets]
         fns[0]()
@@ -342,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget-s", type=float, default=400.0,
                     help="after this many seconds the slow baselines are skipped")  # fmt: skip
     ap.add_argument("--peak-gbps", type=float,
-                    help="read bandwidth for the % column (default: the card's, by its name)")  # fmt: skip
+                    help="read bandwidth for the %% column (default: the card's, by its name)")  # fmt: skip
     ap.add_argument("--out-json", type=Path)
     ap.add_argument("--out-md", type=Path)
     ap.add_argument("--tuned-json", type=Path, help="where --tune writes its table")
