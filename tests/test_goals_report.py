@@ -92,3 +92,49 @@ def test_bad_input_says_what_to_do(tmp_path: Path, bad: str, capsys) -> None:
     err = capsys.readouterr().err
     assert err.startswith("goals: ") and ("goals.sh" in err or "sweep summary" in err)
     assert not (tmp_path / "g.md").exists()
+
+
+H200 = RESULTS / "goals_h200_2026-12-07"  # gemm.json and long/ as goals.sh's gemm and long parts
+
+
+def test_the_product_and_long_prompt_goals_from_the_recorded_h200_files() -> None:
+    found = _by_name(goals.judge(H200))
+    cells = json.loads((H200 / "gemm.json").read_text())["cells"]
+    for m in (8, 16):
+        pct = {c["shape"]: c["pct_peak"] for c in cells if c["method"] == "w4_gemm" and c["m"] == m}
+        g = found[f"int4 product at {m} rows, % of bandwidth"]
+        assert g.met is (min(pct.values()) >= 50)
+        worst = min(pct, key=pct.get)
+        assert g.value.startswith(f"{pct[worst]:.0f}% ({worst})")
+        assert f"of {len(pct)} shapes" in g.value
+    summary = json.loads((H200 / "long" / "long_prompt.json").read_text())
+    capped = summary["capped"]["prompt_131000"]
+    uncapped = summary["uncapped"]["prompt_131000"]
+    assert found["131k read under the cap, tok/s"].met is (capped["prompt_tok_per_s"] >= 15000)
+    assert found["131k decode under the cap, tok/s"].met is (capped["decode_tok_per_s"] >= 450)
+    ratio = found["131k read uncapped / capped"]
+    assert ratio.met is (uncapped["prompt_tok_per_s"] >= capped["prompt_tok_per_s"])
+    assert ratio.value.startswith(
+        f"{uncapped['prompt_tok_per_s'] / capped['prompt_tok_per_s']:.2f}x"
+    )
+    assert goals.report(H200).device == "NVIDIA H200"  # no sweep: the table's card
+
+
+def test_a_failed_131k_read_is_missed_with_its_error(tmp_path: Path) -> None:
+    folder = _folder(tmp_path)
+    summary = json.loads((H200 / "long" / "long_prompt.json").read_text())
+    summary["capped"]["prompt_131000"] = {"error": "OutOfMemoryError('CUDA out of memory')"}
+    (folder / "long").mkdir()
+    (folder / "long" / "long_prompt.json").write_text(json.dumps(summary))
+    found = _by_name(goals.judge(folder))
+    read = found["131k read under the cap, tok/s"]
+    assert read.met is False and read.value.startswith("failed: OutOfMemoryError")
+    assert found["131k read uncapped / capped"].met is False
+    assert found["int4 product at 8 rows, % of bandwidth"].met is None  # no gemm.json here
+
+
+def test_a_gemm_file_without_its_cells_says_which_part_to_rerun(tmp_path: Path) -> None:
+    folder = _folder(tmp_path)
+    (folder / "gemm.json").write_text(json.dumps({"cells": [{"m": 8}]}))
+    with pytest.raises(goals.GoalsError, match="GOALS_PARTS=gemm"):
+        goals.judge(folder)

@@ -10,10 +10,13 @@
 # 2. the issue's sweep: E2B shapes, 4-bit embeddings, input 512, 128 new tokens, concurrency
 #    1 / 4 / 8 / 16, 3 repeats (bench.sweep_e2b);
 # 3. the decode step of every bucket, for the 8-row step against the 1-row step
-#    (bench.engine.batch_bench throughput).
-# $OUT gets cold_start.json, sweep/{REPORT.md,results.json,roofline.json}, steps.json and
-# goals.md (every goal judged from them: bench.engine.goals);
-# GOALS_PARTS="start sweep steps" (the default) picks parts. About 6 minutes on an H100.
+#    (bench.engine.batch_bench throughput);
+# 4. (part gemm) the int4 product's table at 1, 8 and 16 rows (bench.engine.gemm_bench);
+# 5. (part long) the 8k / 32k / 131k prompts capped and uncapped (bench.engine.long_prompt all).
+# $OUT gets cold_start.json, sweep/{REPORT.md,results.json,roofline.json}, steps.json,
+# gemm.{json,md}, long/ and goals.md (every goal judged from them: bench.engine.goals);
+# GOALS_PARTS="start sweep steps" (the default, about 4 minutes on an H100) picks parts; the
+# other two fit a second call: GOALS_PARTS="gemm long" (about 6 minutes).
 set -uo pipefail
 : "${OUT:?goals.sh runs on the device machine, which sets OUT}"
 source bench/device/pre.sh || exit 1
@@ -46,7 +49,17 @@ for part in ${GOALS_PARTS:-start sweep steps}; do
 print([(b['rows'], b['step_us']) for b in d['buckets']]); \
 print('at depth', [(b['rows'], b['step_us']) for b in d.get('buckets_at_depth', [])])" \
             "$OUT/steps.json" || tail -20 /tmp/goals_steps.log ;;
-    *) echo "goals.sh: unknown part $part (start, sweep, steps)" >&2; exit 2 ;;
+    gemm)
+        timeout 200 python3 -m bench.engine.gemm_bench --rows 1,8,16 --budget-s 180 \
+            --out-md "$OUT/gemm.md" --out-json "$OUT/gemm.json" > /tmp/goals_gemm.log 2>&1
+        echo "gemm rc=$?"
+        tail -3 /tmp/goals_gemm.log ;;
+    long)
+        timeout 330 python3 -m bench.engine.long_prompt all --out "$OUT/long" \
+            > /tmp/goals_long.log 2>&1
+        echo "long rc=$?"
+        tail -12 /tmp/goals_long.log | cut -c1-300 ;;
+    *) echo "goals.sh: unknown part $part (start, sweep, steps, gemm, long)" >&2; exit 2 ;;
     esac
 done
 python3 -m bench.engine.goals "$OUT" --out "$OUT/goals.md"

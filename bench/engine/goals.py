@@ -4,8 +4,10 @@ table of every goal that comes through the product, its figure, the target and m
     python3 -m bench.engine.goals DIR [--out DIR/goals.md] [--json DIR/goals.json]
 
 DIR holds any of `cold_start.json` (bench.engine.cold_start), `sweep/results.json` (the issue's
-sweep, bench.sweep_e2b) and `steps.json` (bench.engine.batch_bench throughput); a goal whose
-file is absent is listed as not measured, so a partial run (GOALS_PARTS) still gets a table.
+sweep, bench.sweep_e2b), `steps.json` (bench.engine.batch_bench throughput), `gemm.json` (the
+int4 product's table, bench.engine.gemm_bench) and `long/long_prompt.json` (the long prompts,
+bench.engine.long_prompt all); a goal whose file is absent is listed as not measured, so a
+partial run (GOALS_PARTS) still gets a table.
 
 Why a tool and not a note written by hand: the goals were re-judged in every session's notes
 from three JSON files, and the judgement (which repeat, which warm start, median or worst)
@@ -31,6 +33,11 @@ STEP_RATIO = 1.3  # the 8-row step against the 1-row step
 COLD_S = 60.0
 WARM_S = 15.0
 FIRST_RATIO = 2.0  # a first request's time to first token against its warm one
+PRODUCT_PCT = 50.0  # the int4 product's % of read bandwidth at 8 and 16 rows, every shape
+PRODUCT_ROWS = (8, 16)
+LONG_TOKENS = 131000
+LONG_READ = 15000.0  # the 131k prompt's read under the cap, tok/s
+LONG_DECODE = 450.0  # and the decode after it
 
 
 class Goal(BaseModel):
@@ -150,6 +157,84 @@ def start_goals(runs: list[dict[str, Any]] | None) -> list[Goal]:
     return goals
 
 
+def product_goals(gemm: dict[str, Any] | None) -> list[Goal]:
+    """The int4 product as the engine runs it (`w4_gemm`) at 8 and 16 rows at >= 50% of the
+    card's read bandwidth on every shape of the table: the worst shape decides."""
+    src = "gemm.json"
+    goals = []
+    for m in PRODUCT_ROWS:
+        name = f"int4 product at {m} rows, % of bandwidth"
+        target = f">= {PRODUCT_PCT:.0f}% every shape"
+        try:
+            cells = [c for c in (gemm or {}).get("cells", [])
+                     if c["method"] == "w4_gemm" and c["m"] == m and "pct_peak" in c]  # fmt: skip
+        except (KeyError, TypeError) as exc:
+            raise GoalsError(f"{src}: not bench.engine.gemm_bench's cells ({exc!r}); rerun the "
+                             "gemm part of goals.sh (GOALS_PARTS=gemm)") from exc  # fmt: skip
+        if not cells:
+            goals.append(_missing(name, target, src))
+            continue
+        worst = min(cells, key=lambda c: c["pct_peak"])
+        best = max(cells, key=lambda c: c["pct_peak"])
+        at_goal = sum(c["pct_peak"] >= PRODUCT_PCT for c in cells)
+        value = (f"{worst['pct_peak']:.0f}% ({worst['shape']}) to {best['pct_peak']:.0f}% "
+                 f"({best['shape']}); {at_goal} of {len(cells)} shapes at the goal")  # fmt: skip
+        goals.append(Goal(name=name, target=target, value=value,
+                          met=worst["pct_peak"] >= PRODUCT_PCT, source=src))  # fmt: skip
+    return goals
+
+
+def long_goals(summary: dict[str, Any] | None) -> list[Goal]:
+    """The 131k prompt under the 3,732 MiB cap: its read and the decode after it; and the
+    uncapped read no slower than the capped one. A length that failed is missed, with its
+    error."""
+    src = "long/long_prompt.json"
+    key = f"prompt_{LONG_TOKENS}"
+    capped_goals = (("131k read under the cap, tok/s", "prompt_tok_per_s", LONG_READ),
+                    ("131k decode under the cap, tok/s", "decode_tok_per_s", LONG_DECODE))  # fmt: skip
+    ratio_name, ratio_target = "131k read uncapped / capped", ">= 1.0x"
+    if summary is None:
+        return [_missing(n, f">= {f:,.0f}", src) for n, _, f in capped_goals] + [
+            _missing(ratio_name, ratio_target, src)
+        ]
+    if not isinstance(summary, dict):
+        raise GoalsError(f"{src}: expected the object bench.engine.long_prompt all writes")
+    runs = {v: summary.get(v) if isinstance(summary.get(v), dict) else {}
+            for v in ("capped", "uncapped")}  # fmt: skip
+    cells = {v: r.get(key) if isinstance(r.get(key), dict) else None for v, r in runs.items()}
+
+    def figure(variant: str, field: str) -> tuple[float | None, str]:
+        cell = cells[variant]
+        if cell is None:
+            return None, "not measured"
+        if cell.get(field) is None:
+            return None, f"failed: {str(cell.get('error', 'no figure'))[:80]}"
+        return float(cell[field]), ""
+
+    goals = []
+    for name, field, floor in capped_goals:
+        target = f">= {floor:,.0f}"
+        v, why = figure("capped", field)
+        if v is None and why == "not measured":
+            goals.append(_missing(name, target, src))
+        else:
+            goals.append(Goal(name=name, target=target, value=why or f"{v:,.1f}",
+                              met=v is not None and v >= floor, source=src))  # fmt: skip
+    capped, why_c = figure("capped", "prompt_tok_per_s")
+    uncapped, why_u = figure("uncapped", "prompt_tok_per_s")
+    name, target = ratio_name, ratio_target
+    if capped is None or uncapped is None:
+        if "not measured" in (why_c, why_u):
+            goals.append(_missing(name, target, src))
+        else:
+            goals.append(Goal(name=name, target=target, value=why_u or why_c, met=False,
+                              source=src))  # fmt: skip
+    else:
+        goals.append(Goal(name=name, target=target, met=uncapped >= capped, source=src,
+                          value=f"{uncapped / capped:.2f}x ({uncapped:,.0f} / {capped:,.0f})"))  # fmt: skip
+    return goals
+
+
 class GoalsReport(BaseModel):
     """The goals of one folder and the GPU its sweep names (None where it names none)."""
 
@@ -162,10 +247,14 @@ def report(folder: Path) -> GoalsReport:
     if not folder.is_dir():
         raise GoalsError(f"{folder}: no such folder; give the folder goals.sh wrote ($OUT)")
     sweep = _load(folder / "sweep" / "results.json")
+    gemm = _load(folder / "gemm.json")
     goals = (sweep_goals(sweep) + step_goal(_load(folder / "steps.json"))
-             + start_goals(_load(folder / "cold_start.json")))  # fmt: skip
+             + start_goals(_load(folder / "cold_start.json")) + product_goals(gemm)
+             + long_goals(_load(folder / "long" / "long_prompt.json")))  # fmt: skip
     device = next((str(r["device"]) for r in (sweep or {}).get("roofline") or []
                    if r.get("device")), None)  # fmt: skip
+    if device is None and isinstance(gemm, dict) and gemm.get("device"):
+        device = str(gemm["device"])
     return GoalsReport(device=device, goals=goals)
 
 
