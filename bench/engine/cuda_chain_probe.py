@@ -14,7 +14,13 @@ every launch with programmatic dependent launch (PDL):
 * ``null_links``: 210 kernels that only wait and release, with the GEMV's grids: what a
   boundary costs when the kernel does nothing;
 * ``copy_links``: 210 kernels, each adding 1 to the vector the one before wrote (1,536 values):
-  a boundary plus one dependent round trip through L2.
+  a boundary plus one dependent round trip through L2;
+* ``rt_launch``: a generic tile (K known at run time, 8 rows a block), one launch per product,
+  PDL; and ``rt_flow_Nx``: the same tiles in ONE persistent launch of N blocks per SM, each
+  tile requesting its weights and then waiting on a count of the product before's finished
+  tiles (no grid barrier: a block with no tile in a product goes on to the next). The two
+  agree bit for bit; flow against launch is the megakernel's mechanism against the boundary,
+  with the weight stream running ahead of every wait.
 
 If ``cuda_gemv`` is far below ``product``, Triton's kernel has fixed cost a CUDA kernel avoids,
 and porting the step's kernels pays before any megakernel; if the links' floor is most of
@@ -210,7 +216,74 @@ def measure(preset: str) -> dict[str, Any]:
                                                  ctypes.c_int(width)])  # fmt: skip
 
     _record(chain, ref, variants, "copy_links", copy_chain, checked=False)
+    flow_variants(chain, ref, gemv, variants)
     return out
+
+
+RT_ROWS = 8  # rows of a generic tile: GW warps x GR rows (cuda_chain.cu)
+
+
+def product_table(chain: Chain) -> torch.Tensor:
+    """The chain as cuda_chain.cu's `Product` array: x, w, s, y, then (n, K/32) and (tiles, 0)
+    as int32 pairs in int64 words (little-endian)."""
+    rows = []
+    for i, (p, (w, s)) in enumerate(zip(chain.products, chain.weights, strict=True)):
+        tiles = -(-p.n // RT_ROWS)
+        rows.append([chain.input_of(i).data_ptr(), w.data_ptr(), s.data_ptr(),
+                     chain.outs[i].data_ptr(), p.n | (p.k // 32) << 32, tiles])  # fmt: skip
+    return torch.tensor(rows, dtype=torch.int64, device=chain.device)
+
+
+def flow_variants(chain: Chain, ref: torch.Tensor, gemv: CudaGemv, into: dict[str, Any]) -> None:
+    """``rt_launch`` and ``rt_flow_Nx`` (see the module's docstring), each final output against
+    ``rt_launch``'s; a flow whose waits timed out is reported as not resident."""
+    from cuda.bindings import driver
+
+    cubin = compile_cubin(gemv.source, {}, gemv.arch)
+    launch_k = CudaKernel.load(cubin, "w4_rt_launch")
+    flow_k = CudaKernel.load(cubin, "w4_rt_flow")
+    table = product_table(chain)
+    count = len(chain.products)
+    done = torch.zeros(count, dtype=torch.int32, device=chain.device)
+    err = torch.zeros(1, dtype=torch.int32, device=chain.device)
+    tiles = [-(-p.n // RT_ROWS) for p in chain.products]
+    ptr = ctypes.c_void_p(table.data_ptr())
+
+    def launches() -> None:
+        for i, t in enumerate(tiles):
+            launch_k.launch(t, WARPS * 32, [ptr, ctypes.c_int(i)])
+
+    _record(chain, ref, into, "rt_launch", launches)
+    reference = chain.outs[-1].clone()
+    sms = torch.cuda.get_device_properties(chain.device).multi_processor_count
+    most = _occupancy(driver, flow_k, WARPS * 32)
+    into["rt_flow_blocks_per_sm_max"] = most
+    for per_sm in sorted({1, 2, most} - {0}):
+        if per_sm > most:
+            continue
+        grid = sms * per_sm
+        name = f"rt_flow_{per_sm}x"
+
+        def flow(grid=grid) -> None:
+            done.zero_()
+            flow_k.launch(grid, WARPS * 32, [ptr, ctypes.c_int(count),
+                                             ctypes.c_void_p(done.data_ptr()),
+                                             ctypes.c_void_p(err.data_ptr())], pdl=False)  # fmt: skip
+
+        err.zero_()
+        flow()
+        torch.cuda.synchronize()
+        if err.item():
+            into[name] = {"error": "a wait timed out: the blocks were not all resident"}
+            continue
+        _record(chain, ref, into, name, flow)
+        into[name]["equal_to_rt_launch"] = bool(torch.equal(chain.outs[-1], reference))
+
+
+def _occupancy(driver, kernel: CudaKernel, block: int) -> int:
+    """Blocks of `block` threads that fit on one SM at once (1 where the driver will not say)."""
+    status, blocks = driver.cuOccupancyMaxActiveBlocksPerMultiprocessor(kernel.function, block, 0)
+    return int(blocks) if int(status) == 0 else 1
 
 
 def main(argv: list[str] | None = None) -> int:
