@@ -133,7 +133,12 @@ def check_shapes(gemv: CudaGemv, chain: Chain, choice: dict[tuple[int, int], Til
 
 
 def tune(gemv: CudaGemv, chain: Chain, launches: int = 20) -> dict[str, Any]:
-    """Per shape, the tiling whose graph of `launches` back-to-back launches is fastest."""
+    """Per shape, the tiling whose graph of `launches` back-to-back launches is fastest, and the
+    engine's Triton GEMV timed the same way beside it (`triton_us`): the per-product cost of
+    each kernel in a chain of its own, its weights hot in L2 after the first launch."""
+    from engine.kernels.launch import pdl_launches
+    from engine.kernels.w4gemv import w4_gemv
+
     choice: dict[tuple[int, int], Tiling] = {}
     table: dict[str, Any] = {}
     for p, (w, s) in zip(chain.products, chain.weights, strict=True):
@@ -151,9 +156,17 @@ def tune(gemv: CudaGemv, chain: Chain, launches: int = 20) -> dict[str, Any]:
             times[t] = graph_time_us(graph_of(run), reps=10, rounds=3) / launches
         best = min(times, key=times.get)
         choice[(p.n, p.k)] = best
+
+        def triton_run(w=w, s=s, x=x, y=y) -> None:
+            for _ in range(launches):
+                w4_gemv(x, w, s, out=y)
+
+        with pdl_launches():
+            triton_us = graph_time_us(graph_of(triton_run), reps=10, rounds=3) / launches
         mb = (w.numel() * 4 + s.numel() * 2) / 1e6
         table[f"{p.n}x{p.k}"] = {"kt": best.kt, "rpt": best.rpt, "pf": best.pf,
-                                 "us": round(times[best], 2), "mb": round(mb, 3),
+                                 "us": round(times[best], 2), "triton_us": round(triton_us, 2),
+                                 "mb": round(mb, 3),
                                  "gb_per_s": round(mb * 1e3 / times[best], 1),
                                  "tried": {f"{t.kt}x{t.rpt}": round(v, 2)
                                            for t, v in times.items()}}  # fmt: skip
