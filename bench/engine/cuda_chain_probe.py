@@ -24,9 +24,9 @@ every launch with programmatic dependent launch (PDL):
 
 If ``cuda_gemv`` is far below ``product``, Triton's kernel has fixed cost a CUDA kernel avoids,
 and porting the step's kernels pays before any megakernel; if the links' floor is most of
-``product``'s time per product, only fewer boundaries (the megakernel) can. Every shape's CUDA
-output is checked against the float32 reference first, and the chain's final output against the
-float32 chain. What it measured: bench/NOTES.md.
+``product``'s time per product, only fewer boundaries (the megakernel) can. Each shape's CUDA
+output is compared with the float32 product first (`cuda_shape_errors`), and each chain's final
+output with the float32 chain. What it measured: bench/NOTES.md.
 """
 
 from __future__ import annotations
