@@ -19,6 +19,7 @@ from engine.server.errors import ApiError, engine_error_to_api, server_error
 from engine.server.queue import Event, Job
 
 log = logging.getLogger(__name__)
+DRAIN_S = 10.0  # the longest a stream that ended early waits for its job's last event
 
 
 async def watch_disconnect(receive: Callable[[], Awaitable[dict]], job: Job) -> None:
@@ -123,4 +124,13 @@ class SSEResponse:
             watcher.cancel()
             self.job.cancel()
             with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._drain(), DRAIN_S)
+            with contextlib.suppress(Exception):
                 await self.payloads.aclose()
+
+    async def _drain(self) -> None:
+        """Read the job's events to its end without sending them: the engine ends a cancelled
+        job at its next step, and that last event is what counts the generation in the metrics
+        (cancelled, tokens made). A stream that stopped at a buffered token would skip it."""
+        async for _ in self.payloads:
+            pass
