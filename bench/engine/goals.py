@@ -190,8 +190,10 @@ def long_goals(summary: dict[str, Any] | None) -> list[Goal]:
     error."""
     src = "long/long_prompt.json"
     key = f"prompt_{LONG_TOKENS}"
-    capped_goals = (("131k read under the cap, tok/s", "prompt_tok_per_s", LONG_READ),
-                    ("131k decode under the cap, tok/s", "decode_tok_per_s", LONG_DECODE))  # fmt: skip
+    capped_goals = (
+        ("131k read under the cap, tok/s", "prompt_tok_per_s", LONG_READ),
+        ("131k decode under the cap, tok/s", "decode_tok_per_s", LONG_DECODE),
+    )
     ratio_name, ratio_target = "131k read uncapped / capped", ">= 1.0x"
     if summary is None:
         return [_missing(n, f">= {f:,.0f}", src) for n, _, f in capped_goals] + [
@@ -230,8 +232,9 @@ def long_goals(summary: dict[str, Any] | None) -> list[Goal]:
             goals.append(Goal(name=name, target=target, value=why_u or why_c, met=False,
                               source=src))  # fmt: skip
     else:
+        value = f"{uncapped / capped:.2f}x ({uncapped:,.0f} / {capped:,.0f})"
         goals.append(Goal(name=name, target=target, met=uncapped >= capped, source=src,
-                          value=f"{uncapped / capped:.2f}x ({uncapped:,.0f} / {capped:,.0f})"))  # fmt: skip
+                          value=value))  # fmt: skip
     return goals
 
 
