@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from bench.engine.cuda_chain_probe import RT_ROWS, SOURCE, WARPS, product_table, tilings_for
-from bench.engine.nvrtc_launch import CudaBuildError, compile_cubin, source_of
+from bench.engine.nvrtc_launch import CudaBuildError, compile_cubin
 from bench.engine.persistent_probe import Chain, Product, layer_products
 
 nvrtc = pytest.importorskip("cuda.bindings.nvrtc", reason="NVRTC comes with a CUDA build of torch")
@@ -27,7 +27,7 @@ needs_nvrtc = pytest.mark.skipif(not _nvrtc_works(), reason="libnvrtc cannot be 
 
 @needs_nvrtc
 def test_every_k_of_the_e2b_chain_builds_for_hopper_with_its_widest_tiling() -> None:
-    source = source_of(SOURCE)
+    source = SOURCE.read_text(encoding="utf-8")
     for k in sorted({p.k for p in layer_products("e2b")}):
         t = max(tilings_for(k), key=lambda t: (t.kt, t.rpt))
         cubin = compile_cubin(source, {"KC": k // 32, "KT": t.kt, "RPT": t.rpt,
@@ -37,7 +37,7 @@ def test_every_k_of_the_e2b_chain_builds_for_hopper_with_its_widest_tiling() -> 
 
 @needs_nvrtc
 def test_the_links_build_without_a_shape() -> None:
-    cubin = compile_cubin(source_of(SOURCE), {}, "sm_90")
+    cubin = compile_cubin(SOURCE.read_text(encoding="utf-8"), {}, "sm_90")
     assert b"null_link" in cubin and b"copy_link" in cubin
     assert b"w4_rt_launch" in cubin and b"w4_rt_flow" in cubin  # the generic tile: K at run time
     assert b"w4_gemv" not in cubin  # the GEMV needs its shape's constants

@@ -15,8 +15,8 @@ every launch with programmatic dependent launch (PDL):
   boundary costs when the kernel does nothing;
 * ``copy_links``: 210 kernels, each adding 1 to the vector the one before wrote (1,536 values):
   a boundary plus one dependent round trip through L2;
-* ``rt_launch``: a generic tile (K known at run time, 8 rows a block), one launch per product,
-  PDL; and ``rt_flow_Nx``: the same tiles in ONE persistent launch of N blocks per SM, each
+* ``launch``: a generic tile (K known at run time, 8 rows a block), one launch per product,
+  PDL; and ``flow_Nx``: the same tiles in ONE persistent launch of N blocks per SM, each
   tile requesting its weights and then waiting on a count of the product before's finished
   tiles (no grid barrier: a block with no tile in a product goes on to the next). The two
   agree bit for bit; flow against launch is the megakernel's mechanism against the boundary,
@@ -41,13 +41,14 @@ from typing import Any
 
 import torch
 
-from bench.engine.nvrtc_launch import CudaKernel, arch_of, compile_cubin, source_of
+from bench.engine.nvrtc_launch import CudaKernel, arch_of, compile_cubin
 from bench.engine.persistent_probe import (
     Chain,
     chain_result,
     graph_of,
     graph_time_us,
     layer_products,
+    record_variant,
 )
 
 SOURCE = Path(__file__).with_name("cuda_chain.cu")
@@ -85,7 +86,7 @@ class CudaGemv:
 
     def __init__(self, device: torch.device) -> None:
         self.device, self.arch = device, arch_of(device)
-        self.source = source_of(SOURCE)
+        self.source = SOURCE.read_text(encoding="utf-8")
         self._kernels: dict[tuple[int, Tiling], CudaKernel] = {}
 
     def kernel(self, k: int, t: Tiling) -> CudaKernel:
@@ -174,21 +175,10 @@ def tune(gemv: CudaGemv, chain: Chain, launches: int = 20) -> dict[str, Any]:
     return {"choice": choice, "table": table}
 
 
-def _record(chain: Chain, ref: torch.Tensor, into: dict[str, Any], name: str, fn,
-            checked: bool = True) -> None:  # fmt: skip
-    """Time `fn` (one CUDA graph) into `into[name]`; `checked`: its final output against the
-    float32 chain."""
-    chain.outs[-1].zero_()
-    graph = graph_of(fn)
-    graph.replay()
-    torch.cuda.synchronize()
-    us = graph_time_us(graph)
-    n = len(chain.products)
-    into[name] = {"us": round(us, 1), "us_per_link": round(us / n, 2)}
-    if checked:
-        final = chain.outs[-1].float()
-        into[name]["gb_per_s"] = round(chain.weight_bytes / us / 1e3, 1)
-        into[name]["rel_err_vs_fp32"] = round(((final - ref).norm() / ref.norm()).item(), 5)
+def _time_links(chain: Chain, into: dict[str, Any], name: str, fn) -> None:
+    """Time a chain of links (one CUDA graph) into `into[name]`: no output to check."""
+    us = graph_time_us(graph_of(fn))
+    into[name] = {"us": round(us, 1), "us_per_link": round(us / len(chain.products), 2)}
     print(name, into[name], flush=True)
 
 
@@ -203,21 +193,23 @@ def measure(preset: str) -> dict[str, Any]:
     out["cuda_tiles"] = tuned["table"]
     out["cuda_shape_errors"] = check_shapes(gemv, chain, choice)
     variants = out["variants"]
+    finals: dict[str, torch.Tensor] = {}
 
     def cuda_chain() -> None:
         for i, (p, (w, s)) in enumerate(zip(chain.products, chain.weights, strict=True)):
             gemv(chain.input_of(i)[: p.k], w, s, chain.outs[i], choice[(p.n, p.k)])
 
-    _record(chain, ref, variants, "cuda_gemv", cuda_chain)
-    links = CudaKernel.load(compile_cubin(gemv.source, {}, gemv.arch), "null_link")
+    record_variant(chain, ref, finals, variants, "cuda_gemv", cuda_chain)
+    generic = compile_cubin(gemv.source, {}, gemv.arch)  # the links and the generic tile
+    null = CudaKernel.load(generic, "null_link")
     grids = [-(-p.n // choice[(p.n, p.k)].rows_per_block()) for p in chain.products]
 
     def null_chain() -> None:
         for g in grids:
-            links.launch(g, WARPS * 32, [])
+            null.launch(g, WARPS * 32, [])
 
-    _record(chain, ref, variants, "null_links", null_chain, checked=False)
-    copy = CudaKernel.load(compile_cubin(gemv.source, {}, gemv.arch), "copy_link")
+    _time_links(chain, variants, "null_links", null_chain)
+    copy = CudaKernel.load(generic, "copy_link")
     width = chain.products[0].k
     bufs = [torch.zeros(width, dtype=torch.bfloat16, device=device) for _ in range(2)]
 
@@ -228,8 +220,8 @@ def measure(preset: str) -> dict[str, Any]:
                                                  ctypes.c_void_p(dst.data_ptr()),
                                                  ctypes.c_int(width)])  # fmt: skip
 
-    _record(chain, ref, variants, "copy_links", copy_chain, checked=False)
-    flow_variants(chain, ref, gemv, variants)
+    _time_links(chain, variants, "copy_links", copy_chain)
+    flow_variants(chain, ref, generic, finals, variants)
     return out
 
 
@@ -247,50 +239,39 @@ def product_table(chain: Chain) -> torch.Tensor:
     return torch.tensor(rows, dtype=torch.int64, device=chain.device)
 
 
-def flow_variants(chain: Chain, ref: torch.Tensor, gemv: CudaGemv, into: dict[str, Any]) -> None:
-    """``rt_launch`` and ``rt_flow_Nx`` (see the module's docstring), each final output against
-    ``rt_launch``'s; a flow whose waits timed out is reported as not resident."""
+def flow_variants(chain: Chain, ref: torch.Tensor, cubin: bytes,
+                  finals: dict[str, torch.Tensor], into: dict[str, Any]) -> None:  # fmt: skip
+    """``launch`` and ``flow_Nx`` (see the module's docstring), recorded as the persistent
+    probe records its variants: each flow's output against ``launch``'s, and a flow whose waits
+    timed out (the chain's error flag) reported as not resident."""
     from cuda.bindings import driver
 
-    cubin = compile_cubin(gemv.source, {}, gemv.arch)
     launch_k = CudaKernel.load(cubin, "w4_rt_launch")
     flow_k = CudaKernel.load(cubin, "w4_rt_flow")
     table = product_table(chain)
     count = len(chain.products)
     done = torch.zeros(count, dtype=torch.int32, device=chain.device)
-    err = torch.zeros(1, dtype=torch.int32, device=chain.device)
-    tiles = [-(-p.n // RT_ROWS) for p in chain.products]
     ptr = ctypes.c_void_p(table.data_ptr())
 
     def launches() -> None:
-        for i, t in enumerate(tiles):
-            launch_k.launch(t, WARPS * 32, [ptr, ctypes.c_int(i)])
+        for i, p in enumerate(chain.products):
+            launch_k.launch(-(-p.n // RT_ROWS), WARPS * 32, [ptr, ctypes.c_int(i)])
 
-    _record(chain, ref, into, "rt_launch", launches)
-    reference = chain.outs[-1].clone()
+    record_variant(chain, ref, finals, into, "launch", launches)
     sms = torch.cuda.get_device_properties(chain.device).multi_processor_count
     most = _occupancy(driver, flow_k, WARPS * 32)
-    into["rt_flow_blocks_per_sm_max"] = most
+    into["flow_blocks_per_sm_max"] = most
     for per_sm in sorted({1, 2, most} - {0}):
         if per_sm > most:
             continue
-        grid = sms * per_sm
-        name = f"rt_flow_{per_sm}x"
 
-        def flow(grid=grid) -> None:
+        def flow(grid=sms * per_sm) -> None:
             done.zero_()
             flow_k.launch(grid, WARPS * 32, [ptr, ctypes.c_int(count),
                                              ctypes.c_void_p(done.data_ptr()),
-                                             ctypes.c_void_p(err.data_ptr())], pdl=False)  # fmt: skip
+                                             ctypes.c_void_p(chain.err.data_ptr())], pdl=False)  # fmt: skip
 
-        err.zero_()
-        flow()
-        torch.cuda.synchronize()
-        if err.item():
-            into[name] = {"error": "a wait timed out: the blocks were not all resident"}
-            continue
-        _record(chain, ref, into, name, flow)
-        into[name]["equal_to_rt_launch"] = bool(torch.equal(chain.outs[-1], reference))
+        record_variant(chain, ref, finals, into, f"flow_{per_sm}x", flow)
 
 
 def _occupancy(driver, kernel: CudaKernel, block: int) -> int:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -105,7 +104,3 @@ class CudaKernel:
         slots = (ctypes.c_void_p * max(1, len(args)))(*[ctypes.addressof(a) for a in args])
         _check(driver.cuLaunchKernelEx(cfg, self.function, ctypes.addressof(slots), 0),
                f"cuLaunchKernelEx({self.name})")  # fmt: skip
-
-
-def source_of(path: Path) -> str:
-    return path.read_text(encoding="utf-8")
