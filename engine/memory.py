@@ -9,6 +9,7 @@ checked against what the device really holds.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -216,8 +217,26 @@ def available_bytes(device: torch.device, cap_mib: int | None) -> int | None:
     uncapped = free + reserved - allocated
     if cap_mib is None:
         return uncapped
-    # what stays reserved but unallocated is holes in live segments: count half of it
-    return min(uncapped, min(cap_mib * MIB, total) - reserved + (reserved - allocated) // 2)
+    # what stays reserved but unallocated is holes in live segments: with expandable segments
+    # count half of it; fixed segments cannot hand a hole to a larger block, so count none
+    holes = (reserved - allocated) // 2 if segments_expand() else 0
+    return min(uncapped, min(cap_mib * MIB, total) - reserved + holes)
+
+
+def segments_expand() -> bool:
+    """Whether the CUDA allocator grows segments in place (expandable segments), as this process
+    set it or the user's PYTORCH_CUDA_ALLOC_CONF / PYTORCH_ALLOC_CONF did.
+
+    Why: the prompt planner may count part of the reserved-but-unallocated memory as usable
+    only when segments expand; fixed segments ran out of memory at 32k under the cap when it
+    did (bench/NOTES.md v30)."""
+    getter = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
+    settings = [getter() if getter is not None else ""]
+    settings += [
+        os.environ.get(name, "") for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+    ]
+    flat = ",".join(settings).replace(" ", "").lower()
+    return "expandable_segments:true" in flat
 
 
 def plan_prompt(

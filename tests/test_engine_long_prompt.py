@@ -213,3 +213,22 @@ def test_the_planner_on_the_cpu_plans_as_before():
     driver = _Driver(None)
     planner = memory.PromptPlanner(E2B, None, driver.measure, driver.clock)
     assert planner.plan(131_000, 256) == plan_prompt(E2B, 131_000, 256)
+
+
+@pytest.mark.parametrize(
+    ("own", "env", "expands"),
+    [
+        ("expandable_segments:True", {}, True),
+        ("", {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments: True,max_split_size_mb:64"}, True),
+        ("", {"PYTORCH_ALLOC_CONF": "expandable_segments:False"}, False),
+        ("", {}, False),
+    ],
+)
+def test_reserved_holes_count_only_where_segments_expand(monkeypatch, own, env, expands):
+    """Fixed segments cannot give a hole to a larger block, so the planner counts none of them."""
+    monkeypatch.setattr(torch._C, "_accelerator_getAllocatorSettings", lambda: own)
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert memory.segments_expand() is expands
