@@ -35,6 +35,7 @@ import argparse
 import ctypes
 import json
 import sys
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -182,11 +183,12 @@ def _time_links(chain: Chain, into: dict[str, Any], name: str, fn) -> None:
     print(name, into[name], flush=True)
 
 
-def measure(preset: str) -> dict[str, Any]:
+def measure(preset: str, out: dict[str, Any]) -> None:
+    """Every variant into `out`, which keeps what was measured if a later stage fails."""
     device = torch.device("cuda")
     chain = Chain(layer_products(preset), device)
     ref = chain.reference()
-    out = chain_result(chain, ref, preset)  # `product`: the engine's GEMV chain
+    out.update(chain_result(chain, ref, preset))  # `product`: the engine's GEMV chain
     gemv = CudaGemv(device)
     tuned = tune(gemv, chain)
     choice = tuned["choice"]
@@ -222,7 +224,6 @@ def measure(preset: str) -> dict[str, Any]:
 
     _time_links(chain, variants, "copy_links", copy_chain)
     flow_variants(chain, ref, generic, finals, variants)
-    return out
 
 
 RT_ROWS = 8  # rows of a generic tile: GW warps x GR rows (cuda_chain.cu)
@@ -288,11 +289,18 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print(f"{ap.prog}: needs a CUDA GPU", file=sys.stderr)
         return 2
-    result = measure(args.preset)
     from tools.fileio import write_atomic
 
+    result: dict[str, Any] = {}
+    rc = 0
+    try:
+        measure(args.preset, result)
+    except Exception:  # a first run on a new card: keep the stages that did run, and why not
+        result["failed"] = traceback.format_exc()
+        print(result["failed"], file=sys.stderr)
+        rc = 1
     write_atomic(args.out, json.dumps(result, indent=2, default=str) + "\n")
-    return 0
+    return rc
 
 
 if __name__ == "__main__":
