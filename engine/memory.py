@@ -9,7 +9,6 @@ checked against what the device really holds.
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -18,7 +17,7 @@ import torch
 from pydantic import BaseModel
 
 from engine.errors import EngineError
-from engine.options import allocator_configured
+from engine.options import allocator_configured, allocator_settings_from_env
 
 MIB = 1 << 20
 
@@ -231,11 +230,8 @@ def segments_expand() -> bool:
     only when segments expand; fixed segments ran out of memory at 32k under the cap when it
     did (bench/NOTES.md v30)."""
     getter = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
-    settings = [getter() if getter is not None else ""]
-    settings += [
-        os.environ.get(name, "") for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
-    ]
-    flat = ",".join(settings).replace(" ", "").lower()
+    own = getter() if getter is not None else ""
+    flat = f"{own},{allocator_settings_from_env()}".replace(" ", "").lower()
     return "expandable_segments:true" in flat
 
 

@@ -234,6 +234,14 @@ def triton_interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+ALLOCATOR_VARIABLES = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+
+
 def allocator_configured() -> bool:
     """The user set the CUDA allocator's own configuration variable, which then wins."""
-    return "PYTORCH_CUDA_ALLOC_CONF" in os.environ or "PYTORCH_ALLOC_CONF" in os.environ
+    return any(name in os.environ for name in ALLOCATOR_VARIABLES)
+
+
+def allocator_settings_from_env() -> str:
+    """What the user's allocator variables say ("" when unset), comma-joined."""
+    return ",".join(os.environ.get(name, "") for name in ALLOCATOR_VARIABLES)
