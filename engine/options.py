@@ -36,6 +36,8 @@ the environment.
 |                           |                     | PyTorch ops, not the two-launch kernel pair      |         |
 |                           |                     | (engine/kernels/greedy_tail.py)                  |         |
 | GPURIG_GEMV_H2            | half2_gemv          | "0": exact fp32-unpack GEMV instead of half2     | on      |
+| GPURIG_CUDA_GEMV          | cuda_gemv           | "1": one bf16 row's int4 products by the CUDA    | off     |
+|                           |                     | GEMV (engine/kernels/w4gemv_cuda.py), not Triton |         |
 | GPURIG_PREFIX_SDPA        | prefix_sdpa         | "0": a full layer's cached prefix by the online  | on      |
 |                           |                     | softmax slices instead of torch's efficient SDPA |         |
 | GPURIG_EXPANDABLE_SEGMENTS| expandable_segments | "0": no expandable segments under a memory cap   | on      |
@@ -90,6 +92,7 @@ class EngineOptions:
     pdl: bool = True  # sm_90 on: a kernel launches during the one before and waits in it
     greedy_tail: bool = True  # batch step: soft-cap + greedy ids in two launches
     half2_gemv: bool = True  # 16-bit GEMV multiplies in half2 (fp32 unpack when False)
+    cuda_gemv: bool = False  # one bf16 row's products by the CUDA GEMV (NVRTC-built)
     prefix_sdpa: bool = True  # a full layer's prefix through torch's efficient attention
     expandable_segments: bool = True  # under a memory cap, grow allocator segments in place
     autotune: bool = True  # time GEMV tile candidates on first use of a shape
@@ -132,6 +135,7 @@ class EngineOptions:
             pdl=_flag(env, "GPURIG_PDL"),
             greedy_tail=_flag(env, "GPURIG_GREEDY_TAIL"),
             half2_gemv=_flag(env, "GPURIG_GEMV_H2"),
+            cuda_gemv=_flag(env, "GPURIG_CUDA_GEMV", default=False),
             prefix_sdpa=_flag(env, "GPURIG_PREFIX_SDPA"),
             expandable_segments=_flag(env, "GPURIG_EXPANDABLE_SEGMENTS"),
             autotune=_flag(env, "GPURIG_KERNEL_AUTOTUNE"),

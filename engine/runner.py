@@ -47,7 +47,8 @@ def make_kernels(options: EngineOptions, device: torch.device) -> ops.Ops:
     if options.fast_on(device):
         from engine.fast.ops_fast import FastOps
 
-        return FastOps(prefix_sdpa=options.prefix_sdpa, half2=options.half2_gemv)
+        return FastOps(prefix_sdpa=options.prefix_sdpa, half2=options.half2_gemv,
+                       cuda_gemv=options.cuda_gemv)  # fmt: skip
     return ops.Ops(prefix_sdpa=options.prefix_sdpa)
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from bench.engine.cuda_chain_probe import RT_ROWS, SOURCE, WARPS, product_table, tilings_for
-from bench.engine.nvrtc_launch import CudaBuildError, compile_cubin
+from engine.kernels.cuda_build import CudaBuildError, compile_cubin
 from bench.engine.persistent_probe import Chain, Product, layer_products
 
 nvrtc = pytest.importorskip("cuda.bindings.nvrtc", reason="NVRTC comes with a CUDA build of torch")

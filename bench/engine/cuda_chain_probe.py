@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from bench.engine.nvrtc_launch import CudaKernel, arch_of, compile_cubin
+from engine.kernels.cuda_build import CudaKernel, arch_of, compile_cubin
 from bench.engine.persistent_probe import (
     Chain,
     chain_result,

@@ -166,8 +166,9 @@ class BatchDecoder:
         rows = x.shape[0]
         if rows <= GEMV_ROWS and epi != 2 and w.out_features < GEMV_MAX_N:
             if epi == 1:
-                return w4_gemv_glu(x, w.packed, w.scales, half2=self.ops.half2)
-            return w4_gemv(x, w.packed, w.scales, half2=self.ops.half2)
+                return w4_gemv_glu(x, w.packed, w.scales, half2=self.ops.half2,
+                                   cuda=self.ops.cuda_gemv)  # fmt: skip
+            return w4_gemv(x, w.packed, w.scales, half2=self.ops.half2, cuda=self.ops.cuda_gemv)
         if rows <= GEMM_ROWS:
             return w4_gemm(x, w.packed, w.scales, epi=epi, aux=aux, ahead=self._ahead(rows))
         parts = [
@@ -236,7 +237,7 @@ class BatchDecoder:
                           and mat.out_features <= PROLOGUE_MAX_N):  # fmt: skip
                 out = w4_gemv_after_residual(y, h, w_post, eps, mat.packed, mat.scales, spare,
                                              scalar=scalar, w_next=w_next, epi=epi, aux=aux,
-                                             half2=half2)  # fmt: skip
+                                             half2=half2, cuda=self.ops.cuda_gemv)  # fmt: skip
                 h, spare = spare, h
                 return out.reshape(b, -1)
             h, x = residual_norm(h, y, w_post, eps, scalar=scalar, w_next=w_next, h_out=h)

@@ -89,9 +89,11 @@ class FastOps(ops.Ops):
     """The fast path's dispatch points, bound to one engine (its options and its attention
     kernels' scratch buffers)."""
 
-    def __init__(self, prefix_sdpa: bool = True, half2: bool = True) -> None:
+    def __init__(self, prefix_sdpa: bool = True, half2: bool = True, cuda_gemv: bool = False
+                 ) -> None:  # fmt: skip
         super().__init__(prefix_sdpa)
         self.half2 = half2
+        self.cuda_gemv = cuda_gemv  # one bf16 row by the CUDA GEMV (engine/kernels/w4gemv_cuda.py)
         self._attention: dict[tuple, DecodeAttention] = {}
 
     def linear4(self, x: torch.Tensor, w: PackedLinear) -> torch.Tensor:
@@ -100,7 +102,7 @@ class FastOps(ops.Ops):
             return ops.linear4(x, w)
         rows = x.numel() // w.in_features
         if rows <= DECODE_ROWS:
-            return w4_gemv(x, w.packed, w.scales, half2=self.half2)
+            return w4_gemv(x, w.packed, w.scales, half2=self.half2, cuda=self.cuda_gemv)
         dt = x.dtype
         if x.is_cuda:
             dt = prefill_dtype(x.device.index or 0, x.dtype)

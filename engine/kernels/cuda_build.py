@@ -1,19 +1,28 @@
 """CUDA C++ kernels compiled at run time by NVRTC and launched on PyTorch's stream, with
-programmatic dependent launch: the bench's way to run hand-written CUDA without nvcc.
+programmatic dependent launch: how the engine runs hand-written CUDA without nvcc.
 
 Why NVRTC and the driver API (`cuda.bindings`): a CUDA build of PyTorch already installs both
 (the `nvidia-cuda-nvrtc` and `cuda-bindings` wheels), so a kernel written this way runs wherever
 the engine's Triton kernels run, with no compiler on the user's machine. A launch goes through
 `cuLaunchKernelEx` on the current PyTorch stream, so stream capture records it into a CUDA graph
-like any other kernel, PDL edge included.
+like any other kernel, PDL edge included. Built machine code is kept on disk (beside the tuned
+tile tables), so a warm start compiles nothing.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import functools
+import hashlib
+import os
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
+
+CACHE_VERSION = 1  # bump when the build options change: older cached cubins are not read
 
 
 class CudaBuildError(RuntimeError):
@@ -26,6 +35,16 @@ def _check(result: tuple, what: str) -> tuple:
     if int(status) != 0:
         raise CudaBuildError(f"{what} failed: {status!r}")
     return tuple(values)
+
+
+@functools.cache
+def cuda_build_available() -> bool:
+    """NVRTC and the driver bindings import (a CUDA build of torch brings both)."""
+    try:
+        from cuda.bindings import driver, nvrtc  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def arch_of(device: torch.device | None) -> str:
@@ -58,6 +77,37 @@ def compile_cubin(source: str, defines: dict[str, int], arch: str, name: str = "
         return cubin
     finally:
         nvrtc.nvrtcDestroyProgram(prog)
+
+
+def cubin_key(source: str, defines: dict[str, int], arch: str) -> str:
+    """The name a build is cached under: the source, its constants, the target and NVRTC's own
+    version all change it."""
+    from cuda.bindings import nvrtc
+
+    _, major, minor = nvrtc.nvrtcVersion()
+    text = f"{CACHE_VERSION}|{arch}|{major}.{minor}|{sorted(defines.items())}|{source}"
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def cached_cubin(source: str, defines: dict[str, int], arch: str, cache: Path | None) -> bytes:
+    """`compile_cubin`, read from `cache` (a directory) when built before, else built and stored
+    there atomically. A cache that cannot be written only costs the next process a compile."""
+    if cache is None:
+        return compile_cubin(source, defines, arch)
+    path = cache / f"{cubin_key(source, defines, arch)}.cubin"
+    with contextlib.suppress(OSError):
+        return path.read_bytes()
+    cubin = compile_cubin(source, defines, arch)
+    with contextlib.suppress(OSError):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(cubin)
+            os.replace(tmp, path)
+        finally:
+            Path(tmp).unlink(missing_ok=True)
+    return cubin
 
 
 @dataclass

@@ -1,0 +1,250 @@
+// The one-row int4 GEMV in CUDA C++ (engine/kernels/w4gemv_cuda.py compiles it with NVRTC and
+// launches it). It computes what engine/kernels/w4gemv_kernel.py's Triton kernel computes for one
+// bf16 row: y = x @ dequant(W)^T, with the same epilogues (GLU over interleaved gate|up rows,
+// gelu(y) * aux) and the same residual+norm prologue, rounding where the reference rounds.
+//
+// Why a second GEMV: the one-row decode step is a chain of ~210 dependent products whose cost is
+// mostly each kernel's fixed part, not its bytes (bench/NOTES.md v26-v31). Here the tiles are
+// fixed at compile time per K, so a thread requests EVERY weight it will use before its
+// `griddepcontrol.wait`, while the kernel before it still runs; the Triton kernel requests only
+// its first K step's.
+//
+// Layout (compressed-tensors pack-quantized, symmetric, group 32): packed int32 [N, K/8], code k
+// of a row in word k/8 at bits 4*(k%8), stored unsigned as q+8; scales bf16 [N, K/32]. One 16-byte
+// load of a row is 32 codes: exactly one scale group (a "chunk"). Activations and outputs bf16.
+//
+// Compile-time constants (-D): KC (chunks per row, K/32), KT (threads across K, a power of two
+// <= 32: a row's partial sums meet in one warp by shuffles), RPT (rows per thread: activations
+// unpacked once for RPT rows), WARPS (per block), PF (chunks a thread requests before the wait),
+// EPI (0 plain, 1 GLU, 2 gelu * aux), PRO (the residual+norm prologue), PRO_SCALAR, PRO_NEXT,
+// PDL (1 from sm_90: griddepcontrol).
+
+typedef unsigned int u32;
+typedef unsigned short u16;
+
+#define THREADS (WARPS * 32)
+#define RG (THREADS / KT)                  // row groups per block
+#define CPT ((KC + KT - 1) / KT)           // chunks per thread (the last ones may be past KC)
+#define K (KC * 32)
+
+#if PDL  // sm_90 on: wait for the kernel before (its writes visible), then let the next start
+__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+__device__ __forceinline__ void pdl_release() {
+    asm volatile("griddepcontrol.launch_dependents;" :::);
+}
+#else
+__device__ __forceinline__ void pdl_wait() {}
+__device__ __forceinline__ void pdl_release() {}
+#endif
+
+__device__ __forceinline__ u32 lop3_or(u32 a, u32 mask, u32 magic) {  // (a & mask) | magic
+    u32 r;
+    asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(a), "r"(mask), "r"(magic));
+    return r;
+}
+
+__device__ __forceinline__ float bf16_to_f32(u16 v) { return __uint_as_float((u32)v << 16); }
+
+__device__ __forceinline__ u16 f32_to_bf16(float f) {  // round to nearest even (finite values)
+    u32 u = __float_as_uint(f);
+    u += 0x7FFFu + ((u >> 16) & 1u);
+    return (u16)(u >> 16);
+}
+
+__device__ __forceinline__ float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
+
+__device__ __forceinline__ float gelu_tanh(float x) {  // as engine/kernels/fused.py's
+    float z = 0.7978845608028654f * (x + 0.044715f * x * x * x);
+    z = fminf(fmaxf(z, -20.f), 20.f);
+    const float t = 1.f - 2.f / (__expf(2.f * z) + 1.f);
+    return 0.5f * x * (1.f + t);
+}
+
+// The 8 activations of one word, as fp32, nibble j's scaled by 16^-j (exact powers of two), so
+// nibbles 0..4 can be read in place: (w & (0xF << 4j)) | 2^23 reads 2^23 + c * 16^j.
+__device__ __forceinline__ void unpack_x8(uint4 v, float* x) {
+    x[0] = __uint_as_float(v.x << 16);
+    x[1] = __uint_as_float(v.x & 0xFFFF0000u) * 0.0625f;
+    x[2] = __uint_as_float(v.y << 16) * 0.00390625f;
+    x[3] = __uint_as_float(v.y & 0xFFFF0000u) * 0.000244140625f;
+    x[4] = __uint_as_float(v.z << 16) * 1.52587890625e-05f;
+    x[5] = __uint_as_float(v.z & 0xFFFF0000u);  // nibbles 5..7 after one shift by 20
+    x[6] = __uint_as_float(v.w << 16) * 0.0625f;
+    x[7] = __uint_as_float(v.w & 0xFFFF0000u) * 0.00390625f;
+}
+
+// sum_j (code_j - 8) * x_j over one word, exact products (the fp32 magic-number unpack)
+__device__ __forceinline__ float dot_word(u32 w, const float* x, float acc) {
+    const u32 M = 0x4B000000u;
+    acc = fmaf(__uint_as_float(lop3_or(w, 0xFu, M)) - 8388616.f, x[0], acc);
+    acc = fmaf(__uint_as_float(lop3_or(w, 0xF0u, M)) - 8388736.f, x[1], acc);
+    acc = fmaf(__uint_as_float(lop3_or(w, 0xF00u, M)) - 8390656.f, x[2], acc);
+    acc = fmaf(__uint_as_float(lop3_or(w, 0xF000u, M)) - 8421376.f, x[3], acc);
+    acc = fmaf(__uint_as_float(lop3_or(w, 0xF0000u, M)) - 8912896.f, x[4], acc);
+    const u32 h = w >> 20;
+    acc = fmaf(__uint_as_float(lop3_or(h, 0xFu, M)) - 8388616.f, x[5], acc);
+    acc = fmaf(__uint_as_float(lop3_or(h, 0xF0u, M)) - 8388736.f, x[6], acc);
+    acc = fmaf(__uint_as_float(lop3_or(h, 0xF00u, M)) - 8390656.f, x[7], acc);
+    return acc;
+}
+
+// The sum of v over the block (every thread gets it); `red` holds one float per warp.
+__device__ __forceinline__ float block_sum(float v, float* red) {
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xFFFFFFFFu, v, off);
+    __syncthreads();  // `red` may still be read from a sum before
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
+    __syncthreads();
+    float s = 0.f;
+#pragma unroll
+    for (int i = 0; i < WARPS; ++i) s += red[i];
+    return s;
+}
+
+#if PRO
+#define PER ((K + THREADS - 1) / THREADS)  // prologue elements per thread
+
+// h' = round(h + round(y * inv_rms(y) * w_post)) [* scalar, rounded] (block 0 stores it), then
+// the GEMV's input x = round(h' * inv_rms(h') * w_next) (or h' itself), into shared memory.
+__device__ __forceinline__ void prologue(const u16* __restrict__ py, const u16* __restrict__ ph,
+                                         const u16* __restrict__ pwp, const u16* __restrict__ psc,
+                                         const u16* __restrict__ pwn, u16* __restrict__ ph_out,
+                                         float eps, u16* xs, float* red) {
+    float yv[PER], hv[PER];
+    float ss = 0.f;
+#pragma unroll
+    for (int i = 0; i < PER; ++i) {
+        const int k = threadIdx.x + i * THREADS;
+        yv[i] = k < K ? bf16_to_f32(__ldcg(py + k)) : 0.f;
+        hv[i] = k < K ? bf16_to_f32(__ldcg(ph + k)) : 0.f;
+        ss += yv[i] * yv[i];
+    }
+    const float inv1 = 1.f / sqrtf(block_sum(ss, red) / (float)K + eps);
+    const float sc = PRO_SCALAR ? bf16_to_f32(psc[0]) : 1.f;
+    float ss2 = 0.f;
+#pragma unroll
+    for (int i = 0; i < PER; ++i) {
+        const int k = threadIdx.x + i * THREADS;
+        if (k < K) {
+            float h = round_bf16(hv[i] + round_bf16(yv[i] * inv1 * bf16_to_f32(pwp[k])));
+            if (PRO_SCALAR) h = round_bf16(h * sc);
+            hv[i] = h;
+            if (blockIdx.x == 0) ph_out[k] = f32_to_bf16(h);
+        } else {
+            hv[i] = 0.f;
+        }
+        ss2 += hv[i] * hv[i];
+    }
+    const float inv2 = PRO_NEXT ? 1.f / sqrtf(block_sum(ss2, red) / (float)K + eps) : 1.f;
+#pragma unroll
+    for (int i = 0; i < PER; ++i) {
+        const int k = threadIdx.x + i * THREADS;
+        if (k < K) xs[k] = PRO_NEXT ? f32_to_bf16(hv[i] * inv2 * bf16_to_f32(pwn[k]))
+                                    : f32_to_bf16(hv[i]);
+    }
+    __syncthreads();
+}
+#endif
+
+// Block: RG row groups x KT threads across K; a thread owns RPT rows (consecutive, so a GLU
+// thread holds whole gate|up pairs) and the chunks kt, kt + KT, ... of each. Unused pointers
+// may be null: the variant's constants decide which are read.
+extern "C" __global__ void __launch_bounds__(THREADS)
+w4_gemv(const u16* __restrict__ x, const uint4* __restrict__ w, const u16* __restrict__ s,
+        u16* __restrict__ y, int n, const u16* __restrict__ aux, const u16* __restrict__ py,
+        const u16* __restrict__ ph, const u16* __restrict__ pwp, const u16* __restrict__ psc,
+        const u16* __restrict__ pwn, u16* __restrict__ ph_out, float eps) {
+    const int kt = threadIdx.x % KT;
+    const int rg = threadIdx.x / KT;
+    const int row0 = (blockIdx.x * RG + rg) * RPT;
+    uint4 wr[CPT][RPT];
+    float sr[CPT][RPT];
+#pragma unroll
+    for (int c = 0; c < CPT; ++c) {
+        const int chunk = kt + c * KT;
+#pragma unroll
+        for (int r = 0; r < RPT; ++r) {
+            const int row = min(row0 + r, n - 1);  // rows past N read row N-1, store nothing
+            if (c < PF && chunk < KC) {
+                wr[c][r] = __ldcs(w + (long)row * KC + chunk);
+                sr[c][r] = bf16_to_f32(s[(long)row * KC + chunk]);
+            }
+        }
+    }
+    pdl_wait();
+    pdl_release();
+#if PRO
+    __shared__ __align__(16) u16 xs[K];
+    __shared__ float red[WARPS];
+    prologue(py, ph, pwp, psc, pwn, ph_out, eps, xs, red);
+    const uint4* x4 = reinterpret_cast<const uint4*>(xs);
+#else
+    const uint4* x4 = reinterpret_cast<const uint4*>(x);
+#endif
+    float acc[RPT];
+#pragma unroll
+    for (int r = 0; r < RPT; ++r) acc[r] = 0.f;
+#pragma unroll
+    for (int c = 0; c < CPT; ++c) {
+        const int chunk = kt + c * KT;
+        if (chunk < KC) {
+            if (c >= PF) {
+#pragma unroll
+                for (int r = 0; r < RPT; ++r) {
+                    const int row = min(row0 + r, n - 1);
+                    wr[c][r] = __ldcs(w + (long)row * KC + chunk);
+                    sr[c][r] = bf16_to_f32(s[(long)row * KC + chunk]);
+                }
+            }
+            float part[RPT];
+#pragma unroll
+            for (int r = 0; r < RPT; ++r) part[r] = 0.f;
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {  // the chunk's 4 words, 8 activations each
+                float xv[8];
+#if PRO
+                unpack_x8(x4[chunk * 4 + q], xv);
+#else
+                unpack_x8(__ldcg(x4 + chunk * 4 + q), xv);
+#endif
+#pragma unroll
+                for (int r = 0; r < RPT; ++r) {
+                    const u32 word = q == 0 ? wr[c][r].x : q == 1 ? wr[c][r].y
+                                   : q == 2 ? wr[c][r].z : wr[c][r].w;
+                    part[r] = dot_word(word, xv, part[r]);
+                }
+            }
+#pragma unroll
+            for (int r = 0; r < RPT; ++r) acc[r] = fmaf(part[r], sr[c][r], acc[r]);
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < RPT; ++r) {
+#pragma unroll
+        for (int off = KT / 2; off > 0; off >>= 1)
+            acc[r] += __shfl_xor_sync(0xFFFFFFFFu, acc[r], off, KT);
+    }
+    if (kt != 0) return;
+#if EPI == 1
+#pragma unroll
+    for (int r = 0; r < RPT; r += 2) {  // rows row0 + r (gate) and row0 + r + 1 (up): one output
+        if (row0 + r + 1 < n) {
+            const float g = round_bf16(acc[r]);
+            const float u = round_bf16(acc[r + 1]);
+            y[(row0 + r) / 2] = f32_to_bf16(round_bf16(gelu_tanh(g)) * u);
+        }
+    }
+#else
+#pragma unroll
+    for (int r = 0; r < RPT; ++r) {
+        if (row0 + r < n) {
+#if EPI == 2
+            const float g = round_bf16(gelu_tanh(round_bf16(acc[r])));
+            y[row0 + r] = f32_to_bf16(g * bf16_to_f32(aux[row0 + r]));
+#else
+            y[row0 + r] = f32_to_bf16(acc[r]);
+#endif
+        }
+    }
+#endif
+}

@@ -1,0 +1,224 @@
+"""The one-row int4 GEMV in CUDA C++ (engine/kernels/w4gemv_cuda.cu), beside the Triton one.
+
+Same operands and results as engine/kernels/w4gemv.py's entry points for one bf16 row: the plain
+product, the GLU and gelu*aux epilogues and the residual+norm prologue. Compiled by NVRTC per
+(K, tiling, variant) and cached on disk (engine/kernels/cuda_build.py); the tiling per shape is
+timed on the card at first use and stored with the Triton tables (engine/kernels/tuning.py).
+
+Why: a decode step of one row is ~210 dependent products whose cost is mostly each kernel's
+fixed part (bench/NOTES.md v26-v31). Tiles fixed at compile time let every thread request all
+of its weights before it waits for the kernel before it. Where this module cannot run (no
+`cuda.bindings`, not bf16, several rows, the CPU) `usable` says no and the Triton kernel runs.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.kernels import tuning
+from engine.kernels.cuda_build import CudaKernel, arch_of, cached_cubin, cuda_build_available
+from engine.kernels.launch import compiling_only, pdl_enabled
+
+_log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_suffix(".cu")
+KERNEL_NAME = "w4gemv_cuda"
+KERNEL_VERSION = 1  # bump when the kernel changes: stored tilings of older versions are ignored
+MAX_AHEAD = 16  # 16-byte weight loads a thread may hold before the wait (registers)
+MAX_PRO_K = 8192  # the prologue keeps the row in shared memory (bf16)
+
+
+@dataclass(frozen=True)
+class Tiling:
+    """Threads across K (a power of two <= 32), rows per thread, warps per block."""
+
+    kt: int
+    rpt: int
+    warps: int = 4
+
+    def rows_per_block(self) -> int:
+        return self.warps * 32 // self.kt * self.rpt
+
+    def ahead(self, k: int) -> int:
+        """Chunks a thread requests before the wait: all of its own where registers allow."""
+        per_thread = -(-(k // 32) // self.kt)
+        return max(1, min(per_thread, MAX_AHEAD // self.rpt))
+
+
+@dataclass(frozen=True)
+class Prologue:
+    """The residual+norm the GEMV makes its input from (w4_gemv_after_residual's operands)."""
+
+    y: torch.Tensor
+    h: torch.Tensor
+    w_post: torch.Tensor
+    scalar: torch.Tensor | None
+    w_next: torch.Tensor | None
+    h_out: torch.Tensor
+    eps: float
+
+
+def usable(x: torch.Tensor, rows: int, out_dtype: torch.dtype | None = None) -> bool:
+    """Whether this kernel can run the product: one bf16 row (and a bf16 output) on an NVIDIA
+    GPU, with NVRTC and the driver bindings present."""
+    return (
+        rows == 1
+        and x.dtype == torch.bfloat16
+        and (out_dtype is None or out_dtype == torch.bfloat16)
+        and x.device.type == "cuda"
+        and torch.version.hip is None
+        and cuda_build_available()
+    )
+
+
+def candidate_tilings(n: int, k: int, epi: int = 0) -> list[Tiling]:
+    """The tilings worth timing for a shape (the GLU needs whole gate|up pairs per thread)."""
+    kc = k // 32
+    out = []
+    for kt in (8, 16, 32):
+        if kt > kc and kt != 8:
+            continue
+        for rpt in (1, 2, 4):
+            if epi == 1 and rpt % 2:
+                continue
+            for warps in (2, 4):
+                t = Tiling(kt, rpt, warps)
+                if t.rows_per_block() <= 2 * n:
+                    out.append(t)
+    return out
+
+
+def default_tiling(n: int, k: int, epi: int = 0) -> Tiling:
+    """Untuned: the most rows per thread that still gives about two blocks per SM on a large
+    card (132 SMs) with every weight requested before the wait."""
+    kt = 32 if k // 32 >= 256 else 16 if k // 32 >= 64 else 8
+    for rpt in (4, 2, 1) if epi != 1 else (4, 2):
+        t = Tiling(kt, rpt)
+        if t.ahead(k) * kt * 32 >= k and math.ceil(n / t.rows_per_block()) >= 264:
+            return t
+    return Tiling(kt, 2 if epi == 1 else 1)
+
+
+def defines(k: int, t: Tiling, epi: int, pro: Prologue | None, arch: str) -> dict[str, int]:
+    """The kernel's compile-time constants for one variant."""
+    return {"KC": k // 32, "KT": t.kt, "RPT": t.rpt, "WARPS": t.warps, "PF": t.ahead(k),
+            "EPI": epi, "PRO": int(pro is not None),
+            "PRO_SCALAR": int(pro is not None and pro.scalar is not None),
+            "PRO_NEXT": int(pro is not None and pro.w_next is not None),
+            "PDL": int(sm_major(arch) >= 9)}  # fmt: skip
+
+
+def sm_major(arch: str) -> int:
+    """9 for "sm_90", 10 for "sm_100"."""
+    return int(arch.removeprefix("sm_")[:-1])
+
+
+_KERNELS: dict[tuple, CudaKernel] = {}
+
+
+def kernel_for(device: torch.device, k: int, t: Tiling, epi: int, pro: Prologue | None
+               ) -> CudaKernel:  # fmt: skip
+    """The built kernel of one variant (NVRTC once per process, or read from the disk cache)."""
+    arch = arch_of(device)
+    consts = defines(k, t, epi, pro, arch)
+    key = (arch, tuple(sorted(consts.items())))
+    if key not in _KERNELS:
+        cubin = cached_cubin(SOURCE.read_text(encoding="utf-8"), consts, arch,
+                             tuning.cache_dir() / "cuda")  # fmt: skip
+        _KERNELS[key] = CudaKernel.load(cubin, "w4_gemv")
+    return _KERNELS[key]
+
+
+def _ptr(t: torch.Tensor | None) -> ctypes.c_void_p:
+    return ctypes.c_void_p(t.data_ptr() if t is not None else 0)
+
+
+def launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, y: torch.Tensor,
+           t: Tiling, epi: int = 0, aux: torch.Tensor | None = None,
+           pro: Prologue | None = None) -> None:  # fmt: skip
+    """One launch on prepared operands (x [K] or the prologue's, y [N] or [N/2] for the GLU);
+    inside `compile_ahead` only the build."""
+    n, k = packed.shape[0], packed.shape[1] * 8
+    kern = kernel_for(x.device, k, t, epi, pro)
+    if compiling_only():
+        return
+    p = pro
+    args = [_ptr(x), _ptr(packed), _ptr(scales), _ptr(y), ctypes.c_int(n), _ptr(aux),
+            _ptr(p and p.y), _ptr(p and p.h), _ptr(p and p.w_post), _ptr(p and p.scalar),
+            _ptr(p and p.w_next), _ptr(p and p.h_out), ctypes.c_float(p.eps if p else 0.0)]  # fmt: skip
+    kern.launch(-(-n // t.rows_per_block()), t.warps * 32, args, pdl=pdl_enabled())
+
+
+def tiling_for(n: int, k: int, device: torch.device, epi: int = 0) -> Tiling:
+    """The stored tiling of this shape on this GPU; tuned now if allowed, else the default. The
+    epilogues and the prologue share the plain product's entry (a GLU takes the best even
+    one)."""
+    gpu = tuning.gpu_key(device)
+    key = f"v{KERNEL_VERSION}_N{n}_K{k}" + ("_glu" if epi == 1 else "")
+    stored = tuning.lookup(KERNEL_NAME, key, gpu)
+    if stored is not None:
+        return Tiling(stored["kt"], stored["rpt"], stored["warps"])
+    if not tuning.autotune_enabled() or torch.cuda.is_current_stream_capturing():
+        return default_tiling(n, k, epi)
+    best, us = tune(n, k, device, epi)
+    _log.info("w4gemv_cuda: tuned N=%d K=%d on %s: %s (%.2f us)", n, k, gpu, best, us)
+    tuning.store(KERNEL_NAME, key, gpu, dict(asdict(best), us=round(us, 3)))
+    return best
+
+
+def tune(n: int, k: int, device: torch.device, epi: int = 0) -> tuple[Tiling, float]:
+    """Time every candidate on random weights of this shape, enough copies to pass the L2 (as
+    a decode step reads them from memory), each launch with PDL as in the step's graph."""
+    from engine.kernels.launch import pdl_launches
+
+    gen = torch.Generator(device=device).manual_seed(n * 7 + k)
+    one = n * k // 2 + n * k // 16
+    l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 64 << 20)
+    sets = []
+    for _ in range(max(2, min(64, math.ceil(3 * l2 / one)))):
+        p = torch.randint(-(2**31), 2**31 - 1, (n, k // 8), device=device, dtype=torch.int32,
+                          generator=gen)  # fmt: skip
+        s = (torch.rand(n, k // 32, device=device, generator=gen) * 0.02 + 0.001).bfloat16()
+        x = torch.randn(k, device=device, generator=gen).bfloat16()
+        y = torch.empty(n // 2 if epi == 1 else n, device=device, dtype=torch.bfloat16)
+        sets.append((x, p, s, y))
+    aux = (torch.rand(n, device=device, generator=gen) + 0.5).bfloat16() if epi == 2 else None
+
+    def make_calls(cfg: dict[str, Any]) -> list:
+        t = cfg["tiling"]
+        return [lambda a=a: launch(a[0], a[1], a[2], a[3], t, epi=epi, aux=aux) for a in sets]
+
+    with pdl_launches(sm_major(arch_of(device)) >= 9):
+        best, us, _ = tuning.pick_fastest(
+            [{"tiling": t} for t in candidate_tilings(n, k, epi)], make_calls
+        )
+    return best["tiling"], us
+
+
+def w4_gemv_cuda(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
+                 out: torch.Tensor | None = None, epi: int = 0, aux: torch.Tensor | None = None,
+                 pro: Prologue | None = None) -> torch.Tensor:  # fmt: skip
+    """y = epi(x @ dequant(packed, scales).T) for one bf16 row (x [K] or [1, K]; with `pro` x is
+    made from the prologue's operands and only its shape is read). epi 1: the GLU over
+    interleaved gate|up rows ([N/2]); 2: gelu(.) * aux. Call only where `usable` says so."""
+    n, k = packed.shape[0], packed.shape[1] * 8
+    if k % 32 or scales.shape != (n, k // 32) or (epi == 1 and n % 2):
+        raise ValueError(
+            f"w4_gemv_cuda: packed {tuple(packed.shape)}, scales {tuple(scales.shape)}: expected "
+            "packed [N, K/8], scales [N, K/32], K a multiple of 32 (and N even for the GLU)"
+        )
+    if pro is not None and k > MAX_PRO_K:
+        raise ValueError(f"w4_gemv_cuda: the prologue holds at most {MAX_PRO_K} values, not {k}")
+    width = n // 2 if epi == 1 else n
+    y = out if out is not None else torch.empty(width, device=x.device, dtype=x.dtype)
+    t = tiling_for(n, k, x.device, epi)
+    launch(x.contiguous(), packed.contiguous(), scales.contiguous(), y, t, epi=epi,
+           aux=None if aux is None else aux.contiguous(), pro=pro)  # fmt: skip
+    return y
