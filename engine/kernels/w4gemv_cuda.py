@@ -88,10 +88,9 @@ def candidate_tilings(n: int, k: int, epi: int = 0) -> list[Tiling]:
         for rpt in (1, 2, 4):
             if epi == 1 and rpt % 2:
                 continue
-            for warps in (2, 4):
-                t = Tiling(kt, rpt, warps)
-                if t.rows_per_block() <= 2 * n:
-                    out.append(t)
+            t = Tiling(kt, rpt)
+            if t.rows_per_block() <= 2 * n:
+                out.append(t)
     return out
 
 
