@@ -142,12 +142,13 @@ def _ptr(t: torch.Tensor | None) -> ctypes.c_void_p:
 def launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, y: torch.Tensor,
            t: Tiling, epi: int = 0, aux: torch.Tensor | None = None,
            pro: Prologue | None = None) -> None:  # fmt: skip
-    """One launch on prepared operands (x [K] or the prologue's, y [N] or [N/2] for the GLU);
-    inside `compile_ahead` only the build."""
-    n, k = packed.shape[0], packed.shape[1] * 8
-    kern = kernel_for(x.device, k, t, epi, pro)
+    """One launch on prepared operands (x [K] or the prologue's, y [N] or [N/2] for the GLU).
+    Inside `compile_ahead` nothing: that pass has no tuned tilings (tuning is off there), and
+    the real warm-up after it builds the kernels it launches."""
     if compiling_only():
         return
+    n, k = packed.shape[0], packed.shape[1] * 8
+    kern = kernel_for(x.device, k, t, epi, pro)
     p = pro
     args = [_ptr(x), _ptr(packed), _ptr(scales), _ptr(y), ctypes.c_int(n), _ptr(aux),
             _ptr(p and p.y), _ptr(p and p.h), _ptr(p and p.w_post), _ptr(p and p.scalar),
