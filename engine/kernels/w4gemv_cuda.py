@@ -16,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import math
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,7 @@ import torch
 
 from engine.kernels import tuning
 from engine.kernels.cuda_build import CudaKernel, arch_of, cached_cubin, cuda_build_available
-from engine.kernels.launch import compiling_only, pdl_enabled
+from engine.kernels.launch import compiling_only, default_threads, pdl_enabled
 
 _log = logging.getLogger(__name__)
 
@@ -120,18 +121,38 @@ def sm_major(arch: str) -> int:
 
 
 _KERNELS: dict[tuple, CudaKernel] = {}
+_BUILDS: dict[tuple, Future[bytes]] = {}
+_POOL: list[ThreadPoolExecutor] = []  # made at the first build
+
+
+def _variant(device: torch.device, k: int, t: Tiling, epi: int, pro: Prologue | None
+             ) -> tuple[str, dict[str, int]]:  # fmt: skip
+    arch = arch_of(device)
+    return arch, defines(k, t, epi, pro, arch)
+
+
+def build_ahead(device: torch.device, k: int, t: Tiling, epi: int, pro: Prologue | None
+                ) -> Future[bytes]:  # fmt: skip
+    """Start building a variant on a worker thread (NVRTC releases the GIL: a 16-core host
+    builds a shape's candidates in about the time of one); `kernel_for` takes the result."""
+    arch, consts = _variant(device, k, t, epi, pro)
+    key = (arch, tuple(sorted(consts.items())))
+    if key not in _BUILDS:
+        if not _POOL:
+            _POOL.append(ThreadPoolExecutor(default_threads(), thread_name_prefix="gpurig-nvrtc"))
+        _BUILDS[key] = _POOL[0].submit(cached_cubin, SOURCE.read_text(encoding="utf-8"), consts,
+                                       arch, tuning.cache_dir() / "cuda")  # fmt: skip
+    return _BUILDS[key]
 
 
 def kernel_for(device: torch.device, k: int, t: Tiling, epi: int, pro: Prologue | None
                ) -> CudaKernel:  # fmt: skip
-    """The built kernel of one variant (NVRTC once per process, or read from the disk cache)."""
-    arch = arch_of(device)
-    consts = defines(k, t, epi, pro, arch)
+    """The built kernel of one variant (built once per process, or read from the disk cache),
+    loaded on this thread (the one PyTorch's context is current on)."""
+    arch, consts = _variant(device, k, t, epi, pro)
     key = (arch, tuple(sorted(consts.items())))
     if key not in _KERNELS:
-        cubin = cached_cubin(SOURCE.read_text(encoding="utf-8"), consts, arch,
-                             tuning.cache_dir() / "cuda")  # fmt: skip
-        _KERNELS[key] = CudaKernel.load(cubin, "w4_gemv")
+        _KERNELS[key] = CudaKernel.load(build_ahead(device, k, t, epi, pro).result(), "w4_gemv")
     return _KERNELS[key]
 
 
@@ -143,9 +164,9 @@ def launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, y: torch
            t: Tiling, epi: int = 0, aux: torch.Tensor | None = None,
            pro: Prologue | None = None) -> None:  # fmt: skip
     """One launch on prepared operands (x [K] or the prologue's, y [N] or [N/2] for the GLU).
-    Inside `compile_ahead` nothing: that pass has no tuned tilings (tuning is off there), and
-    the real warm-up after it builds the kernels it launches."""
+    Inside `compile_ahead` only the build, on a worker thread, beside Triton's compiles."""
     if compiling_only():
+        build_ahead(x.device, packed.shape[1] * 8, t, epi, pro)
         return
     n, k = packed.shape[0], packed.shape[1] * 8
     kern = kernel_for(x.device, k, t, epi, pro)
@@ -191,14 +212,16 @@ def tune(n: int, k: int, device: torch.device, epi: int = 0) -> tuple[Tiling, fl
         sets.append((x, p, s, y))
     aux = (torch.rand(n, device=device, generator=gen) + 0.5).bfloat16() if epi == 2 else None
 
+    tilings = candidate_tilings(n, k, epi)
+    for t in tilings:  # every candidate's build at once, then the timings
+        build_ahead(device, k, t, epi, None)
+
     def make_calls(cfg: dict[str, Any]) -> list:
         t = cfg["tiling"]
         return [lambda a=a: launch(a[0], a[1], a[2], a[3], t, epi=epi, aux=aux) for a in sets]
 
     with pdl_launches(sm_major(arch_of(device)) >= 9):
-        best, us, _ = tuning.pick_fastest(
-            [{"tiling": t} for t in candidate_tilings(n, k, epi)], make_calls
-        )
+        best, us, _ = tuning.pick_fastest([{"tiling": t} for t in tilings], make_calls)
     return best["tiling"], us
 
 

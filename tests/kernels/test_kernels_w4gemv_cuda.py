@@ -74,6 +74,21 @@ def test_a_build_is_read_back_from_the_disk_cache_without_compiling(tmp_path, mo
 
 
 @needs_nvrtc
+def test_builds_ahead_run_once_per_variant_on_worker_threads(tmp_path) -> None:
+    tuning.configure(True, tmp_path)
+    try:
+        cpu = torch.device("cpu")  # builds for sm_90 without a GPU
+        first = w4gemv_cuda.build_ahead(cpu, 2048, Tiling(16, 2), 0, None)
+        assert w4gemv_cuda.build_ahead(cpu, 2048, Tiling(16, 2), 0, None) is first
+        other = w4gemv_cuda.build_ahead(cpu, 2048, Tiling(16, 2), 2, None)
+        assert other is not first
+        assert first.result(timeout=120)[:4] == other.result(timeout=120)[:4] == b"\x7fELF"
+        assert len(list((tmp_path / "cuda").glob("*.cubin"))) == 2
+    finally:
+        tuning.configure(True, None)
+
+
+@needs_nvrtc
 def test_a_broken_source_fails_with_the_compilers_log(tmp_path) -> None:
     with pytest.raises(cuda_build.CudaBuildError, match="undefined|identifier"):
         cuda_build.cached_cubin(_SOURCE.replace("pdl_wait();", "pdl_wiat();", 1),
