@@ -160,6 +160,8 @@ def test_every_tiling_equals_the_reference_on_the_e2b_shapes(n, k) -> None:
     packed, scales = _layer(n, k, gen)
     x = torch.randn(k, generator=gen, device="cuda").bfloat16()
     want = w4_gemv_reference(x[None], packed, scales)[0].float()
+    for t in candidate_tilings(n, k):  # the builds at once, on worker threads
+        w4gemv_cuda.build_ahead(x.device, k, t, 0, None)
     for t in candidate_tilings(n, k):
         y = torch.full((n,), float("nan"), device="cuda", dtype=torch.bfloat16)
         w4gemv_cuda.launch(x, packed, scales, y, t)
