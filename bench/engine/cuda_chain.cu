@@ -1,26 +1,20 @@
-// The CUDA side of bench/engine/cuda_chain_probe.py: a hand-written int4 GEMV and two empty links,
+// The CUDA side of bench/engine/cuda_chain_probe.py: two empty links and a generic int4 tile,
 // compiled at run time by NVRTC (no nvcc needed), each launch with programmatic dependent launch.
+// (The probe's per-shape GEMV is the engine's own, engine/kernels/w4gemv_cuda.cu.)
 //
 // Why it exists: the one-row decode step is a chain of ~360 dependent kernels whose int4
 // products cost ~3.9 us each whatever their bytes (bench/NOTES.md v26-v29). Before a megakernel
-// is written in CUDA, this measures what CUDA itself changes on the same chain: the floor of a
-// PDL boundary (an empty kernel), a boundary with one dependent round trip through memory, and a
-// GEMV whose tiles are fixed at compile time per shape.
+// is written in CUDA, this measures the floor of a PDL boundary (an empty kernel), a boundary with
+// one dependent round trip through memory, and the megakernel's mechanism (tiles waiting on
+// counts instead of kernel boundaries) against one launch per product.
 //
 // Layout (compressed-tensors pack-quantized, symmetric, group 32): packed int32 [N, K/8], code k
 // of a row in word k/8 at bits 4*(k%8), stored unsigned as q+8; scales bf16 [N, K/32]. One 16-byte
 // load of a row is 32 codes: exactly one scale group. Activations and outputs are bf16.
-//
-// Compile-time constants (-D): KC (16-byte chunks per row, K/32), KT (threads across K, a power of
-// two <= 32: a row's partial sums meet in one warp by shuffles), RPT (rows per thread: the
-// activations are unpacked once for RPT rows), WARPS (per block), PF (chunks whose weights are
-// requested ahead of the arithmetic).
 
 typedef unsigned int u32;
 typedef unsigned short u16;
 
-#define RG (WARPS * 32 / KT)              // row groups per block
-#define CPT ((KC + KT - 1) / KT)          // chunks per thread (the last ones may be past KC)
 
 __device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
 __device__ __forceinline__ void pdl_release() {
@@ -68,77 +62,7 @@ __device__ __forceinline__ float dot_word(u32 w, const float* x, float acc) {
     return acc;
 }
 
-#ifdef KC
-// y[N] = dequant(W[N, K]) @ x[K]. Block: RG row groups x KT threads across K; a thread owns RPT
-// rows and the chunks kt, kt + KT, ... of each. The first PF chunks' weights and scales are
-// requested before the wait for the previous kernel (they depend on nothing it writes).
-extern "C" __global__ void __launch_bounds__(WARPS * 32)
-w4_gemv(const u16* __restrict__ x, const uint4* __restrict__ w, const u16* __restrict__ s,
-        u16* __restrict__ y, int n) {
-    const int kt = threadIdx.x % KT;
-    const int rg = threadIdx.x / KT;
-    const int row0 = (blockIdx.x * RG + rg) * RPT;
-    uint4 wr[CPT][RPT];
-    float sr[CPT][RPT];
-#pragma unroll
-    for (int c = 0; c < CPT; ++c) {
-        const int chunk = kt + c * KT;
-#pragma unroll
-        for (int r = 0; r < RPT; ++r) {
-            const int row = min(row0 + r, n - 1);  // rows past N read row N-1, store nothing
-            if (c < PF && chunk < KC) {
-                wr[c][r] = w[(long)row * KC + chunk];
-                sr[c][r] = __uint_as_float((u32)s[(long)row * KC + chunk] << 16);
-            }
-        }
-    }
-    pdl_wait();
-    pdl_release();
-    const uint4* x4 = reinterpret_cast<const uint4*>(x);
-    float acc[RPT];
-#pragma unroll
-    for (int r = 0; r < RPT; ++r) acc[r] = 0.f;
-#pragma unroll
-    for (int c = 0; c < CPT; ++c) {
-        const int chunk = kt + c * KT;
-        if (chunk < KC) {
-            if (c >= PF) {
-#pragma unroll
-                for (int r = 0; r < RPT; ++r) {
-                    const int row = min(row0 + r, n - 1);
-                    wr[c][r] = w[(long)row * KC + chunk];
-                    sr[c][r] = __uint_as_float((u32)s[(long)row * KC + chunk] << 16);
-                }
-            }
-            float part[RPT];
-#pragma unroll
-            for (int r = 0; r < RPT; ++r) part[r] = 0.f;
-#pragma unroll
-            for (int q = 0; q < 4; ++q) {  // the chunk's 4 words, 8 activations each
-                float xs[8];
-                unpack_x8(__ldcg(x4 + chunk * 4 + q), xs);
-#pragma unroll
-                for (int r = 0; r < RPT; ++r) {
-                    const u32 word = q == 0 ? wr[c][r].x : q == 1 ? wr[c][r].y
-                                   : q == 2 ? wr[c][r].z : wr[c][r].w;
-                    part[r] = dot_word(word, xs, part[r]);
-                }
-            }
-#pragma unroll
-            for (int r = 0; r < RPT; ++r) acc[r] = fmaf(part[r], sr[c][r], acc[r]);
-        }
-    }
-#pragma unroll
-    for (int r = 0; r < RPT; ++r) {
-#pragma unroll
-        for (int off = KT / 2; off > 0; off >>= 1)
-            acc[r] += __shfl_xor_sync(0xFFFFFFFFu, acc[r], off, KT);
-        if (kt == 0 && row0 + r < n) y[row0 + r] = f32_to_bf16(acc[r]);
-    }
-}
-#endif
 
-#ifndef KC
 // The generic tile (K known at run time): GW warps, one row group each, 32 threads across K, GR
 // rows per thread, the first GPF chunks' weights requested ahead. Two kernels share it: one
 // launch per product (w4_rt_launch, PDL), and one persistent launch for the whole chain
@@ -266,7 +190,6 @@ w4_rt_flow(const Product* table, int count, unsigned* done, unsigned* err) {
         }
     }
 }
-#endif
 
 // The floor of one PDL boundary: a kernel that only waits for the one before and lets the next go.
 extern "C" __global__ void null_link() {

@@ -8,8 +8,8 @@ megakernel". Before writing one, this measures on the same chain, one CUDA graph
 every launch with programmatic dependent launch (PDL):
 
 * ``product``: the engine's Triton GEMV (`w4_gemv`, tuned tiles): today's step's products;
-* ``cuda_gemv``: bench/engine/cuda_chain.cu's GEMV, compiled by NVRTC per K with its tiles
-  chosen per shape here (threads across K, rows per thread), every weight of a thread requested
+* ``cuda_gemv``: the engine's CUDA GEMV (engine/kernels/w4gemv_cuda.py, GPURIG_CUDA_GEMV=1),
+  built by NVRTC per K with its tiles chosen per shape here (threads across K, rows per thread), every weight of a thread requested
   before it waits for the product before;
 * ``null_links``: 210 kernels that only wait and release, with the GEMV's grids: what a
   boundary costs when the kernel does nothing;
@@ -36,13 +36,11 @@ import ctypes
 import json
 import sys
 import traceback
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from engine.kernels.cuda_build import CudaKernel, arch_of, compile_cubin
 from bench.engine.persistent_probe import (
     Chain,
     chain_result,
@@ -51,66 +49,27 @@ from bench.engine.persistent_probe import (
     layer_products,
     record_variant,
 )
+from engine.kernels import w4gemv_cuda
+from engine.kernels.cuda_build import CudaKernel, arch_of, compile_cubin
+from engine.kernels.launch import pdl_launches
+from engine.kernels.w4gemv_cuda import Tiling, candidate_tilings
 
 SOURCE = Path(__file__).with_name("cuda_chain.cu")
 WARPS = 4
-MAX_AHEAD = 16  # 16-byte weight loads a thread may hold before the wait (registers)
-
-
-@dataclass(frozen=True)
-class Tiling:
-    """Threads across K (a power of two <= 32), rows per thread, chunks requested ahead."""
-
-    kt: int
-    rpt: int
-    pf: int
-
-    def rows_per_block(self) -> int:
-        return WARPS * 32 // self.kt * self.rpt
-
-
-def tilings_for(k: int) -> list[Tiling]:
-    """The candidate tilings of a product with K inputs (K / 32 chunks of 16 bytes a row)."""
-    kc = k // 32
-    out = []
-    for kt in (8, 16, 32):
-        if kt > kc and kt != 8:
-            continue
-        for rpt in (1, 2, 4):
-            cpt = -(-kc // kt)
-            out.append(Tiling(kt, rpt, max(1, min(cpt, MAX_AHEAD // rpt))))
-    return out
 
 
 class CudaGemv:
-    """The CUDA GEMV, one module per (K, tiling), loaded once."""
+    """The engine's CUDA GEMV (engine/kernels/w4gemv_cuda.py, plain variant) at a given tiling:
+    the probe times exactly what GPURIG_CUDA_GEMV=1 runs."""
 
     def __init__(self, device: torch.device) -> None:
         self.device, self.arch = device, arch_of(device)
-        self.source = SOURCE.read_text(encoding="utf-8")
-        self._kernels: dict[tuple[int, Tiling], CudaKernel] = {}
-
-    def kernel(self, k: int, t: Tiling) -> CudaKernel:
-        key = (k, t)
-        if key not in self._kernels:
-            defines = {"KC": k // 32, "KT": t.kt, "RPT": t.rpt, "WARPS": WARPS, "PF": t.pf}
-            self._kernels[key] = CudaKernel.load(
-                compile_cubin(self.source, defines, self.arch), "w4_gemv"
-            )
-        return self._kernels[key]
+        self.source = SOURCE.read_text(encoding="utf-8")  # the links and the generic tile
 
     def __call__(self, x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, y: torch.Tensor,
                  t: Tiling) -> None:  # fmt: skip
-        n, k = w.shape[0], w.shape[1] * 8
-        grid = -(-n // t.rows_per_block())
-        args = [
-            ctypes.c_void_p(x.data_ptr()),
-            ctypes.c_void_p(w.data_ptr()),
-            ctypes.c_void_p(s.data_ptr()),
-            ctypes.c_void_p(y.data_ptr()),
-            ctypes.c_int(n),
-        ]
-        self.kernel(k, t).launch(grid, WARPS * 32, args)
+        with pdl_launches():  # as in the step's graph
+            w4gemv_cuda.launch(x, w, s, y, t)
 
 
 def check_shapes(gemv: CudaGemv, chain: Chain, choice: dict[tuple[int, int], Tiling]
@@ -149,7 +108,9 @@ def tune(gemv: CudaGemv, chain: Chain, launches: int = 20) -> dict[str, Any]:
         x = torch.randn(p.k, device=chain.device).to(torch.bfloat16)
         y = torch.empty(p.n, dtype=torch.bfloat16, device=chain.device)
         times = {}
-        for t in tilings_for(p.k):
+        for t in candidate_tilings(p.n, p.k):  # the builds at once, then the timings
+            w4gemv_cuda.build_ahead(chain.device, p.k, t, 0, None)
+        for t in candidate_tilings(p.n, p.k):
 
             def run(t=t, w=w, s=s, x=x, y=y) -> None:
                 for _ in range(launches):
@@ -166,7 +127,7 @@ def tune(gemv: CudaGemv, chain: Chain, launches: int = 20) -> dict[str, Any]:
         with pdl_launches():
             triton_us = graph_time_us(graph_of(triton_run), reps=10, rounds=3) / launches
         mb = (w.numel() * 4 + s.numel() * 2) / 1e6
-        table[f"{p.n}x{p.k}"] = {"kt": best.kt, "rpt": best.rpt, "pf": best.pf,
+        table[f"{p.n}x{p.k}"] = {"kt": best.kt, "rpt": best.rpt, "pf": best.ahead(p.k),
                                  "us": round(times[best], 2), "triton_us": round(triton_us, 2),
                                  "mb": round(mb, 3),
                                  "gb_per_s": round(mb * 1e3 / times[best], 1),
