@@ -47,7 +47,11 @@ def w4_gemv(
     """
     x2, n, k = _prepare(x, packed, scales)
     m = x2.shape[0]
-    if cuda and config is None and w4gemv_cuda.usable(x, m, None if out is None else out.dtype):
+    if (
+        cuda
+        and config is None
+        and w4gemv_cuda.usable(x, m, None if out is None else out.dtype, packed)
+    ):
         y1 = w4gemv_cuda.w4_gemv_cuda(x2, packed, scales, out=None if out is None else out.view(n))
         return y1.view(*x.shape[:-1], n)
     y = out.view(m, n) if out is not None else torch.empty(m, n, device=x.device, dtype=x.dtype)
@@ -80,7 +84,7 @@ def w4_gemv_glu(
     """gelu_tanh(gate) * up from ONE GEMV over a gate|up matrix whose rows are interleaved
     (row 2i = gate_i, row 2i+1 = up_i): [..., N/2], rounded as the reference rounds."""
     x2, n, k = _prepare(x, packed, scales)
-    if cuda and w4gemv_cuda.usable(x, x2.shape[0]):
+    if cuda and w4gemv_cuda.usable(x, x2.shape[0], packed=packed):
         y1 = w4gemv_cuda.w4_gemv_cuda(x2, packed, scales, epi=1)
         return y1.view(*x.shape[:-1], n // 2)
     cfg = dict(config_for(n, k, x.dtype, x2.shape[0], x.device, half2))
@@ -148,7 +152,7 @@ def w4_gemv_after_residual(
         if aux.stride(-1) != 1:
             aux = aux.contiguous()
     norms = [t for t in (w_post, scalar, w_next, aux) if t is not None]
-    if (cuda and k <= w4gemv_cuda.MAX_PRO_K and w4gemv_cuda.usable(y, m)
+    if (cuda and k <= w4gemv_cuda.MAX_PRO_K and w4gemv_cuda.usable(y, m, packed=packed)
             and all(t.dtype == torch.bfloat16 for t in norms)):  # fmt: skip
         pro = w4gemv_cuda.Prologue(y.reshape(-1), h.reshape(-1), w_post, scalar, w_next,
                                    h_out.reshape(-1), eps)  # fmt: skip

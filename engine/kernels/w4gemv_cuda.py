@@ -66,12 +66,16 @@ class Prologue:
     eps: float
 
 
-def usable(x: torch.Tensor, rows: int, out_dtype: torch.dtype | None = None) -> bool:
+def usable(x: torch.Tensor, rows: int, out_dtype: torch.dtype | None = None,
+           packed: torch.Tensor | None = None) -> bool:  # fmt: skip
     """Whether this kernel can run the product: one bf16 row (and a bf16 output) on an NVIDIA
-    GPU, with NVRTC and the driver bindings present."""
+    GPU, with NVRTC and the driver bindings present. The row and the packed words must start on
+    16 bytes (the kernel reads 16 bytes at a time); a view that does not runs on Triton's."""
     return (
         rows == 1
         and x.dtype == torch.bfloat16
+        and x.data_ptr() % 16 == 0
+        and (packed is None or packed.data_ptr() % 16 == 0)
         and (out_dtype is None or out_dtype == torch.bfloat16)
         and x.device.type == "cuda"
         and torch.version.hip is None

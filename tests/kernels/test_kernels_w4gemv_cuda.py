@@ -117,6 +117,7 @@ def test_only_one_bf16_row_on_an_nvidia_gpu_is_routed_to_it() -> None:
         assert usable(g, 1) == cuda_build.cuda_build_available()
         assert not usable(g, 2) and not usable(g.half(), 1) and not usable(g.float(), 1)
         assert not usable(g, 1, out_dtype=torch.float32)
+        assert not usable(torch.zeros(72, dtype=torch.bfloat16, device="cuda")[1:65], 1)
 
 
 def test_the_switch_comes_from_the_engine_options() -> None:
