@@ -66,6 +66,28 @@ def test_batched_step_equals_the_reference_rows(checkpoint, device):
         eng.close()
 
 
+def test_one_row_step_with_the_cuda_gemv_switch_equals_the_reference(checkpoint, device):
+    """GPURIG_CUDA_GEMV reaches every product of the one-row step (plain, GLU, the prologue's);
+    an fp32 model (and the CPU) keeps the Triton kernel, so the step is the reference's."""
+    opts = EngineOptions(fast="force", cuda_graph=False, cuda_gemv=True)
+    eng = engine.load(checkpoint, device=device, max_context=CTX, dtype=torch.float32,
+                      options=opts, max_num_seqs=4, warm_up=False)  # fmt: skip
+    try:
+        runner, pool, model = eng.runner, eng.pool, eng.model
+        assert runner.batched  # the fused step, whose products take the switch
+        slot = pool.blocks.open_slot()
+        ids = torch.tensor(_prompt(20, 0), device=model.device)
+        pool.apply((slot,), (pool.blocks.grow(slot, 21),))
+        model.prefill_chunk(ids[:-1], 0, pool.view(slot), False)
+        token, position = ids[-1:], torch.tensor([19], device=model.device)
+        slot_t = torch.tensor([slot], dtype=torch.int32, device=model.device)
+        one = runner.step(token, position, slot_t).clone()
+        reference = model.decode_step(token, position, pool.view(slot))
+        torch.testing.assert_close(one, reference, rtol=1e-4, atol=1e-4)
+    finally:
+        eng.close()
+
+
 def test_fast_scheduler_tokens_equal_alone(checkpoint, device):
     """Three requests decoding together on the fast path each get the tokens they get alone
     on the reference path (fp32: the fused step equals the reference step, tested above, so
