@@ -58,11 +58,21 @@ def arch_of(device: torch.device | None) -> str:
 def compile_cubin(source: str, defines: dict[str, int], arch: str, name: str = "k.cu") -> bytes:
     """Machine code for `arch` from CUDA C++ `source` with -D `defines` (NVRTC, no GPU needed).
     The compiler's log is in the error when it fails."""
+    return _compile(source, defines, arch, name, ptx=False)
+
+
+def compile_ptx(source: str, defines: dict[str, int], arch: str, name: str = "k.cu") -> str:
+    """The PTX NVRTC makes of `source` for `arch` (what a test reads for the order of loads)."""
+    return _compile(source, defines, arch, name, ptx=True).decode().rstrip("\0")
+
+
+def _compile(source: str, defines: dict[str, int], arch: str, name: str, ptx: bool) -> bytes:
     from cuda.bindings import nvrtc
 
     (prog,) = _check(nvrtc.nvrtcCreateProgram(source.encode(), name.encode(), 0, [], []),
                      "nvrtcCreateProgram")  # fmt: skip
-    opts = [f"-arch={arch}".encode(), b"--std=c++17"]
+    target = arch.replace("sm_", "compute_") if ptx else arch
+    opts = [f"-arch={target}".encode(), b"--std=c++17"]
     opts += [f"-D{k}={v}".encode() for k, v in sorted(defines.items())]
     try:
         (status,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
@@ -71,6 +81,11 @@ def compile_cubin(source: str, defines: dict[str, int], arch: str, name: str = "
             log = b" " * size
             _check(nvrtc.nvrtcGetProgramLog(prog, log), "nvrtcGetProgramLog")
             raise CudaBuildError(f"NVRTC ({arch}, {defines}): {log.decode(errors='replace')}")
+        if ptx:
+            (size,) = _check(nvrtc.nvrtcGetPTXSize(prog), "nvrtcGetPTXSize")
+            out = b" " * size
+            _check(nvrtc.nvrtcGetPTX(prog, out), "nvrtcGetPTX")
+            return out
         (size,) = _check(nvrtc.nvrtcGetCUBINSize(prog), "nvrtcGetCUBINSize")
         cubin = b" " * size
         _check(nvrtc.nvrtcGetCUBIN(prog, cubin), "nvrtcGetCUBIN")

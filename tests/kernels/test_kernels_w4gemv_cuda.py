@@ -50,6 +50,33 @@ def test_every_variant_of_the_e2b_step_builds_for_hopper(n, k) -> None:
             assert cubin[:4] == b"\x7fELF", (n, k, epi, pro is not None)
 
 
+def _before_and_after_the_wait(n: int, k: int, t: Tiling, epi: int, pro) -> tuple[str, str]:
+    ptx = cuda_build.compile_ptx(_SOURCE, defines(k, t, epi, pro, "sm_90"), "sm_90")
+    body = ptx[ptx.index(".entry w4_gemv") :]
+    before, after = body.split("griddepcontrol.wait", 1)
+    return before, after
+
+
+@needs_nvrtc
+@pytest.mark.parametrize(("n", "k"), E2B_SHAPES)
+def test_every_weight_a_thread_reads_is_requested_before_the_wait(n, k) -> None:
+    """What the kernel is for (its PTX, sm_90): each thread's 16-byte weight loads, one per
+    chunk ahead and row, all come before griddepcontrol.wait; nothing the kernel before writes
+    (activations, the prologue's rows: read through L2) is read, and nothing is stored, before
+    it."""
+    import re
+
+    variants = [(epi, None) for epi in (0, 1, 2)] + ([(0, _PRO), (1, _PRO)] if k == 1536 else [])
+    for epi, pro in variants:
+        t = default_tiling(n, k, epi)
+        before, after = _before_and_after_the_wait(n, k, t, epi, pro)
+        weights = len(re.findall(r"ld\.global\.cs\.v4", before))
+        assert weights == t.ahead(k) * t.rpt, (n, k, epi, pro is not None, t)
+        if t.ahead(k) * t.kt >= k // 32:  # every chunk ahead: none left for after the wait
+            assert not re.findall(r"ld\.global\.cs\.v4", after), (n, k, epi, t)
+        assert not re.findall(r"ld\.global\.cg|st\.global", before), (n, k, epi, t)
+
+
 @needs_nvrtc
 def test_before_hopper_the_kernel_builds_without_griddepcontrol() -> None:
     consts = defines(1536, Tiling(16, 2), 1, _PRO, "sm_80")
