@@ -10,6 +10,7 @@ import torch
 
 from bench.engine.cuda_chain_probe import RT_ROWS, SOURCE, product_table
 from bench.engine.persistent_probe import Chain, Product
+from engine.kernels import w4gemv_cuda
 from engine.kernels.cuda_build import CudaBuildError, compile_cubin
 
 nvrtc = pytest.importorskip("cuda.bindings.nvrtc", reason="NVRTC comes with a CUDA build of torch")
@@ -28,7 +29,8 @@ needs_nvrtc = pytest.mark.skipif(not _nvrtc_works(), reason="libnvrtc cannot be 
 
 @needs_nvrtc
 def test_the_links_build_without_a_shape() -> None:
-    cubin = compile_cubin(SOURCE.read_text(encoding="utf-8"), {}, "sm_90")
+    cubin = compile_cubin(SOURCE.read_text(encoding="utf-8"), {"PDL": 1}, "sm_90",
+                          w4gemv_cuda.sources()[1])  # fmt: skip
     assert b"null_link" in cubin and b"copy_link" in cubin
     assert b"w4_rt_launch" in cubin and b"w4_rt_flow" in cubin  # the generic tile: K at run time
     assert b"w4_gemv" not in cubin  # the per-shape GEMV is the engine's

@@ -163,7 +163,8 @@ def measure(preset: str, out: dict[str, Any]) -> None:
             gemv(chain.input_of(i)[: p.k], w, s, chain.outs[i], choice[(p.n, p.k)])
 
     record_variant(chain, ref, finals, variants, "cuda_gemv", cuda_chain)
-    generic = compile_cubin(gemv.source, {}, gemv.arch)  # the links and the generic tile
+    # the links and the generic tile, with the engine's unpack header, PDL on
+    generic = compile_cubin(gemv.source, {"PDL": 1}, gemv.arch, w4gemv_cuda.sources()[1])
     null = CudaKernel.load(generic, "null_link")
     grids = [-(-p.n // choice[(p.n, p.k)].rows_per_block()) for p in chain.products]
 

@@ -55,21 +55,30 @@ def arch_of(device: torch.device | None) -> str:
     return f"sm_{major}{minor}"
 
 
-def compile_cubin(source: str, defines: dict[str, int], arch: str, name: str = "k.cu") -> bytes:
+Headers = dict[str, str]  # what `#include "name"` finds: name -> text
+
+
+def compile_cubin(source: str, defines: dict[str, int], arch: str,
+                  headers: Headers | None = None) -> bytes:  # fmt: skip
     """Machine code for `arch` from CUDA C++ `source` with -D `defines` (NVRTC, no GPU needed).
     The compiler's log is in the error when it fails."""
-    return _compile(source, defines, arch, name, ptx=False)
+    return _compile(source, defines, arch, headers or {}, ptx=False)
 
 
-def compile_ptx(source: str, defines: dict[str, int], arch: str, name: str = "k.cu") -> str:
+def compile_ptx(source: str, defines: dict[str, int], arch: str,
+                headers: Headers | None = None) -> str:  # fmt: skip
     """The PTX NVRTC makes of `source` for `arch` (what a test reads for the order of loads)."""
-    return _compile(source, defines, arch, name, ptx=True).decode().rstrip("\0")
+    return _compile(source, defines, arch, headers or {}, ptx=True).decode().rstrip("\0")
 
 
-def _compile(source: str, defines: dict[str, int], arch: str, name: str, ptx: bool) -> bytes:
+def _compile(source: str, defines: dict[str, int], arch: str, headers: Headers,
+             ptx: bool) -> bytes:  # fmt: skip
     from cuda.bindings import nvrtc
 
-    (prog,) = _check(nvrtc.nvrtcCreateProgram(source.encode(), name.encode(), 0, [], []),
+    names = sorted(headers)
+    (prog,) = _check(nvrtc.nvrtcCreateProgram(source.encode(), b"k.cu", len(names),
+                                              [headers[h].encode() for h in names],
+                                              [h.encode() for h in names]),
                      "nvrtcCreateProgram")  # fmt: skip
     target = arch.replace("sm_", "compute_") if ptx else arch
     opts = [f"-arch={target}".encode(), b"--std=c++17"]
@@ -94,25 +103,28 @@ def _compile(source: str, defines: dict[str, int], arch: str, name: str, ptx: bo
         nvrtc.nvrtcDestroyProgram(prog)
 
 
-def cubin_key(source: str, defines: dict[str, int], arch: str) -> str:
-    """The name a build is cached under: the source, its constants, the target and NVRTC's own
-    version all change it."""
+def cubin_key(source: str, defines: dict[str, int], arch: str, headers: Headers) -> str:
+    """The name a build is cached under: the source and its headers, its constants, the target
+    and NVRTC's own version all change it."""
     from cuda.bindings import nvrtc
 
     _, major, minor = nvrtc.nvrtcVersion()
     text = f"{CACHE_VERSION}|{arch}|{major}.{minor}|{sorted(defines.items())}|{source}"
+    text += "".join(f"|{name}|{headers[name]}" for name in sorted(headers))
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
-def cached_cubin(source: str, defines: dict[str, int], arch: str, cache: Path | None) -> bytes:
+def cached_cubin(source: str, defines: dict[str, int], arch: str, cache: Path | None,
+                 headers: Headers | None = None) -> bytes:  # fmt: skip
     """`compile_cubin`, read from `cache` (a directory) when built before, else built and stored
     there atomically. A cache that cannot be written only costs the next process a compile."""
+    headers = headers or {}
     if cache is None:
-        return compile_cubin(source, defines, arch)
-    path = cache / f"{cubin_key(source, defines, arch)}.cubin"
+        return compile_cubin(source, defines, arch, headers)
+    path = cache / f"{cubin_key(source, defines, arch, headers)}.cubin"
     with contextlib.suppress(OSError):
         return path.read_bytes()
-    cubin = compile_cubin(source, defines, arch)
+    cubin = compile_cubin(source, defines, arch, headers)
     with contextlib.suppress(OSError):
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")

@@ -14,6 +14,7 @@ of its weights before it waits for the kernel before it. Where this module canno
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import math
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -24,12 +25,20 @@ from typing import Any
 import torch
 
 from engine.kernels import tuning
-from engine.kernels.cuda_build import CudaKernel, arch_of, cached_cubin, cuda_build_available
+from engine.kernels.cuda_build import (
+    CudaKernel,
+    Headers,
+    arch_of,
+    cached_cubin,
+    cuda_build_available,
+)
 from engine.kernels.launch import compiling_only, default_threads, pdl_enabled
+from engine.kernels.w4gemm_tune import random_sets
 
 _log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_suffix(".cu")
+HEADER = Path(__file__).with_name("w4_codes.cuh")  # shared with bench/engine/cuda_chain.cu
 KERNEL_NAME = "w4gemv_cuda"
 KERNEL_VERSION = 1  # bump when the kernel changes: stored tilings of older versions are ignored
 MAX_AHEAD = 16  # 16-byte weight loads a thread may hold before the wait (registers)
@@ -124,6 +133,12 @@ def sm_major(arch: str) -> int:
     return int(arch.removeprefix("sm_")[:-1])
 
 
+@functools.cache
+def sources() -> tuple[str, Headers]:
+    """The kernel's text and the headers it includes (read once per process)."""
+    return SOURCE.read_text(encoding="utf-8"), {HEADER.name: HEADER.read_text(encoding="utf-8")}
+
+
 _KERNELS: dict[tuple, CudaKernel] = {}
 _BUILDS: dict[tuple, Future[bytes]] = {}
 _POOL: list[ThreadPoolExecutor] = []  # made at the first build
@@ -144,8 +159,9 @@ def build_ahead(device: torch.device, k: int, t: Tiling, epi: int, pro: Prologue
     if key not in _BUILDS:
         if not _POOL:
             _POOL.append(ThreadPoolExecutor(default_threads(), thread_name_prefix="gpurig-nvrtc"))
-        _BUILDS[key] = _POOL[0].submit(cached_cubin, SOURCE.read_text(encoding="utf-8"), consts,
-                                       arch, tuning.cache_dir() / "cuda")  # fmt: skip
+        source, headers = sources()
+        _BUILDS[key] = _POOL[0].submit(cached_cubin, source, consts, arch,
+                                       tuning.cache_dir() / "cuda", headers)  # fmt: skip
     return _BUILDS[key]
 
 
@@ -203,17 +219,8 @@ def tune(n: int, k: int, device: torch.device, epi: int = 0) -> tuple[Tiling, fl
     a decode step reads them from memory), each launch with PDL as in the step's graph."""
     from engine.kernels.launch import pdl_launches
 
-    gen = torch.Generator(device=device).manual_seed(n * 7 + k)
-    one = n * k // 2 + n * k // 16
-    l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 64 << 20)
-    sets = []
-    for _ in range(max(2, min(64, math.ceil(3 * l2 / one)))):
-        p = torch.randint(-(2**31), 2**31 - 1, (n, k // 8), device=device, dtype=torch.int32,
-                          generator=gen)  # fmt: skip
-        s = (torch.rand(n, k // 32, device=device, generator=gen) * 0.02 + 0.001).bfloat16()
-        x = torch.randn(k, device=device, generator=gen).bfloat16()
-        y = torch.empty(n // 2 if epi == 1 else n, device=device, dtype=torch.bfloat16)
-        sets.append((x, p, s, y))
+    sets = random_sets(n, k, torch.bfloat16, 1, device, epi)
+    gen = torch.Generator(device=device).manual_seed(n + k)
     aux = (torch.rand(n, device=device, generator=gen) + 0.5).bfloat16() if epi == 2 else None
 
     tilings = candidate_tilings(n, k, epi)

@@ -36,7 +36,7 @@ def _nvrtc_works() -> bool:
 
 needs_nvrtc = pytest.mark.skipif(not _nvrtc_works(), reason="NVRTC (a CUDA build of torch)")
 no_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
-_SOURCE = w4gemv_cuda.SOURCE.read_text(encoding="utf-8")
+_SOURCE, _HEADERS = w4gemv_cuda.sources()
 _PRO = Prologue(*(torch.empty(1),) * 6, eps=1e-6)  # a prologue with a scalar and a next norm
 
 
@@ -46,12 +46,14 @@ def test_every_variant_of_the_e2b_step_builds_for_hopper(n, k) -> None:
     for epi in (0, 1, 2):
         t = default_tiling(n, k, epi)
         for pro in (None, _PRO) if k == 1536 else (None,):
-            cubin = cuda_build.compile_cubin(_SOURCE, defines(k, t, epi, pro, "sm_90"), "sm_90")
+            cubin = cuda_build.compile_cubin(
+                _SOURCE, defines(k, t, epi, pro, "sm_90"), "sm_90", _HEADERS
+            )
             assert cubin[:4] == b"\x7fELF", (n, k, epi, pro is not None)
 
 
 def _before_and_after_the_wait(n: int, k: int, t: Tiling, epi: int, pro) -> tuple[str, str]:
-    ptx = cuda_build.compile_ptx(_SOURCE, defines(k, t, epi, pro, "sm_90"), "sm_90")
+    ptx = cuda_build.compile_ptx(_SOURCE, defines(k, t, epi, pro, "sm_90"), "sm_90", _HEADERS)
     body = ptx[ptx.index(".entry w4_gemv") :]
     before, after = body.split("griddepcontrol.wait", 1)
     return before, after
@@ -81,23 +83,23 @@ def test_every_weight_a_thread_reads_is_requested_before_the_wait(n, k) -> None:
 def test_before_hopper_the_kernel_builds_without_griddepcontrol() -> None:
     consts = defines(1536, Tiling(16, 2), 1, _PRO, "sm_80")
     assert consts["PDL"] == 0 and defines(1536, Tiling(16, 2), 1, _PRO, "sm_90")["PDL"] == 1
-    assert cuda_build.compile_cubin(_SOURCE, consts, "sm_80")[:4] == b"\x7fELF"
+    assert cuda_build.compile_cubin(_SOURCE, consts, "sm_80", _HEADERS)[:4] == b"\x7fELF"
 
 
 @needs_nvrtc
 def test_a_build_is_read_back_from_the_disk_cache_without_compiling(tmp_path, monkeypatch) -> None:
     consts = defines(1536, Tiling(16, 2), 0, None, "sm_90")
-    first = cuda_build.cached_cubin(_SOURCE, consts, "sm_90", tmp_path)
+    first = cuda_build.cached_cubin(_SOURCE, consts, "sm_90", tmp_path, _HEADERS)
     assert [p.suffix for p in tmp_path.iterdir()] == [".cubin"]
 
     def no_compile(*a, **k):
         raise AssertionError("compiled again")
 
     monkeypatch.setattr(cuda_build, "compile_cubin", no_compile)
-    assert cuda_build.cached_cubin(_SOURCE, consts, "sm_90", tmp_path) == first
+    assert cuda_build.cached_cubin(_SOURCE, consts, "sm_90", tmp_path, _HEADERS) == first
     other = dict(consts, RPT=4)  # another variant is another file
     with pytest.raises(AssertionError, match="compiled again"):
-        cuda_build.cached_cubin(_SOURCE, other, "sm_90", tmp_path)
+        cuda_build.cached_cubin(_SOURCE, other, "sm_90", tmp_path, _HEADERS)
 
 
 @needs_nvrtc
@@ -119,7 +121,8 @@ def test_builds_ahead_run_once_per_variant_on_worker_threads(tmp_path) -> None:
 def test_a_broken_source_fails_with_the_compilers_log(tmp_path) -> None:
     with pytest.raises(cuda_build.CudaBuildError, match="undefined|identifier"):
         cuda_build.cached_cubin(_SOURCE.replace("pdl_wait();", "pdl_wiat();", 1),
-                                defines(256, Tiling(8, 1), 0, None, "sm_90"), "sm_90", tmp_path)  # fmt: skip
+                                defines(256, Tiling(8, 1), 0, None, "sm_90"), "sm_90", tmp_path,
+                                _HEADERS)  # fmt: skip
     assert list(tmp_path.iterdir()) == []  # nothing half-written
 
 
