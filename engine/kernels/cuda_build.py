@@ -15,12 +15,12 @@ import contextlib
 import ctypes
 import functools
 import hashlib
-import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from engine.kernels.tuning import write_atomic
 
 CACHE_VERSION = 1  # bump when the build options change: older cached cubins are not read
 
@@ -126,14 +126,7 @@ def cached_cubin(source: str, defines: dict[str, int], arch: str, cache: Path | 
         return path.read_bytes()
     cubin = compile_cubin(source, defines, arch, headers)
     with contextlib.suppress(OSError):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(cubin)
-            os.replace(tmp, path)
-        finally:
-            Path(tmp).unlink(missing_ok=True)
+        write_atomic(path, cubin)
     return cubin
 
 

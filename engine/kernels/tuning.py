@@ -95,13 +95,14 @@ def shipped_card(gpu: str) -> str:
     return _STAND_IN.get(gpu, gpu)
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    """temp + fsync + rename: a crash never leaves a half-written config file."""
+def write_atomic(path: Path, data: str | bytes) -> None:
+    """temp + fsync + rename: a crash never leaves a half-written cache file (a tile table, a
+    built kernel)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
     try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
+        with os.fdopen(fd, "wb" if isinstance(data, bytes) else "w") as f:
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -144,7 +145,7 @@ def store(kernel: str, key: str, gpu: str, config: dict[str, Any]) -> None:
         on_disk.setdefault(kernel, {})[key] = config
         # a read-only home still runs, tuned for this process only
         with contextlib.suppress(OSError):
-            _write_atomic(path, json.dumps(on_disk, indent=1, sort_keys=True))
+            write_atomic(path, json.dumps(on_disk, indent=1, sort_keys=True))
 
 
 def forget_memory() -> None:
