@@ -127,11 +127,12 @@ def tune(gemv: CudaGemv, chain: Chain, launches: int = 20) -> dict[str, Any]:
         with pdl_launches():
             triton_us = graph_time_us(graph_of(triton_run), reps=10, rounds=3) / launches
         mb = (w.numel() * 4 + s.numel() * 2) / 1e6
-        table[f"{p.n}x{p.k}"] = {"kt": best.kt, "rpt": best.rpt, "pf": best.ahead(p.k),
+        table[f"{p.n}x{p.k}"] = {"kt": best.kt, "rpt": best.rpt, "xs": best.xs,
+                                 "pf": best.ahead(p.k),
                                  "us": round(times[best], 2), "triton_us": round(triton_us, 2),
                                  "mb": round(mb, 3),
                                  "gb_per_s": round(mb * 1e3 / times[best], 1),
-                                 "tried": {f"{t.kt}x{t.rpt}": round(v, 2)
+                                 "tried": {f"{t.kt}x{t.rpt}{'s' if t.xs else 'l'}": round(v, 2)
                                            for t, v in times.items()}}  # fmt: skip
         print("tuned", p.n, p.k, table[f"{p.n}x{p.k}"], flush=True)
     return {"choice": choice, "table": table}

@@ -17,7 +17,12 @@
 // <= 32: a row's partial sums meet in one warp by shuffles), RPT (rows per thread: activations
 // unpacked once for RPT rows), WARPS (per block), PF (chunks a thread requests before the wait),
 // EPI (0 plain, 1 GLU, 2 gelu * aux), PRO (the residual+norm prologue), PRO_SCALAR, PRO_NEXT,
-// PDL (1 from sm_90: griddepcontrol).
+// XS (1: the row staged in shared memory once per block; 0: read through L1 by each thread; the
+// prologue always stages it), PDL (1 from sm_90: griddepcontrol).
+//
+// The staged row is swizzled: 16-byte word q of chunk c sits at slot 4c + (q ^ ((c >> 1) & 3)), so
+// the 8 threads of a quarter warp, reading word q of 8 consecutive chunks, hit 8 distinct bank
+// quads (unswizzled, chunks 64 bytes apart would share them 4 ways).
 
 #include "w4_codes.cuh"
 
@@ -25,6 +30,11 @@
 #define RG (THREADS / KT)                  // row groups per block
 #define CPT ((KC + KT - 1) / KT)           // chunks per thread (the last ones may be past KC)
 #define K (KC * 32)
+#define STAGED (PRO || XS)
+
+__device__ __forceinline__ int swz(int word) {  // a 16-byte word's slot in the staged row
+    return word ^ ((word >> 3) & 3);
+}
 
 __device__ __forceinline__ float gelu_tanh(float x) {  // as engine/kernels/fused.py's
     float z = 0.7978845608028654f * (x + 0.044715f * x * x * x);
@@ -84,8 +94,9 @@ __device__ __forceinline__ void prologue(const u16* __restrict__ py, const u16* 
 #pragma unroll
     for (int i = 0; i < PER; ++i) {
         const int k = threadIdx.x + i * THREADS;
-        if (k < K) xs[k] = PRO_NEXT ? f32_to_bf16(hv[i] * inv2 * bf16_to_f32(pwn[k]))
-                                    : f32_to_bf16(hv[i]);
+        if (k < K) xs[swz(k >> 3) * 8 + (k & 7)] =
+                       PRO_NEXT ? f32_to_bf16(hv[i] * inv2 * bf16_to_f32(pwn[k]))
+                                : f32_to_bf16(hv[i]);
     }
     __syncthreads();
 }
@@ -118,11 +129,16 @@ w4_gemv(const u16* __restrict__ x, const uint4* __restrict__ w, const u16* __res
     }
     pdl_wait();
     pdl_release();
+#if STAGED
+    __shared__ uint4 xs[KC * 4];
+#endif
 #if PRO
-    __shared__ __align__(16) u16 xs[K];
     __shared__ float red[WARPS];
-    prologue(py, ph, pwp, psc, pwn, ph_out, eps, xs, red);
-    const uint4* x4 = reinterpret_cast<const uint4*>(xs);
+    prologue(py, ph, pwp, psc, pwn, ph_out, eps, reinterpret_cast<u16*>(xs), red);
+#elif XS
+    for (int i = threadIdx.x; i < KC * 4; i += THREADS)
+        xs[swz(i)] = __ldcg(reinterpret_cast<const uint4*>(x) + i);
+    __syncthreads();
 #else
     const uint4* x4 = reinterpret_cast<const uint4*>(x);
 #endif
@@ -147,10 +163,10 @@ w4_gemv(const u16* __restrict__ x, const uint4* __restrict__ w, const u16* __res
 #pragma unroll
             for (int q = 0; q < 4; ++q) {  // the chunk's 4 words, 8 activations each
                 float xv[8];
-#if PRO
-                unpack_x8(x4[chunk * 4 + q], xv);
+#if STAGED
+                unpack_x8(xs[swz(chunk * 4 + q)], xv);
 #else
-                unpack_x8(__ldcg(x4 + chunk * 4 + q), xv);
+                unpack_x8(__ldca(x4 + chunk * 4 + q), xv);
 #endif
 #pragma unroll
                 for (int r = 0; r < RPT; ++r) {

@@ -40,18 +40,21 @@ _log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_suffix(".cu")
 HEADER = Path(__file__).with_name("w4_codes.cuh")  # shared with bench/engine/cuda_chain.cu
 KERNEL_NAME = "w4gemv_cuda"
-KERNEL_VERSION = 1  # bump when the kernel changes: stored tilings of older versions are ignored
+KERNEL_VERSION = 2  # bump when the kernel changes: stored tilings of older versions are ignored
 MAX_AHEAD = 16  # 16-byte weight loads a thread may hold before the wait (registers)
 MAX_PRO_K = 8192  # the prologue keeps the row in shared memory (bf16)
+MAX_STAGED_K = 16384  # a staged row's 32 KB of shared memory (static: at most 48 KB)
 
 
 @dataclass(frozen=True)
 class Tiling:
-    """Threads across K (a power of two <= 32), rows per thread, warps per block."""
+    """Threads across K (a power of two <= 32), rows per thread, warps per block, and whether
+    the row is staged in shared memory (1) or read through L1 by every thread (0)."""
 
     kt: int
     rpt: int
     warps: int = 4
+    xs: int = 1
 
     def rows_per_block(self) -> int:
         return self.warps * 32 // self.kt * self.rpt
@@ -102,9 +105,10 @@ def candidate_tilings(n: int, k: int, epi: int = 0) -> list[Tiling]:
         for rpt in (1, 2, 4):
             if epi == 1 and rpt % 2:
                 continue
-            t = Tiling(kt, rpt)
-            if t.rows_per_block() <= 2 * n:
-                out.append(t)
+            for xs in (1, 0) if k <= MAX_STAGED_K else (0,):
+                t = Tiling(kt, rpt, xs=xs)
+                if t.rows_per_block() <= 2 * n:
+                    out.append(t)
     return out
 
 
@@ -112,17 +116,18 @@ def default_tiling(n: int, k: int, epi: int = 0) -> Tiling:
     """Untuned: the most rows per thread that still gives about two blocks per SM on a large
     card (132 SMs) with every weight requested before the wait."""
     kt = 32 if k // 32 >= 256 else 16 if k // 32 >= 64 else 8
+    xs = int(k <= MAX_STAGED_K)
     for rpt in (4, 2, 1) if epi != 1 else (4, 2):
-        t = Tiling(kt, rpt)
+        t = Tiling(kt, rpt, xs=xs)
         if t.ahead(k) * kt * 32 >= k and math.ceil(n / t.rows_per_block()) >= 264:
             return t
-    return Tiling(kt, 2 if epi == 1 else 1)
+    return Tiling(kt, 2 if epi == 1 else 1, xs=xs)
 
 
 def defines(k: int, t: Tiling, epi: int, pro: Prologue | None, arch: str) -> dict[str, int]:
     """The kernel's compile-time constants for one variant."""
     return {"KC": k // 32, "KT": t.kt, "RPT": t.rpt, "WARPS": t.warps, "PF": t.ahead(k),
-            "EPI": epi, "PRO": int(pro is not None),
+            "EPI": epi, "PRO": int(pro is not None), "XS": t.xs,
             "PRO_SCALAR": int(pro is not None and pro.scalar is not None),
             "PRO_NEXT": int(pro is not None and pro.w_next is not None),
             "PDL": int(sm_major(arch) >= 9)}  # fmt: skip
@@ -205,7 +210,7 @@ def tiling_for(n: int, k: int, device: torch.device, epi: int = 0) -> Tiling:
     key = f"v{KERNEL_VERSION}_N{n}_K{k}" + ("_glu" if epi == 1 else "")
     stored = tuning.lookup(KERNEL_NAME, key, gpu)
     if stored is not None:
-        return Tiling(stored["kt"], stored["rpt"], stored["warps"])
+        return Tiling(stored["kt"], stored["rpt"], stored["warps"], stored.get("xs", 1))
     if not tuning.autotune_enabled() or torch.cuda.is_current_stream_capturing():
         return default_tiling(n, k, epi)
     best, us = tune(n, k, device, epi)

@@ -76,7 +76,7 @@ def test_every_weight_a_thread_reads_is_requested_before_the_wait(n, k) -> None:
         assert weights == t.ahead(k) * t.rpt, (n, k, epi, pro is not None, t)
         if t.ahead(k) * t.kt >= k // 32:  # every chunk ahead: none left for after the wait
             assert not re.findall(r"ld\.global\.cs\.v4", after), (n, k, epi, t)
-        assert not re.findall(r"ld\.global\.cg|st\.global", before), (n, k, epi, t)
+        assert not re.findall(r"ld\.global\.(cg|ca)|st\.global|st\.shared", before), (n, k, epi, t)
 
 
 @needs_nvrtc
