@@ -101,6 +101,7 @@ def tune(gemv: CudaGemv, chain: Chain, launches: int = 20) -> dict[str, Any]:
     from engine.kernels.w4gemv import w4_gemv
 
     choice: dict[tuple[int, int], Tiling] = {}
+    every: dict[tuple[int, int], dict[Tiling, float]] = {}
     table: dict[str, Any] = {}
     for p, (w, s) in zip(chain.products, chain.weights, strict=True):
         if (p.n, p.k) in choice:
@@ -119,6 +120,7 @@ def tune(gemv: CudaGemv, chain: Chain, launches: int = 20) -> dict[str, Any]:
             times[t] = graph_time_us(graph_of(run), reps=10, rounds=3) / launches
         best = min(times, key=times.get)
         choice[(p.n, p.k)] = best
+        every[(p.n, p.k)] = times
 
         def triton_run(w=w, s=s, x=x, y=y) -> None:
             for _ in range(launches):
@@ -135,7 +137,45 @@ def tune(gemv: CudaGemv, chain: Chain, launches: int = 20) -> dict[str, Any]:
                                  "tried": {f"{t.kt}x{t.rpt}{'s' if t.xs else 'l'}": round(v, 2)
                                            for t, v in times.items()}}  # fmt: skip
         print("tuned", p.n, p.k, table[f"{p.n}x{p.k}"], flush=True)
-    return {"choice": choice, "table": table}
+    return {"choice": choice, "table": table, "times": every}
+
+
+def link_variants(gemv: CudaGemv, chain: Chain, ref: torch.Tensor, tuned: dict[str, Any],
+                  finals: dict[str, torch.Tensor], into: dict[str, Any]) -> None:  # fmt: skip
+    """Why a chain of CUDA GEMVs costs more than the sum of its shapes' own timings: the chain
+    with every shape's best tiling of one row source (``_l1``: read through L1, ``_smem``:
+    staged in shared memory), with the shared-memory carveout fixed for every kernel
+    (``_carve0``: most L1, ``_carve100``: most shared; a kernel whose carveout differs from the
+    one before cannot share its SMs), and both chains without PDL."""
+    from cuda.bindings import driver
+
+    every = tuned["times"]
+
+    def chain_of(choice: dict[tuple[int, int], Tiling], pdl: bool = True):
+        def run() -> None:
+            with pdl_launches(pdl):
+                for i, (p, (w, s)) in enumerate(zip(chain.products, chain.weights, strict=True)):
+                    w4gemv_cuda.launch(chain.input_of(i)[: p.k], w, s, chain.outs[i],
+                                       choice[(p.n, p.k)])  # fmt: skip
+
+        return run
+
+    def best_of(xs: int) -> dict[tuple[int, int], Tiling]:
+        return {shape: min((t for t in times if t.xs == xs), key=times.get)
+                for shape, times in every.items()}  # fmt: skip
+
+    for name, pick in (("l1", best_of(0)), ("smem", best_of(1))):
+        record_variant(chain, ref, finals, into, f"cuda_gemv_{name}", chain_of(pick))
+    record_variant(chain, ref, finals, into, "cuda_gemv_nopdl", chain_of(tuned["choice"], False))
+    with pdl_launches(False):
+        record_variant(chain, ref, finals, into, "product_nopdl", chain.run_product)
+    attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT
+    for carve in (0, 100):
+        for (_, k), t in tuned["choice"].items():
+            fn = w4gemv_cuda.kernel_for(chain.device, k, t, 0, None).function
+            driver.cuFuncSetAttribute(fn, attr, carve)
+        record_variant(chain, ref, finals, into, f"cuda_gemv_carve{carve}",
+                       chain_of(tuned["choice"]))  # fmt: skip
 
 
 def _time_links(chain: Chain, into: dict[str, Any], name: str, fn) -> None:
@@ -164,6 +204,7 @@ def measure(preset: str, out: dict[str, Any]) -> None:
             gemv(chain.input_of(i)[: p.k], w, s, chain.outs[i], choice[(p.n, p.k)])
 
     record_variant(chain, ref, finals, variants, "cuda_gemv", cuda_chain)
+    link_variants(gemv, chain, ref, tuned, finals, variants)
     # the links and the generic tile, with the engine's unpack header, PDL on
     generic = compile_cubin(gemv.source, {"PDL": 1}, gemv.arch, w4gemv_cuda.sources()[1])
     null = CudaKernel.load(generic, "null_link")
