@@ -118,16 +118,23 @@ PER_TOKEN_MARGIN = 1.25  # on the per-token estimate below (it counts the peak s
 class PromptMemoryError(EngineError):
     """A prompt cannot be read within the memory left on the device (under the cap)."""
 
-    def __init__(self, requested: int, largest: int, available: int, needed: int) -> None:
+    def __init__(self, requested: int, largest: int, available: int, needed: int,
+                 holes: tuple[int, ...] = ()) -> None:  # fmt: skip
+        held = ""
+        if holes:
+            held = (f"; {sum(holes) / MIB:.0f} MiB more lies in holes of fixed allocator "
+                    f"segments (the largest {max(holes) / MIB:.0f} MiB), which only smaller "
+                    "blocks can use")  # fmt: skip
         super().__init__(
             f"a {requested}-token prompt cannot be read in the {available / MIB:.0f} MiB left "
-            f"on the device (reading it needs at least {needed / MIB:.0f} MiB); the largest "
-            f"prompt that fits now is {largest} tokens",
+            f"on the device (reading it needs at least {needed / MIB:.0f} MiB){held}; the "
+            f"largest prompt that fits now is {largest} tokens",
             "raise memory_cap_mib, load the engine with a smaller max_context (its KV cache "
-            "is allocated at load), or shorten the prompt",
+            "is allocated at load), or shorten the prompt"
+            + (" (or leave GPURIG_EXPANDABLE_SEGMENTS on)" if holes else ""),
         )
         self.requested, self.largest = requested, largest
-        self.available, self.needed = available, needed
+        self.available, self.needed, self.holes = available, needed, holes
 
 
 @dataclass(frozen=True)
@@ -160,6 +167,37 @@ def reader_bytes_per_token(cfg, elem: int) -> int:
         3 * h + 3 * f,  # x, gate|up, GELU product, down
     )
     return int((elem * (held + max(stages)) + 64) * PER_TOKEN_MARGIN)
+
+
+def reader_widest_bytes_per_token(cfg, elem: int) -> int:
+    """Bytes per chunk token of the reader's widest single tensor (the fused gate|up, the
+    per-layer inputs, q|k|v, or the attention's fp32 accumulator): the largest block a chunk
+    asks the allocator for, beside the dequantised matrix and the scores."""
+    n = cfg.first_shared_layer
+    widths = [cfg.hidden_size, cfg.num_hidden_layers * cfg.hidden_size_per_layer_input]
+    for i in range(n):
+        hd = cfg.layer_head_dims[i]
+        widths += [2 * cfg.mlp_width(i), (cfg.num_attention_heads + 2 * cfg.layer_kv_heads[i]) * hd,
+                   cfg.num_attention_heads * hd * max(1, 4 // elem)]  # fmt: skip
+    return max(widths) * elem
+
+
+def hole_credit(holes: tuple[int, ...], matrix: int, piece: int, pieces: int) -> int:
+    """Bytes of a plan that holes of fixed allocator segments can hold: the dequantised matrix
+    in the smallest hole that fits it (the allocator's best fit, the rest of that hole staying
+    free), then whole `piece`-sized blocks of the chunk's `pieces` bytes in what is left. The
+    scores and the safety margin are counted fresh: a conservative model of the allocator,
+    which serves a block from a free block at least its size and never joins two."""
+    free = sorted(holes)
+    credit = 0
+    fit = next((h for h in free if h >= matrix), None) if matrix > 0 else None
+    if fit is not None:
+        free.remove(fit)
+        free.append(fit - matrix)
+        credit = matrix
+    if piece > 0:
+        credit += min(pieces, sum(h // piece * piece for h in free))
+    return credit
 
 
 def reader_fixed_bytes(model, weight_elem: int) -> int:
@@ -222,6 +260,24 @@ def available_bytes(device: torch.device, cap_mib: int | None) -> int | None:
     return min(uncapped, min(cap_mib * MIB, total) - reserved + holes)
 
 
+def fixed_segment_holes(device: torch.device, cap_mib: int | None) -> tuple[int, ...]:
+    """The free blocks inside the allocator's fixed segments of the default pool (a graph's
+    private pool lends nothing), under a cap only: what `available_bytes` leaves out there, and
+    what a plan may still place in them (`hole_credit`). Empty where segments expand, uncapped,
+    or on the CPU. Read after `available_bytes` handed wholly free segments back."""
+    if cap_mib is None or device.type != "cuda" or segments_expand():
+        return ()
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    sizes = []
+    for seg in torch.cuda.memory_snapshot():
+        if seg.get("device") != index or seg.get("segment_type") != "large":
+            continue
+        if tuple(seg.get("segment_pool_id") or (0, 0)) != (0, 0):
+            continue
+        sizes += [b["size"] for b in seg.get("blocks", ()) if b.get("state") == "inactive"]
+    return tuple(sorted(sizes, reverse=True))
+
+
 def segments_expand() -> bool:
     """Whether the CUDA allocator grows segments in place (expandable segments), as this process
     set it or the user's PYTORCH_CUDA_ALLOC_CONF / PYTORCH_ALLOC_CONF did.
@@ -242,24 +298,32 @@ def plan_prompt(
     cap_mib: int | None = None,
     available: int | None = None,
     weight_elem: int | None = None,
+    holes: tuple[int, ...] | None = None,
 ) -> PromptPlan:
     """The largest chunk (a power of two up to `max_chunk`, or the whole prompt body when
     shorter) whose temporaries fit in what is left, and the attention score budget for the rest.
     A chunk must leave room for slices of at least 512 keys over all its rows. Raises
     PromptMemoryError, before anything is read, when not even a MIN_CHUNK-token chunk fits.
-    `available` defaults to the device's measurement (None on the CPU: the chunk asked for)."""
+    `available` defaults to the device's measurement (None on the CPU: the chunk asked for);
+    `holes` to the free blocks of fixed segments under the cap, which hold what fits in them
+    (`hole_credit`)."""
     if available is None:
         available = available_bytes(model.device, cap_mib)
+        if holes is None:
+            holes = fixed_segment_holes(model.device, cap_mib)
+    holes = holes or ()
     body = max(0, prompt_tokens - 1)  # the last token goes through the decode step
     if available is None:  # the CPU: the chunk asked for, ops.SCORE_BUDGET's slices
         return PromptPlan(max(1, min(max_chunk, body or 1)), None, 0, None)
     cfg, elem = model.cfg, torch.empty((), dtype=model.dtype).element_size()
     per_token = reader_bytes_per_token(cfg, elem)
     fixed = reader_fixed_bytes(model, weight_elem or elem)
+    widest = reader_widest_bytes_per_token(cfg, elem)
     hq = cfg.num_attention_heads
 
     def fits(c: int) -> PromptPlan | None:
-        rest = available - fixed - c * per_token
+        held = hole_credit(holes, fixed - SAFETY_BYTES, c * widest, c * per_token) if holes else 0
+        rest = available + held - fixed - c * per_token
         budget = min(SCORE_BUDGET_MAX, rest // SCORE_BYTES)
         if budget < hq * c * min(512, body + 1):
             return None
@@ -279,7 +343,7 @@ def plan_prompt(
     smaller = [c for c in range(1, min(MIN_CHUNK, body)) if fits(c) is not None]
     largest = 1 + (max(smaller) if smaller else 0)
     needed = fixed + MIN_CHUNK * per_token + hq * MIN_CHUNK * 512 * SCORE_BYTES
-    raise PromptMemoryError(prompt_tokens, largest, max(0, available), needed)
+    raise PromptMemoryError(prompt_tokens, largest, max(0, available), needed, holes)
 
 
 PLAN_REFRESH_S = 1.0  # how long one measurement of the memory left serves new requests' plans
@@ -307,9 +371,11 @@ class PromptPlanner:
         measure: Callable[[torch.device, int | None], int | None] = available_bytes,
         clock: Callable[[], float] = time.monotonic,
         refresh_s: float = PLAN_REFRESH_S,
+        holes: Callable[[torch.device, int | None], tuple[int, ...]] = fixed_segment_holes,
     ) -> None:
         self.model, self.cap_mib = model, cap_mib
         self._measure, self._clock, self.refresh_s = measure, clock, refresh_s
+        self._holes_of, self._holes = holes, ()
         self._seen: int | None = None
         self._seen_at = 0.0
         self.measurements = 0  # how often the driver was asked (a test reads it)
@@ -318,7 +384,7 @@ class PromptPlanner:
         if self._seen is not None and self._clock() - self._seen_at <= self.refresh_s:
             try:
                 plan = plan_prompt(self.model, prompt_tokens, max_chunk, self.cap_mib,
-                                   available=self._seen)  # fmt: skip
+                                   available=self._seen, holes=self._holes)  # fmt: skip
             except PromptMemoryError:
                 plan = None
             if plan is not None and _roomy(plan, self.model, prompt_tokens, max_chunk):
@@ -327,9 +393,10 @@ class PromptPlanner:
         self.measurements += 1
         if available is None:  # the CPU: nothing measured, the chunk asked for
             return plan_prompt(self.model, prompt_tokens, max_chunk, self.cap_mib)
+        self._holes = self._holes_of(self.model.device, self.cap_mib)
         self._seen, self._seen_at = available, self._clock()
         return plan_prompt(self.model, prompt_tokens, max_chunk, self.cap_mib,
-                           available=available)  # fmt: skip
+                           available=available, holes=self._holes)  # fmt: skip
 
 
 def _roomy(plan: PromptPlan, model, prompt_tokens: int, max_chunk: int) -> bool:
