@@ -129,7 +129,8 @@ class PromptMemoryError(EngineError):
             f"a {requested}-token prompt cannot be read in the {available / MIB:.0f} MiB left "
             f"on the device (reading it needs at least {needed / MIB:.0f} MiB){held}; the "
             f"largest prompt that fits now is {largest} tokens",
-            "raise memory_cap_mib, load the engine with a smaller max_context (its KV cache "
+            f"raise memory_cap_mib (about {max(1, -(-(needed - available) // MIB))} MiB more "
+            "reads it in small chunks), load the engine with a smaller max_context (its KV cache "
             "is allocated at load), or shorten the prompt"
             + (" (or leave GPURIG_EXPANDABLE_SEGMENTS on)" if holes else ""),
         )

@@ -282,3 +282,12 @@ def test_the_planner_measures_the_holes_with_the_memory_left():
 def test_no_holes_are_read_uncapped_or_on_the_cpu():
     assert memory.fixed_segment_holes(torch.device("cpu"), 3732) == ()
     assert memory.fixed_segment_holes(torch.device("cuda"), None) == ()
+
+
+def test_a_refusal_says_how_much_more_memory_reads_the_prompt():
+    with pytest.raises(PromptMemoryError) as err:
+        plan_prompt(E2B, 64, 4096, available=114 * MIB)
+    shortfall = -(-(err.value.needed - err.value.available) // MIB)
+    assert f"about {shortfall} MiB more" in str(err.value)
+    # that much more is enough for the smallest chunk
+    assert plan_prompt(E2B, 64, 4096, available=114 * MIB + shortfall * MIB).chunk >= 16

@@ -36,6 +36,7 @@ import ctypes
 import json
 import sys
 import traceback
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -109,9 +110,12 @@ def tune(gemv: CudaGemv, chain: Chain, launches: int = 20) -> dict[str, Any]:
         x = torch.randn(p.k, device=chain.device).to(torch.bfloat16)
         y = torch.empty(p.n, dtype=torch.bfloat16, device=chain.device)
         times = {}
-        for t in candidate_tilings(p.n, p.k):  # the builds at once, then the timings
+        tilings = candidate_tilings(p.n, p.k)  # the engine's (row through L1), and staged
+        if p.k <= w4gemv_cuda.MAX_STAGED_K:
+            tilings += [replace(t, xs=1) for t in tilings]
+        for t in tilings:  # the builds at once, then the timings
             w4gemv_cuda.build_ahead(chain.device, p.k, t, 0, None)
-        for t in candidate_tilings(p.n, p.k):
+        for t in tilings:
 
             def run(t=t, w=w, s=s, x=x, y=y) -> None:
                 for _ in range(launches):

@@ -40,7 +40,7 @@ _log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_suffix(".cu")
 HEADER = Path(__file__).with_name("w4_codes.cuh")  # shared with bench/engine/cuda_chain.cu
 KERNEL_NAME = "w4gemv_cuda"
-KERNEL_VERSION = 2  # bump when the kernel changes: stored tilings of older versions are ignored
+KERNEL_VERSION = 3  # bump when the kernel changes: stored tilings of older versions are ignored
 MAX_AHEAD = 16  # 16-byte weight loads a thread may hold before the wait (registers)
 MAX_PRO_K = 8192  # the prologue keeps the row in shared memory (bf16)
 MAX_STAGED_K = 16384  # a staged row's 32 KB of shared memory (static: at most 48 KB)
@@ -54,7 +54,7 @@ class Tiling:
     kt: int
     rpt: int
     warps: int = 4
-    xs: int = 1
+    xs: int = 0
 
     def rows_per_block(self) -> int:
         return self.warps * 32 // self.kt * self.rpt
@@ -96,7 +96,10 @@ def usable(x: torch.Tensor, rows: int, out_dtype: torch.dtype | None = None,
 
 
 def candidate_tilings(n: int, k: int, epi: int = 0) -> list[Tiling]:
-    """The tilings worth timing for a shape (the GLU needs whole gate|up pairs per thread)."""
+    """The tilings worth timing for a shape (the GLU needs whole gate|up pairs per thread),
+    all reading the row through L1: staging it in shared memory won some shapes timed alone
+    but lost in the chain of a step (bench/NOTES.md v32), which a shape's timing cannot see.
+    The prologue stages its row whatever the tiling says."""
     kc = k // 32
     out = []
     for kt in (8, 16, 32):
@@ -105,10 +108,9 @@ def candidate_tilings(n: int, k: int, epi: int = 0) -> list[Tiling]:
         for rpt in (1, 2, 4):
             if epi == 1 and rpt % 2:
                 continue
-            for xs in (1, 0) if k <= MAX_STAGED_K else (0,):
-                t = Tiling(kt, rpt, xs=xs)
-                if t.rows_per_block() <= 2 * n:
-                    out.append(t)
+            t = Tiling(kt, rpt, xs=0)
+            if t.rows_per_block() <= 2 * n:
+                out.append(t)
     return out
 
 
@@ -116,16 +118,17 @@ def default_tiling(n: int, k: int, epi: int = 0) -> Tiling:
     """Untuned: the most rows per thread that still gives about two blocks per SM on a large
     card (132 SMs) with every weight requested before the wait."""
     kt = 32 if k // 32 >= 256 else 16 if k // 32 >= 64 else 8
-    xs = int(k <= MAX_STAGED_K)
     for rpt in (4, 2, 1) if epi != 1 else (4, 2):
-        t = Tiling(kt, rpt, xs=xs)
+        t = Tiling(kt, rpt, xs=0)
         if t.ahead(k) * kt * 32 >= k and math.ceil(n / t.rows_per_block()) >= 264:
             return t
-    return Tiling(kt, 2 if epi == 1 else 1, xs=xs)
+    return Tiling(kt, 2 if epi == 1 else 1, xs=0)
 
 
 def defines(k: int, t: Tiling, epi: int, pro: Prologue | None, arch: str) -> dict[str, int]:
     """The kernel's compile-time constants for one variant."""
+    if (t.xs or pro is not None) and k > (MAX_PRO_K if pro is not None else MAX_STAGED_K):
+        raise ValueError(f"w4_gemv_cuda: a row of {k} values does not fit in shared memory")
     return {"KC": k // 32, "KT": t.kt, "RPT": t.rpt, "WARPS": t.warps, "PF": t.ahead(k),
             "EPI": epi, "PRO": int(pro is not None), "XS": t.xs,
             "PRO_SCALAR": int(pro is not None and pro.scalar is not None),
@@ -210,7 +213,7 @@ def tiling_for(n: int, k: int, device: torch.device, epi: int = 0) -> Tiling:
     key = f"v{KERNEL_VERSION}_N{n}_K{k}" + ("_glu" if epi == 1 else "")
     stored = tuning.lookup(KERNEL_NAME, key, gpu)
     if stored is not None:
-        return Tiling(stored["kt"], stored["rpt"], stored["warps"], stored.get("xs", 1))
+        return Tiling(stored["kt"], stored["rpt"], stored["warps"], stored.get("xs", 0))
     if not tuning.autotune_enabled() or torch.cuda.is_current_stream_capturing():
         return default_tiling(n, k, epi)
     best, us = tune(n, k, device, epi)

@@ -45,6 +45,10 @@ _PRO = Prologue(*(torch.empty(1),) * 6, eps=1e-6)  # a prologue with a scalar an
 def test_every_variant_of_the_e2b_step_builds_for_hopper(n, k) -> None:
     for epi in (0, 1, 2):
         t = default_tiling(n, k, epi)
+        staged = Tiling(t.kt, t.rpt, t.warps, xs=1)  # the probe's other row source
+        cubin = cuda_build.compile_cubin(_SOURCE, defines(k, staged, epi, None, "sm_90"),
+                                         "sm_90", _HEADERS)  # fmt: skip
+        assert cubin[:4] == b"\x7fELF", (n, k, epi, "staged")
         for pro in (None, _PRO) if k == 1536 else (None,):
             cubin = cuda_build.compile_cubin(
                 _SOURCE, defines(k, t, epi, pro, "sm_90"), "sm_90", _HEADERS
@@ -284,3 +288,11 @@ def test_tuning_stores_a_tiling_that_the_next_lookup_reads(tmp_path) -> None:
     finally:
         tuning.configure(True, None)
         tuning.forget_memory()
+
+
+def test_a_row_too_long_for_shared_memory_is_refused_before_building() -> None:
+    with pytest.raises(ValueError, match="shared memory"):
+        defines(32768, Tiling(32, 2, xs=1), 0, None, "sm_90")
+    with pytest.raises(ValueError, match="shared memory"):
+        defines(12288, Tiling(32, 2), 0, _PRO, "sm_90")
+    assert defines(32768, Tiling(32, 2), 0, None, "sm_90")["XS"] == 0
