@@ -4,7 +4,8 @@
 #     run (carry [".whl"]):  bash bench/device/cuda_gemv.sh
 #
 # 1. its GPU tests (every tiling of every E2B shape against the reference, each variant against
-#    the Triton kernel, a PDL graph of chained products, the tuning's round trip);
+#    the Triton kernel, a PDL graph of chained products, the tuning's round trip, the bulk-copy
+#    tilings against the register tilings bit for bit);
 # 2. the decode step of every bucket with GPURIG_CUDA_GEMV 0 and 1, back to back (ab.sh steps);
 #    the 1-row step is the one it changes;
 # 3. the tilings it tuned on this card (the tuning cache's file, for engine/kernels/configs);
@@ -18,8 +19,9 @@ start=$SECONDS
 source bench/device/pre.sh || exit 1
 cache=$(mktemp -d)
 export GPURIG_KERNEL_CACHE=$cache  # a fresh cache: this call's tuning is what comes back
-timeout 120 python3 -m pytest -q -n 0 -p no:cacheprovider -m gpu \
-    tests/kernels/test_kernels_w4gemv_cuda.py > "$OUT/gemv_cuda_tests.log" 2>&1
+timeout 150 python3 -m pytest -q -n 0 -p no:cacheprovider -m gpu \
+    tests/kernels/test_kernels_w4gemv_cuda.py tests/kernels/test_kernels_w4gemv_bulk.py \
+    > "$OUT/gemv_cuda_tests.log" 2>&1
 echo "tests rc=$?"
 tail -4 "$OUT/gemv_cuda_tests.log"
 budget=${CUDA_GEMV_BUDGET_S:-570}

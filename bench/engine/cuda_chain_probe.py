@@ -53,7 +53,7 @@ from bench.engine.persistent_probe import (
 from engine.kernels import w4gemv_cuda
 from engine.kernels.cuda_build import CudaKernel, arch_of, compile_cubin
 from engine.kernels.launch import pdl_launches
-from engine.kernels.w4gemv_cuda import Tiling, candidate_tilings
+from engine.kernels.w4gemv_cuda import Tiling, bulk_tilings, candidate_tilings
 
 SOURCE = Path(__file__).with_name("cuda_chain.cu")
 WARPS = 4
@@ -113,6 +113,8 @@ def tune(gemv: CudaGemv, chain: Chain, launches: int = 20) -> dict[str, Any]:
         tilings = candidate_tilings(p.n, p.k)  # the engine's (row through L1), and staged
         if p.k <= w4gemv_cuda.MAX_STAGED_K:
             tilings += [replace(t, xs=1) for t in tilings]
+        if torch.cuda.get_device_capability(chain.device)[0] >= 9:
+            tilings += bulk_tilings(p.n, p.k)
         for t in tilings:  # the builds at once, then the timings
             w4gemv_cuda.build_ahead(chain.device, p.k, t, 0, None)
         for t in tilings:
@@ -138,7 +140,7 @@ def tune(gemv: CudaGemv, chain: Chain, launches: int = 20) -> dict[str, Any]:
                                  "us": round(times[best], 2), "triton_us": round(triton_us, 2),
                                  "mb": round(mb, 3),
                                  "gb_per_s": round(mb * 1e3 / times[best], 1),
-                                 "tried": {f"{t.kt}x{t.rpt}{'s' if t.xs else 'l'}": round(v, 2)
+                                 "tried": {f"{t.kt}x{t.rpt}{'b' if t.bulk else 's' if t.xs else 'l'}{t.warps}": round(v, 2)
                                            for t, v in times.items()}}  # fmt: skip
         print("tuned", p.n, p.k, table[f"{p.n}x{p.k}"], flush=True)
     return {"choice": choice, "table": table, "times": every}
@@ -147,8 +149,8 @@ def tune(gemv: CudaGemv, chain: Chain, launches: int = 20) -> dict[str, Any]:
 def link_variants(gemv: CudaGemv, chain: Chain, ref: torch.Tensor, tuned: dict[str, Any],
                   finals: dict[str, torch.Tensor], into: dict[str, Any]) -> None:  # fmt: skip
     """Why a chain of CUDA GEMVs costs more than the sum of its shapes' own timings: the chain
-    with every shape's best tiling of one row source (``_l1``: read through L1, ``_smem``:
-    staged in shared memory), with the shared-memory carveout fixed for every kernel
+    with every shape's best tiling of one kind (``_l1``: the row read through L1, ``_smem``:
+    staged in shared memory, ``_bulk``: the weights bulk-copied into shared memory), with the shared-memory carveout fixed for every kernel
     (``_carve0``: most L1, ``_carve100``: most shared; a kernel whose carveout differs from the
     one before cannot share its SMs), and both chains without PDL."""
     from cuda.bindings import driver
@@ -164,12 +166,15 @@ def link_variants(gemv: CudaGemv, chain: Chain, ref: torch.Tensor, tuned: dict[s
 
         return run
 
-    def best_of(xs: int) -> dict[tuple[int, int], Tiling]:
-        return {shape: min((t for t in times if t.xs == xs), key=times.get)
+    def best_of(kind) -> dict[tuple[int, int], Tiling]:
+        """Each shape's fastest tiling of one kind (of any kind where it has none)."""
+        return {shape: min([t for t in times if kind(t)] or list(times), key=times.get)
                 for shape, times in every.items()}  # fmt: skip
 
-    for name, pick in (("l1", best_of(0)), ("smem", best_of(1))):
-        record_variant(chain, ref, finals, into, f"cuda_gemv_{name}", chain_of(pick))
+    kinds = {"l1": lambda t: not t.xs and not t.bulk, "smem": lambda t: t.xs and not t.bulk,
+             "bulk": lambda t: t.bulk}  # fmt: skip
+    for name, kind in kinds.items():
+        record_variant(chain, ref, finals, into, f"cuda_gemv_{name}", chain_of(best_of(kind)))
     record_variant(chain, ref, finals, into, "cuda_gemv_nopdl", chain_of(tuned["choice"], False))
     with pdl_launches(False):
         record_variant(chain, ref, finals, into, "product_nopdl", chain.run_product)

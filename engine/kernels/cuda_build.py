@@ -137,6 +137,7 @@ class CudaKernel:
     function: object
     module: object  # kept: unloading the module would free the function
     name: str
+    shared_allowed: int = 0  # dynamic shared memory this kernel was allowed (cuFuncSetAttribute)
 
     @classmethod
     def load(cls, cubin: bytes, name: str) -> CudaKernel:
@@ -150,16 +151,22 @@ class CudaKernel:
         return cls(function, module, name)
 
     def launch(self, grid: int, block: int, args: list[ctypes._SimpleCData],
-               pdl: bool = True) -> None:  # fmt: skip
+               pdl: bool = True, shared: int = 0) -> None:  # fmt: skip
         """grid x block threads on the current stream; `args` in the kernel's order (pointers
         as ctypes.c_void_p, ints as ctypes.c_int). PDL: the kernel may start while the one
-        before it finishes (it must `griddepcontrol.wait` before reading that one's output)."""
+        before it finishes (it must `griddepcontrol.wait` before reading that one's output).
+        `shared`: bytes of dynamic shared memory (past 48 KB the kernel is allowed them once)."""
         from cuda.bindings import driver
 
+        if shared > self.shared_allowed:
+            attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+            _check(driver.cuFuncSetAttribute(self.function, attr, shared),
+                   f"cuFuncSetAttribute({self.name}, {shared} bytes of shared memory)")  # fmt: skip
+            self.shared_allowed = shared
         cfg = driver.CUlaunchConfig()
         cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = grid, 1, 1
         cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = block, 1, 1
-        cfg.sharedMemBytes = 0
+        cfg.sharedMemBytes = shared
         cfg.hStream = driver.CUstream(torch.cuda.current_stream().cuda_stream)
         if pdl:
             attr = driver.CUlaunchAttribute()

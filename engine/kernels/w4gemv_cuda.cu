@@ -18,7 +18,10 @@
 // unpacked once for RPT rows), WARPS (per block), PF (chunks a thread requests before the wait),
 // EPI (0 plain, 1 GLU, 2 gelu * aux), PRO (the residual+norm prologue), PRO_SCALAR, PRO_NEXT,
 // XS (1: the row staged in shared memory once per block; 0: read through L1 by each thread; the
-// prologue always stages it), PDL (1 from sm_90: griddepcontrol).
+// prologue always stages it), BULK (1, sm_90 on: the block's rows of weights and scales, which
+// are contiguous, copied into shared memory by the tensor memory accelerator before the wait:
+// every weight byte in flight without holding registers, and a small rolled K loop), PDL (1
+// from sm_90: griddepcontrol).
 //
 // The staged row is swizzled: 16-byte word q of chunk c sits at slot 4c + (q ^ ((c >> 1) & 3)), so
 // the 8 threads of a quarter warp, reading word q of 8 consecutive chunks, hit 8 distinct bank
@@ -30,11 +33,64 @@
 #define RG (THREADS / KT)                  // row groups per block
 #define CPT ((KC + KT - 1) / KT)           // chunks per thread (the last ones may be past KC)
 #define K (KC * 32)
+#define RB (RG * RPT)                    // rows per block
 #define STAGED (PRO || XS)
 
 __device__ __forceinline__ int swz(int word) {  // a 16-byte word's slot in the staged row
     return word ^ ((word >> 3) & 3);
 }
+
+__device__ __forceinline__ u32 word_of(uint4 v, int q) {  // q known at compile time
+    return q == 0 ? v.x : q == 1 ? v.y : q == 2 ? v.z : v.w;
+}
+
+// acc[r] += scale[r] * (the chunk's 32 codes of row r . the row's 32 activations there); the
+// activations from the staged row (STAGED) or through L1
+__device__ __forceinline__ void chunk_dot(const uint4* wv, const float* scale, const uint4* xsrc,
+                                          int chunk, float* acc) {
+    float part[RPT];
+#pragma unroll
+    for (int r = 0; r < RPT; ++r) part[r] = 0.f;
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {  // the chunk's 4 words, 8 activations each
+        float xv[8];
+#if STAGED
+        unpack_x8(xsrc[swz(chunk * 4 + q)], xv);
+#else
+        unpack_x8(__ldca(xsrc + chunk * 4 + q), xv);
+#endif
+#pragma unroll
+        for (int r = 0; r < RPT; ++r) part[r] = dot_word(word_of(wv[r], q), xv, part[r]);
+    }
+#pragma unroll
+    for (int r = 0; r < RPT; ++r) acc[r] = fmaf(part[r], scale[r], acc[r]);
+}
+
+#if BULK  // one-shot transaction barrier and bulk copies (PTX ISA 8.0, sm_90)
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+    return (u32)__cvta_generic_to_shared(p);
+}
+__device__ __forceinline__ void bar_init(unsigned long long* bar) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(bar)));
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+__device__ __forceinline__ void bar_expect(unsigned long long* bar, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;"
+                 ::"r"(smem_addr(bar)), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void bulk_copy(void* dst, const void* src, u32 bytes,
+                                          unsigned long long* bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes "
+                 "[%0], [%1], %2, [%3];"
+                 ::"r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(bar)) : "memory");
+}
+__device__ __forceinline__ void bar_wait(unsigned long long* bar) {  // phase 0 completes
+    asm volatile(
+        "{\n.reg .pred done;\nwait_%=:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], 0;\n"
+        "@!done bra wait_%=;\n}" ::"r"(smem_addr(bar)) : "memory");
+}
+#endif
 
 __device__ __forceinline__ float gelu_tanh(float x) {  // as engine/kernels/fused.py's
     float z = 0.7978845608028654f * (x + 0.044715f * x * x * x);
@@ -113,6 +169,22 @@ w4_gemv(const u16* __restrict__ x, const uint4* __restrict__ w, const u16* __res
     const int kt = threadIdx.x % KT;
     const int rg = threadIdx.x / KT;
     const int row0 = (blockIdx.x * RG + rg) * RPT;
+#if BULK
+    // dynamic shared memory: the block's RB rows of words [RB][KC] (16 bytes a chunk), then
+    // their scales [RB][KC]; one barrier counts the bytes of both copies in
+    extern __shared__ __align__(128) uint4 wsm[];
+    __shared__ __align__(8) unsigned long long bar;
+    const int rb0 = blockIdx.x * RB;
+    u16* ssm = reinterpret_cast<u16*>(wsm + RB * KC);
+    if (threadIdx.x == 0) bar_init(&bar);
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        const u32 rows = (u32)min(RB, n - rb0);
+        bar_expect(&bar, rows * KC * 18u);
+        bulk_copy(wsm, w + (long)rb0 * KC, rows * KC * 16u, &bar);
+        bulk_copy(ssm, s + (long)rb0 * KC, rows * KC * 2u, &bar);
+    }
+#else
     uint4 wr[CPT][RPT];
     float sr[CPT][RPT];
 #pragma unroll
@@ -127,6 +199,7 @@ w4_gemv(const u16* __restrict__ x, const uint4* __restrict__ w, const u16* __res
             }
         }
     }
+#endif
     pdl_wait();
     pdl_release();
 #if STAGED
@@ -139,12 +212,30 @@ w4_gemv(const u16* __restrict__ x, const uint4* __restrict__ w, const u16* __res
     for (int i = threadIdx.x; i < KC * 4; i += THREADS)
         xs[swz(i)] = __ldcg(reinterpret_cast<const uint4*>(x) + i);
     __syncthreads();
+#endif
+#if STAGED
+    const uint4* xsrc = xs;
 #else
-    const uint4* x4 = reinterpret_cast<const uint4*>(x);
+    const uint4* xsrc = reinterpret_cast<const uint4*>(x);
 #endif
     float acc[RPT];
 #pragma unroll
     for (int r = 0; r < RPT; ++r) acc[r] = 0.f;
+#if BULK
+    bar_wait(&bar);
+    const int lr0 = rg * RPT;  // the thread's first row within the block
+#pragma unroll 2
+    for (int chunk = kt; chunk < KC; chunk += KT) {
+        uint4 wv[RPT];
+        float scale[RPT];
+#pragma unroll
+        for (int r = 0; r < RPT; ++r) {  // rows past N hold stale words: never stored
+            wv[r] = wsm[(lr0 + r) * KC + chunk];
+            scale[r] = bf16_to_f32(ssm[(lr0 + r) * KC + chunk]);
+        }
+        chunk_dot(wv, scale, xsrc, chunk, acc);
+    }
+#else
 #pragma unroll
     for (int c = 0; c < CPT; ++c) {
         const int chunk = kt + c * KT;
@@ -157,28 +248,10 @@ w4_gemv(const u16* __restrict__ x, const uint4* __restrict__ w, const u16* __res
                     sr[c][r] = bf16_to_f32(s[(long)row * KC + chunk]);
                 }
             }
-            float part[RPT];
-#pragma unroll
-            for (int r = 0; r < RPT; ++r) part[r] = 0.f;
-#pragma unroll
-            for (int q = 0; q < 4; ++q) {  // the chunk's 4 words, 8 activations each
-                float xv[8];
-#if STAGED
-                unpack_x8(xs[swz(chunk * 4 + q)], xv);
-#else
-                unpack_x8(__ldca(x4 + chunk * 4 + q), xv);
-#endif
-#pragma unroll
-                for (int r = 0; r < RPT; ++r) {
-                    const u32 word = q == 0 ? wr[c][r].x : q == 1 ? wr[c][r].y
-                                   : q == 2 ? wr[c][r].z : wr[c][r].w;
-                    part[r] = dot_word(word, xv, part[r]);
-                }
-            }
-#pragma unroll
-            for (int r = 0; r < RPT; ++r) acc[r] = fmaf(part[r], sr[c][r], acc[r]);
+            chunk_dot(wr[c], sr[c], xsrc, chunk, acc);
         }
     }
+#endif
 #pragma unroll
     for (int r = 0; r < RPT; ++r) {
 #pragma unroll

@@ -44,20 +44,27 @@ KERNEL_VERSION = 3  # bump when the kernel changes: stored tilings of older vers
 MAX_AHEAD = 16  # 16-byte weight loads a thread may hold before the wait (registers)
 MAX_PRO_K = 8192  # the prologue keeps the row in shared memory (bf16)
 MAX_STAGED_K = 16384  # a staged row's 32 KB of shared memory (static: at most 48 KB)
+MAX_BULK_BYTES = 160 * 1024  # a bulk tiling's weights and scales (sm_90: 227 KB a block)
 
 
 @dataclass(frozen=True)
 class Tiling:
-    """Threads across K (a power of two <= 32), rows per thread, warps per block, and whether
-    the row is staged in shared memory (1) or read through L1 by every thread (0)."""
+    """Threads across K (a power of two <= 32), rows per thread, warps per block, whether
+    the row is staged in shared memory (1) or read through L1 by every thread (0), and whether
+    the block's weights come by bulk copy into shared memory (1, sm_90 on) or into registers."""
 
     kt: int
     rpt: int
     warps: int = 4
     xs: int = 0
+    bulk: int = 0
 
     def rows_per_block(self) -> int:
         return self.warps * 32 // self.kt * self.rpt
+
+    def bulk_bytes(self, k: int) -> int:
+        """Dynamic shared memory of a bulk tiling: the block's rows of words and scales."""
+        return self.rows_per_block() * (k // 32) * 18 if self.bulk else 0
 
     def ahead(self, k: int) -> int:
         """Chunks a thread requests before the wait: all of its own where registers allow."""
@@ -114,6 +121,20 @@ def candidate_tilings(n: int, k: int, epi: int = 0) -> list[Tiling]:
     return out
 
 
+def bulk_tilings(n: int, k: int, epi: int = 0) -> list[Tiling]:
+    """Bulk-copy tilings worth timing (sm_90 on): those of `candidate_tilings` whose block's
+    weights fit the shared memory, with 4 and 8 warps (more rows a copy)."""
+    if k % 256:
+        return []
+    out = []
+    for t in candidate_tilings(n, k, epi):
+        for warps in (4, 8):
+            b = Tiling(t.kt, t.rpt, warps, bulk=1)
+            if b.bulk_bytes(k) <= MAX_BULK_BYTES and b.rows_per_block() <= 2 * n:
+                out.append(b)
+    return out
+
+
 def default_tiling(n: int, k: int, epi: int = 0) -> Tiling:
     """Untuned: the most rows per thread that still gives about two blocks per SM on a large
     card (132 SMs) with every weight requested before the wait."""
@@ -129,8 +150,13 @@ def defines(k: int, t: Tiling, epi: int, pro: Prologue | None, arch: str) -> dic
     """The kernel's compile-time constants for one variant."""
     if (t.xs or pro is not None) and k > (MAX_PRO_K if pro is not None else MAX_STAGED_K):
         raise ValueError(f"w4_gemv_cuda: a row of {k} values does not fit in shared memory")
+    if t.bulk and (sm_major(arch) < 9 or k % 256 or t.bulk_bytes(k) > MAX_BULK_BYTES):
+        raise ValueError(
+            f"w4_gemv_cuda: no bulk copy for K={k} with {t} on {arch} (sm_90 on, "
+            f"K a multiple of 256, at most {MAX_BULK_BYTES} bytes a block)"
+        )
     return {"KC": k // 32, "KT": t.kt, "RPT": t.rpt, "WARPS": t.warps, "PF": t.ahead(k),
-            "EPI": epi, "PRO": int(pro is not None), "XS": t.xs,
+            "EPI": epi, "PRO": int(pro is not None), "XS": t.xs, "BULK": t.bulk,
             "PRO_SCALAR": int(pro is not None and pro.scalar is not None),
             "PRO_NEXT": int(pro is not None and pro.w_next is not None),
             "PDL": int(sm_major(arch) >= 9)}  # fmt: skip
@@ -202,7 +228,10 @@ def launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, y: torch
     args = [_ptr(x), _ptr(packed), _ptr(scales), _ptr(y), ctypes.c_int(n), _ptr(aux),
             _ptr(p and p.y), _ptr(p and p.h), _ptr(p and p.w_post), _ptr(p and p.scalar),
             _ptr(p and p.w_next), _ptr(p and p.h_out), ctypes.c_float(p.eps if p else 0.0)]  # fmt: skip
-    kern.launch(-(-n // t.rows_per_block()), t.warps * 32, args, pdl=pdl_enabled())
+    if t.bulk and scales.data_ptr() % 16:
+        raise ValueError("w4_gemv_cuda: a bulk copy needs the scales on 16 bytes")
+    kern.launch(-(-n // t.rows_per_block()), t.warps * 32, args, pdl=pdl_enabled(),
+                shared=t.bulk_bytes(k))  # fmt: skip
 
 
 def tiling_for(n: int, k: int, device: torch.device, epi: int = 0) -> Tiling:
@@ -213,7 +242,8 @@ def tiling_for(n: int, k: int, device: torch.device, epi: int = 0) -> Tiling:
     key = f"v{KERNEL_VERSION}_N{n}_K{k}" + ("_glu" if epi == 1 else "")
     stored = tuning.lookup(KERNEL_NAME, key, gpu)
     if stored is not None:
-        return Tiling(stored["kt"], stored["rpt"], stored["warps"], stored.get("xs", 0))
+        return Tiling(stored["kt"], stored["rpt"], stored["warps"], stored.get("xs", 0),
+                      stored.get("bulk", 0))  # fmt: skip
     if not tuning.autotune_enabled() or torch.cuda.is_current_stream_capturing():
         return default_tiling(n, k, epi)
     best, us = tune(n, k, device, epi)

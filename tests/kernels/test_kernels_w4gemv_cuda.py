@@ -7,10 +7,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from cuda_gemv_support import HEADERS as _HEADERS
+from cuda_gemv_support import PRO as _PRO
+from cuda_gemv_support import SOURCE as _SOURCE
+from cuda_gemv_support import layer as _layer
+from cuda_gemv_support import needs_nvrtc, no_gpu
 
 from engine.kernels import cuda_build, tuning, w4gemv_cuda
 from engine.kernels.w4gemv_cuda import (
-    Prologue,
     Tiling,
     candidate_tilings,
     default_tiling,
@@ -22,22 +26,6 @@ from engine.options import EngineOptions
 E2B_SHAPES = [(256, 1536), (1536, 256), (1536, 2048), (1536, 4096), (1536, 6144), (1536, 12288),
               (2048, 1536), (2560, 1536), (4096, 1536), (5120, 1536), (12288, 1536),
               (24576, 1536)]  # fmt: skip
-
-
-def _nvrtc_works() -> bool:
-    if not cuda_build.cuda_build_available():
-        return False
-    try:
-        cuda_build.compile_cubin('extern "C" __global__ void k() {}', {}, "sm_90")
-    except Exception:  # noqa: BLE001 - any failure to load libnvrtc means: skip
-        return False
-    return True
-
-
-needs_nvrtc = pytest.mark.skipif(not _nvrtc_works(), reason="NVRTC (a CUDA build of torch)")
-no_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
-_SOURCE, _HEADERS = w4gemv_cuda.sources()
-_PRO = Prologue(*(torch.empty(1),) * 6, eps=1e-6)  # a prologue with a scalar and a next norm
 
 
 @needs_nvrtc
@@ -176,13 +164,6 @@ def test_on_the_cpu_the_switch_leaves_the_triton_kernel(device) -> None:
 
 
 # ---- on a GPU ------------------------------------------------------------------------------
-
-
-def _layer(n: int, k: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    packed = torch.randint(-(2**31), 2**31 - 1, (n, k // 8), dtype=torch.int32, generator=gen,
-                           device="cuda")  # fmt: skip
-    scales = (torch.rand(n, k // 32, generator=gen, device="cuda") * 0.02 + 0.001).bfloat16()
-    return packed, scales
 
 
 @pytest.mark.gpu
