@@ -155,7 +155,8 @@ class CudaKernel:
         """grid x block threads on the current stream; `args` in the kernel's order (pointers
         as ctypes.c_void_p, ints as ctypes.c_int). PDL: the kernel may start while the one
         before it finishes (it must `griddepcontrol.wait` before reading that one's output).
-        `shared`: bytes of dynamic shared memory (past 48 KB the kernel is allowed them once)."""
+        `shared`: bytes of dynamic shared memory, allowed to the kernel at its first launch that
+        asks for more (past 48 KB a kernel must opt in)."""
         from cuda.bindings import driver
 
         if shared > self.shared_allowed:

@@ -115,7 +115,7 @@ def candidate_tilings(n: int, k: int, epi: int = 0) -> list[Tiling]:
         for rpt in (1, 2, 4):
             if epi == 1 and rpt % 2:
                 continue
-            t = Tiling(kt, rpt, xs=0)
+            t = Tiling(kt, rpt)
             if t.rows_per_block() <= 2 * n:
                 out.append(t)
     return out
@@ -140,10 +140,10 @@ def default_tiling(n: int, k: int, epi: int = 0) -> Tiling:
     card (132 SMs) with every weight requested before the wait."""
     kt = 32 if k // 32 >= 256 else 16 if k // 32 >= 64 else 8
     for rpt in (4, 2, 1) if epi != 1 else (4, 2):
-        t = Tiling(kt, rpt, xs=0)
+        t = Tiling(kt, rpt)
         if t.ahead(k) * kt * 32 >= k and math.ceil(n / t.rows_per_block()) >= 264:
             return t
-    return Tiling(kt, 2 if epi == 1 else 1, xs=0)
+    return Tiling(kt, 2 if epi == 1 else 1)
 
 
 def defines(k: int, t: Tiling, epi: int, pro: Prologue | None, arch: str) -> dict[str, int]:
