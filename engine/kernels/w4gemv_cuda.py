@@ -312,6 +312,8 @@ def w4_gemv_cuda(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
     width = n // 2 if epi == 1 else n
     y = out if out is not None else torch.empty(width, device=x.device, dtype=x.dtype)
     t = tiling_for(n, k, x.device, epi)
+    if t.bulk and scales.data_ptr() % 16:  # a view the copy cannot start on: the same threads
+        t = Tiling(t.kt, t.rpt, t.warps)
     launch(x.contiguous(), packed.contiguous(), scales.contiguous(), y, t, epi=epi,
            aux=None if aux is None else aux.contiguous(), pro=pro)  # fmt: skip
     return y
