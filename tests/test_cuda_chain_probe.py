@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench.engine.cuda_chain_probe import RT_ROWS, SOURCE, product_table
+from bench.engine import cuda_chain_probe as probe
+from bench.engine.cuda_chain_probe import RT_ROWS, SOURCE, flow_table, product_table
 from bench.engine.persistent_probe import Chain, Product
 from engine.kernels import w4gemv_cuda
 from engine.kernels.cuda_build import CudaBuildError, compile_cubin
@@ -34,6 +35,29 @@ def test_the_links_build_without_a_shape() -> None:
     assert b"null_link" in cubin and b"copy_link" in cubin
     assert b"w4_rt_launch" in cubin and b"w4_rt_flow" in cubin  # the generic tile: K at run time
     assert b"w4_gemv" not in cubin  # the per-shape GEMV is the engine's
+    assert b"w4_bulk_flow" in cubin  # the persistent chain on bulk-copied tiles (sm_90)
+
+
+@needs_nvrtc
+def test_before_hopper_the_links_build_without_the_bulk_flow() -> None:
+    cubin = compile_cubin(SOURCE.read_text(encoding="utf-8"), {"PDL": 0}, "sm_80",
+                          w4gemv_cuda.sources()[1])  # fmt: skip
+    assert b"w4_rt_flow" in cubin and b"w4_bulk_flow" not in cubin
+
+
+@needs_nvrtc
+def test_the_bulk_flow_streams_weights_while_it_waits() -> None:
+    """Its PTX: the copies into the stages and the barrier waits, a ring of them, and the
+    shared memory it asks for within a Hopper SM's 227 KB."""
+    from engine.kernels.cuda_build import compile_ptx
+
+    ptx = compile_ptx(SOURCE.read_text(encoding="utf-8"), {"PDL": 1}, "sm_90",
+                      w4gemv_cuda.sources()[1])  # fmt: skip
+    body = ptx[ptx.index(".entry w4_bulk_flow") :]
+    body = body[: body.find(".entry", 1) if ".entry" in body[1:] else len(body)]
+    assert body.count("cp.async.bulk.shared::cluster.global") >= 4  # words and scales, twice
+    assert "mbarrier.try_wait.parity" in body and "ld.acquire.gpu" in body
+    assert probe.FLOW_STAGES * probe.FLOW_STAGE + probe.FLOW_X <= 227 * 1024
 
 
 @needs_nvrtc
@@ -52,3 +76,21 @@ def test_the_product_table_lays_each_product_out_as_the_kernels_struct() -> None
     assert n_kc & 0xFFFFFFFF == 24 and n_kc >> 32 == 64 // 32
     assert tiles == -(-24 // RT_ROWS)
     assert table[0][0] == chain.x0.data_ptr() and table[0][4] >> 32 == 256 // 32
+
+
+def test_the_flow_table_tiles_every_product_within_a_stage() -> None:
+    shapes = [("gate_up", 12288, 1536), ("down_wide", 1536, 12288), ("ple", 256, 1536)]
+    chain = Chain([Product(*s) for s in shapes], torch.device("cpu"))
+    table, tiles = flow_table(chain)
+    rows = table.tolist()
+    assert all(len(row) == 8 for row in rows)  # 64 bytes a product
+    first = 0
+    for i, (row, (_, n, k)) in enumerate(zip(rows, shapes, strict=True)):
+        x, w, s, y, n_kc, tiles_rows, start, _ = row
+        assert x == chain.input_of(i).data_ptr() and y == chain.outs[i].data_ptr()
+        assert (n_kc & 0xFFFFFFFF, n_kc >> 32) == (n, k // 32)
+        count, per_tile = tiles_rows & 0xFFFFFFFF, tiles_rows >> 32
+        assert per_tile * (k // 32) * 18 <= probe.FLOW_STAGE and per_tile <= 16
+        assert count == tiles[i] == -(-n // per_tile) and start == first
+        first += count
+    assert rows[1][5] >> 32 == 8  # a 12,288-wide row: 8 rows fill a 56 KB stage

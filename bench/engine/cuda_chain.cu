@@ -156,3 +156,132 @@ extern "C" __global__ void copy_link(const u16* __restrict__ x, u16* __restrict_
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) y[i] = f32_to_bf16(__uint_as_float((u32)__ldcg(x + i) << 16) + 1.f);
 }
+
+#if __CUDA_ARCH__ >= 900
+// ---------------------------------------------------------------------------------------------
+// The megakernel's mechanism with bulk-copied tiles (sm_90): one persistent launch for the whole
+// chain, the weights of each block's next tiles streaming into a ring of shared-memory stages
+// while it waits on the count of the product before. A tile is up to FR rows of one product;
+// global tile g (tiles numbered across products in order) belongs to block g % grid. Per tile:
+// FW warps, 32 lanes across K, FR / FW rows a warp, the engine GEMV's sums in its order (the
+// register tiling Tiling(32, FR / FW, FW) computes the same bits). Dynamic shared memory: FS
+// stages of FLOW_STAGE bytes (words, then scales), then the product's row, staged once a product.
+#define FW 8
+#define FRPT 2
+#define FR (FW * FRPT)
+#define FS 3
+#define FLOW_STAGE (56 * 1024)
+#define FLOW_X (12288 * 2)  // the widest row staged (K <= 12,288)
+
+struct FlowProduct {  // the probe's flow table (64 bytes)
+    const u16* x;
+    const uint4* w;
+    const u16* s;
+    u16* y;
+    int n;
+    int kc;     // 16-byte chunks per row (K / 32)
+    int tiles;  // tiles of `rows` rows
+    int rows;   // rows a tile: FR, or fewer where FR rows overflow a stage
+    int first;  // the global number of its first tile
+    int pad[3];
+};
+
+struct Cursor {  // a block's walk over its tiles, in global order
+    int p, t;
+};
+
+__device__ __forceinline__ Cursor first_tile(const FlowProduct* table, int count, int p) {
+    for (; p < count; ++p) {  // this block's first tile in product p, or the next product's
+        const int t = ((int)blockIdx.x - table[p].first % (int)gridDim.x + (int)gridDim.x)
+                      % (int)gridDim.x;
+        if (t < table[p].tiles) return {p, t};
+    }
+    return {count, 0};
+}
+
+__device__ __forceinline__ Cursor next_tile(const FlowProduct* table, int count, Cursor c) {
+    c.t += gridDim.x;
+    return c.t < table[c.p].tiles ? c : first_tile(table, count, c.p + 1);
+}
+
+// thread 0: the tile's words and scales into stage `st`, its barrier expecting their bytes
+__device__ __forceinline__ void issue_tile(const FlowProduct& P, int t, unsigned char* st,
+                                           unsigned long long* bar) {
+    const int row0 = t * P.rows;
+    const u32 rows = (u32)min(P.rows, P.n - row0);
+    const u32 wbytes = rows * (u32)P.kc * 16u;
+    bar_expect(bar, wbytes + rows * (u32)P.kc * 2u);
+    bulk_copy(st, P.w + (long)row0 * P.kc, wbytes, bar);
+    bulk_copy(st + wbytes, P.s + (long)row0 * P.kc, rows * (u32)P.kc * 2u, bar);
+}
+
+extern "C" __global__ void __launch_bounds__(FW * 32)
+w4_bulk_flow(const FlowProduct* table, int count, unsigned* done, unsigned* err) {
+    extern __shared__ __align__(128) unsigned char fsm[];
+    __shared__ __align__(8) unsigned long long bars[FS];
+    uint4* xs = reinterpret_cast<uint4*>(fsm + FS * FLOW_STAGE);
+    if (threadIdx.x == 0)
+        for (int i = 0; i < FS; ++i) bar_init(&bars[i]);
+    __syncthreads();
+    Cursor ahead = first_tile(table, count, 0);  // the next tile to copy in (thread 0's)
+    if (threadIdx.x == 0)
+        for (int i = 0; i < FS && ahead.p < count; ++i) {
+            issue_tile(table[ahead.p], ahead.t, fsm + i * FLOW_STAGE, &bars[i]);
+            ahead = next_tile(table, count, ahead);
+        }
+    const int lane = threadIdx.x & 31;
+    const int lr0 = (threadIdx.x >> 5) * FRPT;  // the warp's first row in the tile
+    int staged = -1;                             // the product whose row xs holds
+    int j = 0;                                   // tiles of this block done
+    for (Cursor c = first_tile(table, count, 0); c.p < count; c = next_tile(table, count, c), ++j) {
+        const FlowProduct P = table[c.p];
+        if (staged != c.p) {  // a new product: its input complete, then staged once
+            if (c.p > 0) wait_count(done + c.p - 1, (unsigned)table[c.p - 1].tiles, err);
+            for (int i = threadIdx.x; i < P.kc * 4; i += FW * 32)
+                xs[swz(i)] = __ldcg(reinterpret_cast<const uint4*>(P.x) + i);
+            __syncthreads();
+            staged = c.p;
+        }
+        const int st = j % FS;
+        for (unsigned polls = 0; !bar_done(&bars[st], (u32)(j / FS) & 1u);)
+            if (++polls == (1u << 20)) {  // a copy that never lands: say so, do not hang
+                atomicMax(err, 2u);
+                return;
+            }
+        const uint4* wsm = reinterpret_cast<const uint4*>(fsm + st * FLOW_STAGE);
+        const int rows = min(P.rows, P.n - c.t * P.rows);
+        const u16* ssm = reinterpret_cast<const u16*>(wsm + rows * P.kc);
+        float acc[FRPT] = {};
+        if (lr0 < rows) {
+            for (int chunk = lane; chunk < P.kc; chunk += 32) {
+                uint4 wv[FRPT];
+                float scale[FRPT];
+#pragma unroll
+                for (int r = 0; r < FRPT; ++r) {  // a row past the tile reads row 0: not stored
+                    const int lr = lr0 + r < rows ? lr0 + r : 0;
+                    wv[r] = wsm[lr * P.kc + chunk];
+                    scale[r] = bf16_to_f32(ssm[lr * P.kc + chunk]);
+                }
+                chunk_dot<FRPT, true>(wv, scale, xs, chunk, acc);
+            }
+        }
+#pragma unroll
+        for (int r = 0; r < FRPT; ++r) {
+#pragma unroll
+            for (int off = 16; off > 0; off >>= 1)
+                acc[r] += __shfl_xor_sync(0xFFFFFFFFu, acc[r], off);
+            if (lane == 0 && lr0 + r < rows) P.y[c.t * P.rows + lr0 + r] = f32_to_bf16(acc[r]);
+        }
+        __syncthreads();  // the stage read by all, the tile's stores issued
+        if (threadIdx.x == 0) {
+            __threadfence();
+            atomicAdd(done + c.p, 1u);
+            if (ahead.p < count) {  // the stage just freed takes the tile FS ahead
+                fence_async_shared();
+                issue_tile(table[ahead.p], ahead.t, fsm + st * FLOW_STAGE, &bars[st]);
+                ahead = next_tile(table, count, ahead);
+            }
+        }
+    }
+}
+#endif

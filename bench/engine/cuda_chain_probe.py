@@ -15,6 +15,11 @@ every launch with programmatic dependent launch (PDL):
   boundary costs when the kernel does nothing;
 * ``copy_links``: 210 kernels, each adding 1 to the vector the one before wrote (1,536 values):
   a boundary plus one dependent round trip through L2;
+* ``bulk32`` and ``bulk_flow`` (sm_90): the engine's GEMV with a bulk-copy tiling, one launch per
+  product, against the whole chain in one persistent launch whose blocks stream their next
+  tiles' weights into a ring of shared-memory stages by bulk copy while they wait on the
+  product before (the megakernel's mechanism on a tile as fast as the engine's); the two agree
+  bit for bit;
 * ``launch``: a generic tile (K known at run time, 8 rows a block), one launch per product,
   PDL; and ``flow_Nx``: the same tiles in ONE persistent launch of N blocks per SM, each
   tile requesting its weights and then waiting on a count of the product before's finished
@@ -214,8 +219,10 @@ def measure(preset: str, out: dict[str, Any]) -> None:
 
     record_variant(chain, ref, finals, variants, "cuda_gemv", cuda_chain)
     link_variants(gemv, chain, ref, tuned, finals, variants)
-    # the links and the generic tile, with the engine's unpack header, PDL on
+    # the links and the generic tiles, with the engine's unpack header, PDL on
     generic = compile_cubin(gemv.source, {"PDL": 1}, gemv.arch, w4gemv_cuda.sources()[1])
+    if torch.cuda.get_device_capability(device)[0] >= 9:
+        bulk_flow_variants(chain, ref, generic, finals, variants)
     null = CudaKernel.load(generic, "null_link")
     grids = [-(-p.n // choice[(p.n, p.k)].rows_per_block()) for p in chain.products]
 
@@ -240,6 +247,65 @@ def measure(preset: str, out: dict[str, Any]) -> None:
 
 
 RT_ROWS = 8  # rows of a generic tile: GW warps x GR rows (cuda_chain.cu)
+FLOW_WARPS, FLOW_RPT, FLOW_STAGE, FLOW_STAGES, FLOW_X = 8, 2, 56 * 1024, 3, 12288 * 2  # its FW ...
+
+
+def flow_table(chain: Chain) -> tuple[torch.Tensor, list[int]]:
+    """The chain as cuda_chain.cu's `FlowProduct` array (x, w, s, y, then (n, K/32), (tiles,
+    rows a tile), (first tile, 0), 0 as int32 pairs in int64 words), and each product's tiles."""
+    rows, tiles, first = [], [], 0
+    for i, (p, (w, s)) in enumerate(zip(chain.products, chain.weights, strict=True)):
+        kc = p.k // 32
+        per_tile = min(FLOW_WARPS * FLOW_RPT, FLOW_STAGE // (kc * 18))
+        count = -(-p.n // per_tile)
+        rows.append([chain.input_of(i).data_ptr(), w.data_ptr(), s.data_ptr(),
+                     chain.outs[i].data_ptr(), p.n | kc << 32, count | per_tile << 32, first, 0])  # fmt: skip
+        tiles.append(count)
+        first += count
+    return torch.tensor(rows, dtype=torch.int64, device=chain.device), tiles
+
+
+def bulk_flow_variants(chain: Chain, ref: torch.Tensor, cubin: bytes,
+                       finals: dict[str, torch.Tensor], into: dict[str, Any]) -> None:  # fmt: skip
+    """The megakernel's mechanism on bulk-copied tiles (sm_90): ``bulk32``, one launch per product
+    of the engine's GEMV with the bulk tiling whose threads the flow's tiles use (32 lanes
+    across K, 2 rows a warp, 8 warps), against ``bulk_flow``, the whole chain in one persistent
+    launch (one block per SM) whose blocks stream their next tiles' weights into a ring of
+    shared-memory stages while waiting on the product before. Same sums: the two must agree bit
+    for bit (``equal_to_bulk32``)."""
+    t32 = Tiling(32, FLOW_RPT, FLOW_WARPS, bulk=1)
+
+    def bulk32() -> None:
+        with pdl_launches():
+            for i, (p, (w, s)) in enumerate(zip(chain.products, chain.weights, strict=True)):
+                w4gemv_cuda.launch(chain.input_of(i)[: p.k], w, s, chain.outs[i], t32)
+
+    record_variant(chain, ref, finals, into, "bulk32", bulk32)
+    if max(p.k for p in chain.products) * 2 > FLOW_X:
+        into["bulk_flow"] = {"error": f"a row wider than {FLOW_X // 2} values"}
+        return
+    flow_k = CudaKernel.load(cubin, "w4_bulk_flow")
+    table, _ = flow_table(chain)
+    done = torch.zeros(len(chain.products), dtype=torch.int32, device=chain.device)
+    shared = FLOW_STAGES * FLOW_STAGE + FLOW_X
+    sms = torch.cuda.get_device_properties(chain.device).multi_processor_count
+
+    def flow() -> None:
+        done.zero_()
+        flow_k.launch(sms, FLOW_WARPS * 32, [ctypes.c_void_p(table.data_ptr()),
+                                             ctypes.c_int(len(chain.products)),
+                                             ctypes.c_void_p(done.data_ptr()),
+                                             ctypes.c_void_p(chain.err.data_ptr())],
+                      pdl=False, shared=shared)  # fmt: skip
+
+    try:
+        record_variant(chain, ref, finals, into, "bulk_flow", flow)
+    except Exception as exc:  # noqa: BLE001 - a first run on a card: the later stages still run
+        torch.cuda.synchronize()
+        into["bulk_flow"] = {"error": repr(exc)[:500]}
+    if "bulk_flow" in finals and "bulk32" in finals:
+        into["bulk_flow"]["equal_to_bulk32"] = bool(torch.equal(finals["bulk_flow"],
+                                                                finals["bulk32"]))  # fmt: skip
 
 
 def product_table(chain: Chain) -> torch.Tensor:

@@ -1,6 +1,7 @@
 // Shared by the engine's CUDA GEMV (w4gemv_cuda.cu) and bench/engine/cuda_chain.cu: the int4 codes
 // of compressed-tensors' pack-quantized layout unpacked to exact fp32 products, bf16 conversions,
-// and the PDL wait/release (-DPDL=1 from sm_90; without it both are empty).
+// a chunk's product over R rows, the swizzled staged row, the PDL wait/release (-DPDL=1 from
+// sm_90; without it both are empty), and from sm_90 the bulk copies and their barrier.
 
 #pragma once
 
@@ -60,3 +61,71 @@ __device__ __forceinline__ float dot_word(u32 w, const float* x, float acc) {
     acc = fmaf(__uint_as_float(lop3_or(h, 0xF00u, M)) - 8390656.f, x[7], acc);
     return acc;
 }
+
+__device__ __forceinline__ int swz(int word) {  // a 16-byte word's slot in a staged row
+    return word ^ ((word >> 3) & 3);
+}
+
+__device__ __forceinline__ u32 word_of(uint4 v, int q) {  // q known at compile time
+    return q == 0 ? v.x : q == 1 ? v.y : q == 2 ? v.z : v.w;
+}
+
+// acc[r] += scale[r] * (the chunk's 32 codes of row r . the row's 32 activations there), for R
+// rows; the activations from a staged, swizzled row (STAGED_X) or through L1
+template <int R, bool STAGED_X>
+__device__ __forceinline__ void chunk_dot(const uint4* wv, const float* scale, const uint4* xsrc,
+                                          int chunk, float* acc) {
+    float part[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) part[r] = 0.f;
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {  // the chunk's 4 words, 8 activations each
+        float xv[8];
+        unpack_x8(STAGED_X ? xsrc[swz(chunk * 4 + q)] : __ldca(xsrc + chunk * 4 + q), xv);
+#pragma unroll
+        for (int r = 0; r < R; ++r) part[r] = dot_word(word_of(wv[r], q), xv, part[r]);
+    }
+#pragma unroll
+    for (int r = 0; r < R; ++r) acc[r] = fmaf(part[r], scale[r], acc[r]);
+}
+
+#if __CUDA_ARCH__ >= 900  // transaction barriers and bulk copies (PTX ISA 8.0)
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+    return (u32)__cvta_generic_to_shared(p);
+}
+__device__ __forceinline__ void bar_init(unsigned long long* bar) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(bar)));
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+// the one arrival of the barrier's phase, expecting `bytes` of copies to complete it
+__device__ __forceinline__ void bar_expect(unsigned long long* bar, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;"
+                 ::"r"(smem_addr(bar)), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void bulk_copy(void* dst, const void* src, u32 bytes,
+                                          unsigned long long* bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes "
+                 "[%0], [%1], %2, [%3];"
+                 ::"r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(bar)) : "memory");
+}
+// whether the barrier's phase of this parity has completed (a bounded wait in hardware)
+__device__ __forceinline__ bool bar_done(unsigned long long* bar, u32 parity) {
+    u32 done;
+    asm volatile(
+        "{\n.reg .pred p;\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+        "selp.u32 %0, 1, 0, p;\n}" : "=r"(done) : "r"(smem_addr(bar)), "r"(parity) : "memory");
+    return done != 0;
+}
+// before a bulk copy overwrites shared memory that threads read (generic then async proxy)
+__device__ __forceinline__ void fence_async_shared() {
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+// until the barrier's phase of this parity completes (0 for its first use, then 1, 0, ...)
+__device__ __forceinline__ void bar_wait(unsigned long long* bar, u32 parity) {
+    asm volatile(
+        "{\n.reg .pred done;\nwait_%=:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+        "@!done bra wait_%=;\n}" ::"r"(smem_addr(bar)), "r"(parity) : "memory");
+}
+#endif

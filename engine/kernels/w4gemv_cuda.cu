@@ -36,61 +36,6 @@
 #define RB (RG * RPT)                    // rows per block
 #define STAGED (PRO || XS)
 
-__device__ __forceinline__ int swz(int word) {  // a 16-byte word's slot in the staged row
-    return word ^ ((word >> 3) & 3);
-}
-
-__device__ __forceinline__ u32 word_of(uint4 v, int q) {  // q known at compile time
-    return q == 0 ? v.x : q == 1 ? v.y : q == 2 ? v.z : v.w;
-}
-
-// acc[r] += scale[r] * (the chunk's 32 codes of row r . the row's 32 activations there); the
-// activations from the staged row (STAGED) or through L1
-__device__ __forceinline__ void chunk_dot(const uint4* wv, const float* scale, const uint4* xsrc,
-                                          int chunk, float* acc) {
-    float part[RPT];
-#pragma unroll
-    for (int r = 0; r < RPT; ++r) part[r] = 0.f;
-#pragma unroll
-    for (int q = 0; q < 4; ++q) {  // the chunk's 4 words, 8 activations each
-        float xv[8];
-#if STAGED
-        unpack_x8(xsrc[swz(chunk * 4 + q)], xv);
-#else
-        unpack_x8(__ldca(xsrc + chunk * 4 + q), xv);
-#endif
-#pragma unroll
-        for (int r = 0; r < RPT; ++r) part[r] = dot_word(word_of(wv[r], q), xv, part[r]);
-    }
-#pragma unroll
-    for (int r = 0; r < RPT; ++r) acc[r] = fmaf(part[r], scale[r], acc[r]);
-}
-
-#if BULK  // one-shot transaction barrier and bulk copies (PTX ISA 8.0, sm_90)
-__device__ __forceinline__ u32 smem_addr(const void* p) {
-    return (u32)__cvta_generic_to_shared(p);
-}
-__device__ __forceinline__ void bar_init(unsigned long long* bar) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(bar)));
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-}
-__device__ __forceinline__ void bar_expect(unsigned long long* bar, u32 bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;"
-                 ::"r"(smem_addr(bar)), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void bulk_copy(void* dst, const void* src, u32 bytes,
-                                          unsigned long long* bar) {
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes "
-                 "[%0], [%1], %2, [%3];"
-                 ::"r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(bar)) : "memory");
-}
-__device__ __forceinline__ void bar_wait(unsigned long long* bar) {  // phase 0 completes
-    asm volatile(
-        "{\n.reg .pred done;\nwait_%=:\n"
-        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], 0;\n"
-        "@!done bra wait_%=;\n}" ::"r"(smem_addr(bar)) : "memory");
-}
-#endif
 
 __device__ __forceinline__ float gelu_tanh(float x) {  // as engine/kernels/fused.py's
     float z = 0.7978845608028654f * (x + 0.044715f * x * x * x);
@@ -222,7 +167,7 @@ w4_gemv(const u16* __restrict__ x, const uint4* __restrict__ w, const u16* __res
 #pragma unroll
     for (int r = 0; r < RPT; ++r) acc[r] = 0.f;
 #if BULK
-    bar_wait(&bar);
+    bar_wait(&bar, 0);
     const int lr0 = rg * RPT;  // the thread's first row within the block
 #pragma unroll 2
     for (int chunk = kt; chunk < KC; chunk += KT) {
@@ -233,7 +178,7 @@ w4_gemv(const u16* __restrict__ x, const uint4* __restrict__ w, const u16* __res
             wv[r] = wsm[(lr0 + r) * KC + chunk];
             scale[r] = bf16_to_f32(ssm[(lr0 + r) * KC + chunk]);
         }
-        chunk_dot(wv, scale, xsrc, chunk, acc);
+        chunk_dot<RPT, STAGED>(wv, scale, xsrc, chunk, acc);
     }
 #else
 #pragma unroll
@@ -248,7 +193,7 @@ w4_gemv(const u16* __restrict__ x, const uint4* __restrict__ w, const u16* __res
                     sr[c][r] = bf16_to_f32(s[(long)row * KC + chunk]);
                 }
             }
-            chunk_dot(wr[c], sr[c], xsrc, chunk, acc);
+            chunk_dot<RPT, STAGED>(wr[c], sr[c], xsrc, chunk, acc);
         }
     }
 #endif
