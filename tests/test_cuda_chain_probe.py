@@ -86,11 +86,11 @@ def test_the_flow_table_tiles_every_product_within_a_stage() -> None:
     assert all(len(row) == 8 for row in rows)  # 64 bytes a product
     first = 0
     for i, (row, (_, n, k)) in enumerate(zip(rows, shapes, strict=True)):
-        x, w, s, y, n_kc, tiles_rows, start, _ = row
+        x, w, s, y, n_kc, count, rows_first, _ = row
         assert x == chain.input_of(i).data_ptr() and y == chain.outs[i].data_ptr()
         assert (n_kc & 0xFFFFFFFF, n_kc >> 32) == (n, k // 32)
-        count, per_tile = tiles_rows & 0xFFFFFFFF, tiles_rows >> 32
+        per_tile, start = rows_first & 0xFFFFFFFF, rows_first >> 32
         assert per_tile * (k // 32) * 18 <= probe.FLOW_STAGE and per_tile <= 16
         assert count == tiles[i] == -(-n // per_tile) and start == first
         first += count
-    assert rows[1][5] >> 32 == 8  # a 12,288-wide row: 8 rows fill a 56 KB stage
+    assert rows[1][6] & 0xFFFFFFFF == 8  # a 12,288-wide row: 8 rows fill a 56 KB stage

@@ -173,17 +173,10 @@ extern "C" __global__ void copy_link(const u16* __restrict__ x, u16* __restrict_
 #define FLOW_STAGE (56 * 1024)
 #define FLOW_X (12288 * 2)  // the widest row staged (K <= 12,288)
 
-struct FlowProduct {  // the probe's flow table (64 bytes)
-    const u16* x;
-    const uint4* w;
-    const u16* s;
-    u16* y;
-    int n;
-    int kc;     // 16-byte chunks per row (K / 32)
-    int tiles;  // tiles of `rows` rows
+struct FlowProduct : Product {  // the probe's flow table (64 bytes); `tiles` of `rows` rows
     int rows;   // rows a tile: FR, or fewer where FR rows overflow a stage
     int first;  // the global number of its first tile
-    int pad[3];
+    int pad2[2];
 };
 
 struct Cursor {  // a block's walk over its tiles, in global order

@@ -251,15 +251,15 @@ FLOW_WARPS, FLOW_RPT, FLOW_STAGE, FLOW_STAGES, FLOW_X = 8, 2, 56 * 1024, 3, 1228
 
 
 def flow_table(chain: Chain) -> tuple[torch.Tensor, list[int]]:
-    """The chain as cuda_chain.cu's `FlowProduct` array (x, w, s, y, then (n, K/32), (tiles,
-    rows a tile), (first tile, 0), 0 as int32 pairs in int64 words), and each product's tiles."""
+    """The chain as cuda_chain.cu's `FlowProduct` array (x, w, s, y, then (n, K/32), (tiles, 0),
+    (rows a tile, first tile), 0 as int32 pairs in int64 words), and each product's tiles."""
     rows, tiles, first = [], [], 0
     for i, (p, (w, s)) in enumerate(zip(chain.products, chain.weights, strict=True)):
         kc = p.k // 32
         per_tile = min(FLOW_WARPS * FLOW_RPT, FLOW_STAGE // (kc * 18))
         count = -(-p.n // per_tile)
         rows.append([chain.input_of(i).data_ptr(), w.data_ptr(), s.data_ptr(),
-                     chain.outs[i].data_ptr(), p.n | kc << 32, count | per_tile << 32, first, 0])  # fmt: skip
+                     chain.outs[i].data_ptr(), p.n | kc << 32, count, per_tile | first << 32, 0])  # fmt: skip
         tiles.append(count)
         first += count
     return torch.tensor(rows, dtype=torch.int64, device=chain.device), tiles
