@@ -61,6 +61,17 @@ def test_the_bulk_flow_streams_weights_while_it_waits() -> None:
 
 
 @needs_nvrtc
+def test_every_ring_the_probe_times_builds_and_fits_an_sm() -> None:
+    source, headers = SOURCE.read_text(encoding="utf-8"), w4gemv_cuda.sources()[1]
+    for stages, kb, per_sm in probe.FLOW_RINGS:
+        shared = stages * kb * 1024 + probe.FLOW_X
+        assert per_sm * (shared + 1024) <= 228 * 1024, (stages, kb, per_sm)  # Hopper's SM
+        cubin = compile_cubin(source, {"PDL": 1, "FS": stages, "FLOW_STAGE": kb * 1024},
+                              "sm_90", headers)  # fmt: skip
+        assert b"w4_bulk_flow" in cubin
+
+
+@needs_nvrtc
 def test_a_broken_source_fails_with_the_compilers_log() -> None:
     with pytest.raises(CudaBuildError, match="undefined_name"):
         compile_cubin('extern "C" __global__ void k() { undefined_name = 1; }', {}, "sm_90")

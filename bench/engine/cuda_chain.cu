@@ -169,8 +169,12 @@ extern "C" __global__ void copy_link(const u16* __restrict__ x, u16* __restrict_
 #define FW 8
 #define FRPT 2
 #define FR (FW * FRPT)
+#ifndef FS  // stages and their bytes: the probe builds a few rings (-DFS=.. -DFLOW_STAGE=..)
 #define FS 3
+#endif
+#ifndef FLOW_STAGE
 #define FLOW_STAGE (56 * 1024)
+#endif
 #define FLOW_X (12288 * 2)  // the widest row staged (K <= 12,288)
 
 struct FlowProduct : Product {  // the probe's flow table (64 bytes); `tiles` of `rows` rows

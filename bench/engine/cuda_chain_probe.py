@@ -222,7 +222,7 @@ def measure(preset: str, out: dict[str, Any]) -> None:
     # the links and the generic tiles, with the engine's unpack header, PDL on
     generic = compile_cubin(gemv.source, {"PDL": 1}, gemv.arch, w4gemv_cuda.sources()[1])
     if torch.cuda.get_device_capability(device)[0] >= 9:
-        bulk_flow_variants(chain, ref, generic, finals, variants)
+        bulk_flow_variants(chain, ref, finals, variants)
     null = CudaKernel.load(generic, "null_link")
     grids = [-(-p.n // choice[(p.n, p.k)].rows_per_block()) for p in chain.products]
 
@@ -247,16 +247,18 @@ def measure(preset: str, out: dict[str, Any]) -> None:
 
 
 RT_ROWS = 8  # rows of a generic tile: GW warps x GR rows (cuda_chain.cu)
-FLOW_WARPS, FLOW_RPT, FLOW_STAGE, FLOW_STAGES, FLOW_X = 8, 2, 56 * 1024, 3, 12288 * 2  # its FW ...
+FLOW_WARPS, FLOW_RPT, FLOW_X = 8, 2, 12288 * 2  # the flow's FW, FRPT, FLOW_X (cuda_chain.cu)
+FLOW_STAGE, FLOW_STAGES = 56 * 1024, 3  # its default ring
+FLOW_RINGS = ((3, 56, 1), (4, 40, 1), (2, 40, 2))  # (stages, KB a stage, blocks an SM) timed
 
 
-def flow_table(chain: Chain) -> tuple[torch.Tensor, list[int]]:
+def flow_table(chain: Chain, stage: int = FLOW_STAGE) -> tuple[torch.Tensor, list[int]]:
     """The chain as cuda_chain.cu's `FlowProduct` array (x, w, s, y, then (n, K/32), (tiles, 0),
     (rows a tile, first tile), 0 as int32 pairs in int64 words), and each product's tiles."""
     rows, tiles, first = [], [], 0
     for i, (p, (w, s)) in enumerate(zip(chain.products, chain.weights, strict=True)):
         kc = p.k // 32
-        per_tile = min(FLOW_WARPS * FLOW_RPT, FLOW_STAGE // (kc * 18))
+        per_tile = min(FLOW_WARPS * FLOW_RPT, stage // (kc * 18))
         count = -(-p.n // per_tile)
         rows.append([chain.input_of(i).data_ptr(), w.data_ptr(), s.data_ptr(),
                      chain.outs[i].data_ptr(), p.n | kc << 32, count, per_tile | first << 32, 0])  # fmt: skip
@@ -265,14 +267,14 @@ def flow_table(chain: Chain) -> tuple[torch.Tensor, list[int]]:
     return torch.tensor(rows, dtype=torch.int64, device=chain.device), tiles
 
 
-def bulk_flow_variants(chain: Chain, ref: torch.Tensor, cubin: bytes,
-                       finals: dict[str, torch.Tensor], into: dict[str, Any]) -> None:  # fmt: skip
+def bulk_flow_variants(chain: Chain, ref: torch.Tensor, finals: dict[str, torch.Tensor],
+                       into: dict[str, Any]) -> None:  # fmt: skip
     """The megakernel's mechanism on bulk-copied tiles (sm_90): ``bulk32``, one launch per product
     of the engine's GEMV with the bulk tiling whose threads the flow's tiles use (32 lanes
-    across K, 2 rows a warp, 8 warps), against ``bulk_flow``, the whole chain in one persistent
-    launch (one block per SM) whose blocks stream their next tiles' weights into a ring of
-    shared-memory stages while waiting on the product before. Same sums: the two must agree bit
-    for bit (``equal_to_bulk32``)."""
+    across K, 2 rows a warp, 8 warps), against ``bulk_flow_<stages>x<KB>k_<blocks>pb``, the
+    whole chain in one persistent launch whose blocks stream their next tiles' weights into a
+    ring of shared-memory stages while they wait on the product before, for each ring of
+    FLOW_RINGS. Same sums: each must agree with ``bulk32`` bit for bit (``equal_to_bulk32``)."""
     t32 = Tiling(32, FLOW_RPT, FLOW_WARPS, bulk=1)
 
     def bulk32() -> None:
@@ -284,28 +286,41 @@ def bulk_flow_variants(chain: Chain, ref: torch.Tensor, cubin: bytes,
     if max(p.k for p in chain.products) * 2 > FLOW_X:
         into["bulk_flow"] = {"error": f"a row wider than {FLOW_X // 2} values"}
         return
-    flow_k = CudaKernel.load(cubin, "w4_bulk_flow")
-    table, _ = flow_table(chain)
-    done = torch.zeros(len(chain.products), dtype=torch.int32, device=chain.device)
-    shared = FLOW_STAGES * FLOW_STAGE + FLOW_X
+    from cuda.bindings import driver
+
     sms = torch.cuda.get_device_properties(chain.device).multi_processor_count
+    done = torch.zeros(len(chain.products), dtype=torch.int32, device=chain.device)
+    source, headers = SOURCE.read_text(encoding="utf-8"), w4gemv_cuda.sources()[1]
+    for stages, kb, per_sm in FLOW_RINGS:
+        name = f"bulk_flow_{stages}x{kb}k_{per_sm}pb"
+        cubin = compile_cubin(source, {"PDL": 1, "FS": stages, "FLOW_STAGE": kb * 1024},
+                              arch_of(chain.device), headers)  # fmt: skip
+        flow_k = CudaKernel.load(cubin, "w4_bulk_flow")
+        shared = stages * kb * 1024 + FLOW_X
+        flow_k.allow_shared(shared)
+        status, most = driver.cuOccupancyMaxActiveBlocksPerMultiprocessor(
+            flow_k.function, FLOW_WARPS * 32, shared
+        )
+        if int(status) != 0 or int(most) < per_sm:
+            into[name] = {"error": f"{per_sm} blocks of {shared} bytes do not fit an SM"}
+            continue
+        table, _ = flow_table(chain, kb * 1024)
 
-    def flow() -> None:
-        done.zero_()
-        flow_k.launch(sms, FLOW_WARPS * 32, [ctypes.c_void_p(table.data_ptr()),
-                                             ctypes.c_int(len(chain.products)),
-                                             ctypes.c_void_p(done.data_ptr()),
-                                             ctypes.c_void_p(chain.err.data_ptr())],
-                      pdl=False, shared=shared)  # fmt: skip
+        def flow(k=flow_k, table=table, grid=sms * per_sm, shared=shared) -> None:
+            done.zero_()
+            k.launch(grid, FLOW_WARPS * 32, [ctypes.c_void_p(table.data_ptr()),
+                                            ctypes.c_int(len(chain.products)),
+                                            ctypes.c_void_p(done.data_ptr()),
+                                            ctypes.c_void_p(chain.err.data_ptr())],
+                     pdl=False, shared=shared)  # fmt: skip
 
-    try:
-        record_variant(chain, ref, finals, into, "bulk_flow", flow)
-    except Exception as exc:  # noqa: BLE001 - a first run on a card: the later stages still run
-        torch.cuda.synchronize()
-        into["bulk_flow"] = {"error": repr(exc)[:500]}
-    if "bulk_flow" in finals and "bulk32" in finals:
-        into["bulk_flow"]["equal_to_bulk32"] = bool(torch.equal(finals["bulk_flow"],
-                                                                finals["bulk32"]))  # fmt: skip
+        try:
+            record_variant(chain, ref, finals, into, name, flow)
+        except Exception as exc:  # noqa: BLE001 - a first run on a card: the later stages still run
+            torch.cuda.synchronize()
+            into[name] = {"error": repr(exc)[:500]}
+        if name in finals and "bulk32" in finals:
+            into[name]["equal_to_bulk32"] = bool(torch.equal(finals[name], finals["bulk32"]))
 
 
 def product_table(chain: Chain) -> torch.Tensor:

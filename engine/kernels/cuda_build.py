@@ -150,6 +150,17 @@ class CudaKernel:
                              f"cuModuleGetFunction({name})")  # fmt: skip
         return cls(function, module, name)
 
+    def allow_shared(self, shared: int) -> None:
+        """Let launches ask for `shared` bytes of dynamic shared memory (past 48 KB a kernel
+        must opt in; an occupancy query counts only what is allowed)."""
+        if shared > self.shared_allowed:
+            from cuda.bindings import driver
+
+            attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+            _check(driver.cuFuncSetAttribute(self.function, attr, shared),
+                   f"cuFuncSetAttribute({self.name}, {shared} bytes of shared memory)")  # fmt: skip
+            self.shared_allowed = shared
+
     def launch(self, grid: int, block: int, args: list[ctypes._SimpleCData],
                pdl: bool = True, shared: int = 0) -> None:  # fmt: skip
         """grid x block threads on the current stream; `args` in the kernel's order (pointers
@@ -159,11 +170,7 @@ class CudaKernel:
         asks for more (past 48 KB a kernel must opt in)."""
         from cuda.bindings import driver
 
-        if shared > self.shared_allowed:
-            attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-            _check(driver.cuFuncSetAttribute(self.function, attr, shared),
-                   f"cuFuncSetAttribute({self.name}, {shared} bytes of shared memory)")  # fmt: skip
-            self.shared_allowed = shared
+        self.allow_shared(shared)
         cfg = driver.CUlaunchConfig()
         cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = grid, 1, 1
         cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = block, 1, 1
