@@ -216,6 +216,7 @@ extern "C" __global__ void __launch_bounds__(FW * 32)
 w4_bulk_flow(const FlowProduct* table, int count, unsigned* done, unsigned* err) {
     extern __shared__ __align__(128) unsigned char fsm[];
     __shared__ __align__(8) unsigned long long bars[FS];
+    __shared__ int stuck;
     uint4* xs = reinterpret_cast<uint4*>(fsm + FS * FLOW_STAGE);
     if (threadIdx.x == 0)
         for (int i = 0; i < FS; ++i) bar_init(&bars[i]);
@@ -240,11 +241,17 @@ w4_bulk_flow(const FlowProduct* table, int count, unsigned* done, unsigned* err)
             staged = c.p;
         }
         const int st = j % FS;
-        for (unsigned polls = 0; !bar_done(&bars[st], (u32)(j / FS) & 1u);)
-            if (++polls == (1u << 20)) {  // a copy that never lands: say so, do not hang
-                atomicMax(err, 2u);
-                return;
+        const u32 parity = (u32)(j / FS) & 1u;
+        if (threadIdx.x == 0) {  // a copy that never lands: say so, and every thread leaves
+            unsigned polls = 0;
+            while (!bar_done(&bars[st], parity) && ++polls < (1u << 20)) {
             }
+            stuck = polls >= (1u << 20);
+            if (stuck) atomicMax(err, 2u);
+        }
+        __syncthreads();
+        if (stuck) return;
+        bar_wait(&bars[st], parity);  // done: each thread observes the phase (the copy's bytes)
         const uint4* wsm = reinterpret_cast<const uint4*>(fsm + st * FLOW_STAGE);
         const int rows = min(P.rows, P.n - c.t * P.rows);
         const u16* ssm = reinterpret_cast<const u16*>(wsm + rows * P.kc);
