@@ -36,7 +36,7 @@ the environment.
 |                           |                     | PyTorch ops, not the two-launch kernel pair      |         |
 |                           |                     | (engine/kernels/greedy_tail.py)                  |         |
 | GPURIG_GEMV_H2            | half2_gemv          | "0": exact fp32-unpack GEMV instead of half2     | on      |
-| GPURIG_CUDA_GEMV          | cuda_gemv           | "1": one bf16 row's int4 products by the CUDA    | off     |
+| GPURIG_CUDA_GEMV          | cuda_gemv           | "1": 1-8 bf16 rows' int4 products by the CUDA    | off     |
 |                           |                     | GEMV (engine/kernels/w4gemv_cuda.py), not Triton |         |
 | GPURIG_PREFIX_SDPA        | prefix_sdpa         | "0": a full layer's cached prefix by the online  | on      |
 |                           |                     | softmax slices instead of torch's efficient SDPA |         |
@@ -92,7 +92,7 @@ class EngineOptions:
     pdl: bool = True  # sm_90 on: a kernel launches during the one before and waits in it
     greedy_tail: bool = True  # batch step: soft-cap + greedy ids in two launches
     half2_gemv: bool = True  # 16-bit GEMV multiplies in half2 (fp32 unpack when False)
-    cuda_gemv: bool = False  # one bf16 row's products by the CUDA GEMV (NVRTC-built)
+    cuda_gemv: bool = False  # 1-8 bf16 rows' products by the CUDA GEMV (NVRTC-built)
     prefix_sdpa: bool = True  # a full layer's prefix through torch's efficient attention
     expandable_segments: bool = True  # under a memory cap, grow allocator segments in place
     autotune: bool = True  # time GEMV tile candidates on first use of a shape

@@ -20,8 +20,9 @@ start=$SECONDS
 source bench/device/pre.sh || exit 1
 cache=$(mktemp -d)
 export GPURIG_KERNEL_CACHE=$cache  # a fresh cache: this call's tuning is what comes back
-timeout 150 python3 -m pytest -q -n 0 -p no:cacheprovider -m gpu \
+timeout 200 python3 -m pytest -q -n 0 -p no:cacheprovider -m gpu \
     tests/kernels/test_kernels_w4gemv_cuda.py tests/kernels/test_kernels_w4gemv_bulk.py \
+    tests/kernels/test_kernels_w4gemv_rows.py \
     > "$OUT/gemv_cuda_tests.log" 2>&1
 echo "tests rc=$?"
 tail -4 "$OUT/gemv_cuda_tests.log"

@@ -44,6 +44,7 @@ import torch
 
 from engine.fast.fuse import FusedLayer
 from engine.fast.ops_fast import FastOps, packed_ok
+from engine.kernels import w4gemv_cuda
 from engine.kernels.attention_paged import PagedDecodeAttention
 from engine.kernels.fused import ple_mix, qkv_rope_rows, residual_norm, rmsnorm_rows
 from engine.kernels.greedy_tail import cap_and_pick
@@ -164,6 +165,15 @@ class BatchDecoder:
         for the GEMV re-reading them; bench/results/engine/gemm_mma_h200_2026-12-02.md), more in
         launches of 16."""
         rows = x.shape[0]
+        if (
+            self.ops.cuda_gemv
+            and GEMV_ROWS < rows <= w4gemv_cuda.MAX_ROWS
+            and w.out_features < GEMV_MAX_N
+            and w4gemv_cuda.usable(x, rows, packed=w.packed)
+        ):
+            # GPURIG_CUDA_GEMV: the CUDA GEMV for several rows, each weight word's codes
+            # unpacked once for all of them (engine/kernels/w4gemv_cuda.py)
+            return w4gemv_cuda.w4_gemv_cuda(x, w.packed, w.scales, epi=epi, aux=aux)
         if rows <= GEMV_ROWS and epi != 2 and w.out_features < GEMV_MAX_N:
             if epi == 1:
                 return w4_gemv_glu(x, w.packed, w.scales, half2=self.ops.half2,

@@ -47,18 +47,27 @@ __device__ __forceinline__ void unpack_x8(uint4 v, float* x) {
     x[7] = __uint_as_float(v.w & 0xFFFF0000u) * 0.00390625f;
 }
 
-// sum_j (code_j - 8) * x_j over one word, exact products (the fp32 magic-number unpack)
-__device__ __forceinline__ float dot_word(u32 w, const float* x, float acc) {
+// the 8 codes of one word as exact fp32 (code_j - 8) * 16^j (the fp32 magic-number unpack),
+// to multiply with unpack_x8's activations
+__device__ __forceinline__ void codes8(u32 w, float* c) {
     const u32 M = 0x4B000000u;
-    acc = fmaf(__uint_as_float(lop3_or(w, 0xFu, M)) - 8388616.f, x[0], acc);
-    acc = fmaf(__uint_as_float(lop3_or(w, 0xF0u, M)) - 8388736.f, x[1], acc);
-    acc = fmaf(__uint_as_float(lop3_or(w, 0xF00u, M)) - 8390656.f, x[2], acc);
-    acc = fmaf(__uint_as_float(lop3_or(w, 0xF000u, M)) - 8421376.f, x[3], acc);
-    acc = fmaf(__uint_as_float(lop3_or(w, 0xF0000u, M)) - 8912896.f, x[4], acc);
+    c[0] = __uint_as_float(lop3_or(w, 0xFu, M)) - 8388616.f;
+    c[1] = __uint_as_float(lop3_or(w, 0xF0u, M)) - 8388736.f;
+    c[2] = __uint_as_float(lop3_or(w, 0xF00u, M)) - 8390656.f;
+    c[3] = __uint_as_float(lop3_or(w, 0xF000u, M)) - 8421376.f;
+    c[4] = __uint_as_float(lop3_or(w, 0xF0000u, M)) - 8912896.f;
     const u32 h = w >> 20;
-    acc = fmaf(__uint_as_float(lop3_or(h, 0xFu, M)) - 8388616.f, x[5], acc);
-    acc = fmaf(__uint_as_float(lop3_or(h, 0xF0u, M)) - 8388736.f, x[6], acc);
-    acc = fmaf(__uint_as_float(lop3_or(h, 0xF00u, M)) - 8390656.f, x[7], acc);
+    c[5] = __uint_as_float(lop3_or(h, 0xFu, M)) - 8388616.f;
+    c[6] = __uint_as_float(lop3_or(h, 0xF0u, M)) - 8388736.f;
+    c[7] = __uint_as_float(lop3_or(h, 0xF00u, M)) - 8390656.f;
+}
+
+// sum_j (code_j - 8) * x_j over one word, exact products
+__device__ __forceinline__ float dot_word(u32 w, const float* x, float acc) {
+    float c[8];
+    codes8(w, c);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) acc = fmaf(c[j], x[j], acc);
     return acc;
 }
 
@@ -87,6 +96,37 @@ __device__ __forceinline__ void chunk_dot(const uint4* wv, const float* scale, c
     }
 #pragma unroll
     for (int r = 0; r < R; ++r) acc[r] = fmaf(part[r], scale[r], acc[r]);
+}
+
+// chunk_dot for M rows of activations (row m's words `row_words` apart, read through L1): each
+// weight word's codes unpacked once for all M rows; acc[r * M + m]. At M = 1 the same operations
+// in the same order as chunk_dot's.
+template <int R, int M>
+__device__ __forceinline__ void chunk_dot_rows(const uint4* wv, const float* scale,
+                                               const uint4* x4, int row_words, int chunk,
+                                               float* acc) {
+    float part[R * M];
+#pragma unroll
+    for (int i = 0; i < R * M; ++i) part[i] = 0.f;
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+        float c[R][8];
+#pragma unroll
+        for (int r = 0; r < R; ++r) codes8(word_of(wv[r], q), c[r]);
+#pragma unroll
+        for (int m = 0; m < M; ++m) {
+            float xv[8];
+            unpack_x8(__ldca(x4 + m * row_words + chunk * 4 + q), xv);
+#pragma unroll
+            for (int r = 0; r < R; ++r)
+#pragma unroll
+                for (int j = 0; j < 8; ++j) part[r * M + m] = fmaf(c[r][j], xv[j], part[r * M + m]);
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+        for (int m = 0; m < M; ++m) acc[r * M + m] = fmaf(part[r * M + m], scale[r], acc[r * M + m]);
 }
 
 #if __CUDA_ARCH__ >= 900  // transaction barriers and bulk copies (PTX ISA 8.0)

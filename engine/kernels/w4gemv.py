@@ -52,7 +52,8 @@ def w4_gemv(
         and config is None
         and w4gemv_cuda.usable(x, m, None if out is None else out.dtype, packed)
     ):
-        y1 = w4gemv_cuda.w4_gemv_cuda(x2, packed, scales, out=None if out is None else out.view(n))
+        y1 = w4gemv_cuda.w4_gemv_cuda(x2, packed, scales,
+                                      out=None if out is None else out.view(m, n))  # fmt: skip
         return y1.view(*x.shape[:-1], n)
     y = out.view(m, n) if out is not None else torch.empty(m, n, device=x.device, dtype=x.dtype)
     cfg = config or config_for(n, k, x.dtype, m, x.device, half2)
@@ -152,7 +153,7 @@ def w4_gemv_after_residual(
         if aux.stride(-1) != 1:
             aux = aux.contiguous()
     norms = [t for t in (w_post, scalar, w_next, aux) if t is not None]
-    if (cuda and k <= w4gemv_cuda.MAX_PRO_K and w4gemv_cuda.usable(y, m, packed=packed)
+    if (cuda and m == 1 and k <= w4gemv_cuda.MAX_PRO_K and w4gemv_cuda.usable(y, m, packed=packed)
             and all(t.dtype == torch.bfloat16 for t in norms)):  # fmt: skip
         pro = w4gemv_cuda.Prologue(y.reshape(-1), h.reshape(-1), w_post, scalar, w_next,
                                    h_out.reshape(-1), eps)  # fmt: skip

@@ -1,5 +1,5 @@
-// The one-row int4 GEMV in CUDA C++ (engine/kernels/w4gemv_cuda.py compiles it with NVRTC and
-// launches it). It computes what engine/kernels/w4gemv_kernel.py's Triton kernel computes for one
+// The int4 GEMV in CUDA C++ for 1-8 rows (engine/kernels/w4gemv_cuda.py compiles it with NVRTC and
+// launches it). It computes what engine/kernels/w4gemv_kernel.py's Triton kernel computes for each
 // bf16 row: y = x @ dequant(W)^T, with the same epilogues (GLU over interleaved gate|up rows,
 // gelu(y) * aux) and the same residual+norm prologue, rounding where the reference rounds.
 //
@@ -13,7 +13,9 @@
 // of a row in word k/8 at bits 4*(k%8), stored unsigned as q+8; scales bf16 [N, K/32]. One 16-byte
 // load of a row is 32 codes: exactly one scale group (a "chunk"). Activations and outputs bf16.
 //
-// Compile-time constants (-D): KC (chunks per row, K/32), KT (threads across K, a power of two
+// Compile-time constants (-D): MR (activation rows: x [MR, K] and y [MR, N] row-major, the
+// weights read once for all of them; the prologue and the staged row take one), KC (chunks per
+// row, K/32), KT (threads across K, a power of two
 // <= 32: a row's partial sums meet in one warp by shuffles), RPT (rows per thread: activations
 // unpacked once for RPT rows), WARPS (per block), PF (chunks a thread requests before the wait),
 // EPI (0 plain, 1 GLU, 2 gelu * aux), PRO (the residual+norm prologue), PRO_SCALAR, PRO_NEXT,
@@ -34,7 +36,17 @@
 #define CPT ((KC + KT - 1) / KT)           // chunks per thread (the last ones may be past KC)
 #define K (KC * 32)
 #define RB (RG * RPT)                    // rows per block
-#define STAGED (PRO || XS)
+#define STAGED (PRO || XS)  // one activation row only (MR == 1)
+
+// one chunk's products: RPT weight rows against the MR activation rows
+__device__ __forceinline__ void chunk_product(const uint4* wv, const float* scale,
+                                              const uint4* xsrc, int chunk, float* acc) {
+#if MR == 1
+    chunk_dot<RPT, STAGED>(wv, scale, xsrc, chunk, acc);
+#else
+    chunk_dot_rows<RPT, MR>(wv, scale, xsrc, KC * 4, chunk, acc);
+#endif
+}
 
 
 __device__ __forceinline__ float gelu_tanh(float x) {  // as engine/kernels/fused.py's
@@ -163,9 +175,9 @@ w4_gemv(const u16* __restrict__ x, const uint4* __restrict__ w, const u16* __res
 #else
     const uint4* xsrc = reinterpret_cast<const uint4*>(x);
 #endif
-    float acc[RPT];
+    float acc[RPT * MR];  // acc[r * MR + m]: weight row r against activation row m
 #pragma unroll
-    for (int r = 0; r < RPT; ++r) acc[r] = 0.f;
+    for (int i = 0; i < RPT * MR; ++i) acc[i] = 0.f;
 #if BULK
     bar_wait(&bar, 0);
     const int lr0 = rg * RPT;  // the thread's first row within the block
@@ -178,7 +190,7 @@ w4_gemv(const u16* __restrict__ x, const uint4* __restrict__ w, const u16* __res
             wv[r] = wsm[(lr0 + r) * KC + chunk];
             scale[r] = bf16_to_f32(ssm[(lr0 + r) * KC + chunk]);
         }
-        chunk_dot<RPT, STAGED>(wv, scale, xsrc, chunk, acc);
+        chunk_product(wv, scale, xsrc, chunk, acc);
     }
 #else
 #pragma unroll
@@ -193,37 +205,41 @@ w4_gemv(const u16* __restrict__ x, const uint4* __restrict__ w, const u16* __res
                     sr[c][r] = bf16_to_f32(s[(long)row * KC + chunk]);
                 }
             }
-            chunk_dot<RPT, STAGED>(wr[c], sr[c], xsrc, chunk, acc);
+            chunk_product(wr[c], sr[c], xsrc, chunk, acc);
         }
     }
 #endif
 #pragma unroll
-    for (int r = 0; r < RPT; ++r) {
+    for (int i = 0; i < RPT * MR; ++i) {
 #pragma unroll
         for (int off = KT / 2; off > 0; off >>= 1)
-            acc[r] += __shfl_xor_sync(0xFFFFFFFFu, acc[r], off, KT);
+            acc[i] += __shfl_xor_sync(0xFFFFFFFFu, acc[i], off, KT);
     }
     if (kt != 0) return;
+#pragma unroll
+    for (int m = 0; m < MR; ++m) {  // activation row m: output row m (N, or N / 2 wide)
 #if EPI == 1
 #pragma unroll
-    for (int r = 0; r < RPT; r += 2) {  // rows row0 + r (gate) and row0 + r + 1 (up): one output
-        if (row0 + r + 1 < n) {
-            const float g = round_bf16(acc[r]);
-            const float u = round_bf16(acc[r + 1]);
-            y[(row0 + r) / 2] = f32_to_bf16(round_bf16(gelu_tanh(g)) * u);
+        for (int r = 0; r < RPT; r += 2) {  // rows row0 + r (gate), row0 + r + 1 (up): one output
+            if (row0 + r + 1 < n) {
+                const float g = round_bf16(acc[r * MR + m]);
+                const float u = round_bf16(acc[(r + 1) * MR + m]);
+                y[(long)m * (n / 2) + (row0 + r) / 2] = f32_to_bf16(round_bf16(gelu_tanh(g)) * u);
+            }
         }
-    }
 #else
 #pragma unroll
-    for (int r = 0; r < RPT; ++r) {
-        if (row0 + r < n) {
+        for (int r = 0; r < RPT; ++r) {
+            if (row0 + r < n) {
+                const long at = (long)m * n + row0 + r;
 #if EPI == 2
-            const float g = round_bf16(gelu_tanh(round_bf16(acc[r])));
-            y[row0 + r] = f32_to_bf16(g * bf16_to_f32(aux[row0 + r]));
+                const float g = round_bf16(gelu_tanh(round_bf16(acc[r * MR + m])));
+                y[at] = f32_to_bf16(g * bf16_to_f32(aux[at]));
 #else
-            y[row0 + r] = f32_to_bf16(acc[r]);
+                y[at] = f32_to_bf16(acc[r * MR + m]);
 #endif
+            }
         }
-    }
 #endif
+    }
 }

@@ -88,6 +88,35 @@ def test_one_row_step_with_the_cuda_gemv_switch_equals_the_reference(checkpoint,
         eng.close()
 
 
+def test_a_batched_step_with_the_cuda_gemv_switch_equals_the_step_without(checkpoint, device):
+    """Several rows take the multi-row CUDA GEMV where it can run (bf16 on a GPU); elsewhere
+    (here: fp32, and the CPU) the switch changes nothing in a batched step."""
+    outs = []
+    for cuda_gemv in (False, True):
+        opts = EngineOptions(fast="force", cuda_graph=False, cuda_gemv=cuda_gemv)
+        eng = engine.load(checkpoint, device=device, max_context=CTX, dtype=torch.float32,
+                          options=opts, max_num_seqs=4, warm_up=False)  # fmt: skip
+        try:
+            runner, pool, model = eng.runner, eng.pool, eng.model
+            slots, positions, tokens = [], [], []
+            for i, n in enumerate((6, 11, 3)):
+                slot = pool.blocks.open_slot()
+                ids = torch.tensor(_prompt(n, 30 + i), device=model.device)
+                pool.apply((slot,), (pool.blocks.grow(slot, n + 1),))
+                model.prefill_chunk(ids[:-1], 0, pool.view(slot), False)
+                slots.append(slot)
+                positions.append(n - 1)
+                tokens.append(int(ids[-1]))
+            dev = model.device
+            outs.append(runner.step(torch.tensor(tokens, device=dev),
+                                    torch.tensor(positions, device=dev),
+                                    torch.tensor(slots, dtype=torch.int32, device=dev)).clone())  # fmt: skip
+        finally:
+            eng.close()
+    assert outs[0].shape[0] == 3
+    torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=0)
+
+
 def test_fast_scheduler_tokens_equal_alone(checkpoint, device):
     """Three requests decoding together on the fast path each get the tokens they get alone
     on the reference path (fp32: the fused step equals the reference step, tested above, so
