@@ -4,7 +4,7 @@
 // gelu(y) * aux) and the same residual+norm prologue, rounding where the reference rounds.
 //
 // Why a second GEMV: the one-row decode step is a chain of ~210 dependent products whose cost is
-// mostly each kernel's fixed part, not its bytes (bench/NOTES.md v26-v31). Here the tiles are
+// mostly each kernel's fixed part, not its bytes (bench/NOTES.md v26-v32). Here the tiles are
 // fixed at compile time per K, so a thread requests EVERY weight it will use before its
 // `griddepcontrol.wait`, while the kernel before it still runs; the Triton kernel requests only
 // its first K step's.
@@ -15,9 +15,9 @@
 //
 // Compile-time constants (-D): MR (activation rows: x [MR, K] and y [MR, N] row-major, the
 // weights read once for all of them; the prologue and the staged row take one), KC (chunks per
-// row, K/32), KT (threads across K, a power of two
-// <= 32: a row's partial sums meet in one warp by shuffles), RPT (rows per thread: activations
-// unpacked once for RPT rows), WARPS (per block), PF (chunks a thread requests before the wait),
+// row, K/32), KT (threads across K, a power of two <= 32: a row's partial sums meet in one warp
+// by shuffles), RPT (rows per thread: activations unpacked once for RPT rows), WARPS (per
+// block), PF (chunks a thread requests before the wait),
 // EPI (0 plain, 1 GLU, 2 gelu * aux), PRO (the residual+norm prologue), PRO_SCALAR, PRO_NEXT,
 // XS (1: the row staged in shared memory once per block; 0: read through L1 by each thread; the
 // prologue always stages it), BULK (1, sm_90 on: the block's rows of weights and scales, which
@@ -35,8 +35,8 @@
 #define RG (THREADS / KT)                  // row groups per block
 #define CPT ((KC + KT - 1) / KT)           // chunks per thread (the last ones may be past KC)
 #define K (KC * 32)
-#define RB (RG * RPT)                    // rows per block
-#define STAGED (PRO || XS)  // one activation row only (MR == 1)
+#define RB (RG * RPT)                      // rows per block
+#define STAGED (PRO || XS)                 // one activation row only (MR == 1)
 
 // one chunk's products: RPT weight rows against the MR activation rows
 __device__ __forceinline__ void chunk_product(const uint4* wv, const float* scale,
@@ -47,7 +47,6 @@ __device__ __forceinline__ void chunk_product(const uint4* wv, const float* scal
     chunk_dot_rows<RPT, MR>(wv, scale, xsrc, KC * 4, chunk, acc);
 #endif
 }
-
 
 __device__ __forceinline__ float gelu_tanh(float x) {  // as engine/kernels/fused.py's
     float z = 0.7978845608028654f * (x + 0.044715f * x * x * x);
