@@ -150,17 +150,23 @@ class PromptPlan:
     available_bytes: int | None
 
 
+def _reader_widths(cfg) -> tuple[int, int, int, int, int]:
+    """Per-token widths the reader's tensors take, over the layers that compute their own KV:
+    the hidden state, the per-layer inputs, q|k|v, the attention output, the MLP."""
+    n = cfg.first_shared_layer
+    hq = cfg.num_attention_heads
+    qkv = max((hq + 2 * cfg.layer_kv_heads[i]) * cfg.layer_head_dims[i] for i in range(n))
+    attn = max(hq * cfg.layer_head_dims[i] for i in range(n))
+    f = max(cfg.mlp_width(i) for i in range(n))
+    return cfg.hidden_size, cfg.num_hidden_layers * cfg.hidden_size_per_layer_input, qkv, attn, f
+
+
 def reader_bytes_per_token(cfg, elem: int) -> int:
     """Bytes one chunk token holds at the reader's peak (engine.fast.prefill's stages): the
     hidden state and per-layer inputs kept through the chunk, plus the largest stage (the
     embedding's lookups, a layer's attention with its fp32 accumulator, or its MLP)."""
-    n = cfg.first_shared_layer
-    h, lp = cfg.hidden_size, cfg.num_hidden_layers * cfg.hidden_size_per_layer_input
-    hq = cfg.num_attention_heads
+    h, lp, qkv, attn, f = _reader_widths(cfg)
     rope = 2 * sum({hd for hd in cfg.layer_head_dims})
-    qkv = max((hq + 2 * cfg.layer_kv_heads[i]) * cfg.layer_head_dims[i] for i in range(n))
-    attn = max(hq * cfg.layer_head_dims[i] for i in range(n))
-    f = max(cfg.mlp_width(i) for i in range(n))
     held = h + lp + rope
     stages = (
         2 * lp + h,  # embedding: the per-layer lookup and projection
@@ -174,13 +180,8 @@ def reader_widest_bytes_per_token(cfg, elem: int) -> int:
     """Bytes per chunk token of the reader's widest single tensor (the fused gate|up, the
     per-layer inputs, q|k|v, or the attention's fp32 accumulator): the largest block a chunk
     asks the allocator for, beside the dequantised matrix and the scores."""
-    n = cfg.first_shared_layer
-    widths = [cfg.hidden_size, cfg.num_hidden_layers * cfg.hidden_size_per_layer_input]
-    for i in range(n):
-        hd = cfg.layer_head_dims[i]
-        widths += [2 * cfg.mlp_width(i), (cfg.num_attention_heads + 2 * cfg.layer_kv_heads[i]) * hd,
-                   cfg.num_attention_heads * hd * max(1, 4 // elem)]  # fmt: skip
-    return max(widths) * elem
+    h, lp, qkv, attn, f = _reader_widths(cfg)
+    return max(h, lp, 2 * f, qkv, attn * max(1, 4 // elem)) * elem
 
 
 def hole_credit(holes: tuple[int, ...], matrix: int, piece: int, pieces: int) -> int:

@@ -266,7 +266,7 @@ w4_bulk_flow(const FlowProduct* table, int count, unsigned* done, unsigned* err)
                     wv[r] = wsm[lr * P.kc + chunk];
                     scale[r] = bf16_to_f32(ssm[lr * P.kc + chunk]);
                 }
-                chunk_dot<FRPT, true>(wv, scale, xs, chunk, acc);
+                chunk_dot<FRPT, 1, true>(wv, scale, xs, 0, chunk, acc);
             }
         }
 #pragma unroll

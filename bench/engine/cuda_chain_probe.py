@@ -78,6 +78,18 @@ class CudaGemv:
             w4gemv_cuda.launch(x, w, s, y, t)
 
 
+def gemv_chain(chain: Chain, pick, pdl: bool = True):
+    """The chain through the engine's CUDA GEMV, the tiling of each product `pick(product)`,
+    PDL as in the step's graph (or not): a function to capture."""
+
+    def run() -> None:
+        with pdl_launches(pdl):
+            for i, (p, (w, s)) in enumerate(zip(chain.products, chain.weights, strict=True)):
+                w4gemv_cuda.launch(chain.input_of(i)[: p.k], w, s, chain.outs[i], pick(p))
+
+    return run
+
+
 def check_shapes(gemv: CudaGemv, chain: Chain, choice: dict[tuple[int, int], Tiling]
                  ) -> dict[str, float]:  # fmt: skip
     """Each shape's CUDA output against the float32 product of its dequantised weights: the
@@ -151,7 +163,7 @@ def tune(gemv: CudaGemv, chain: Chain, launches: int = 20) -> dict[str, Any]:
     return {"choice": choice, "table": table, "times": every}
 
 
-def link_variants(gemv: CudaGemv, chain: Chain, ref: torch.Tensor, tuned: dict[str, Any],
+def link_variants(chain: Chain, ref: torch.Tensor, tuned: dict[str, Any],
                   finals: dict[str, torch.Tensor], into: dict[str, Any]) -> None:  # fmt: skip
     """Why a chain of CUDA GEMVs costs more than the sum of its shapes' own timings: the chain
     with every shape's best tiling of one kind (``_l1``: the row read through L1, ``_smem``:
@@ -163,13 +175,7 @@ def link_variants(gemv: CudaGemv, chain: Chain, ref: torch.Tensor, tuned: dict[s
     every = tuned["times"]
 
     def chain_of(choice: dict[tuple[int, int], Tiling], pdl: bool = True):
-        def run() -> None:
-            with pdl_launches(pdl):
-                for i, (p, (w, s)) in enumerate(zip(chain.products, chain.weights, strict=True)):
-                    w4gemv_cuda.launch(chain.input_of(i)[: p.k], w, s, chain.outs[i],
-                                       choice[(p.n, p.k)])  # fmt: skip
-
-        return run
+        return gemv_chain(chain, lambda p: choice[(p.n, p.k)], pdl)
 
     def best_of(kind) -> dict[tuple[int, int], Tiling]:
         """Each shape's fastest tiling of one kind (of any kind where it has none)."""
@@ -213,12 +219,9 @@ def measure(preset: str, out: dict[str, Any]) -> None:
     variants = out["variants"]
     finals: dict[str, torch.Tensor] = {}
 
-    def cuda_chain() -> None:
-        for i, (p, (w, s)) in enumerate(zip(chain.products, chain.weights, strict=True)):
-            gemv(chain.input_of(i)[: p.k], w, s, chain.outs[i], choice[(p.n, p.k)])
-
+    cuda_chain = gemv_chain(chain, lambda p: choice[(p.n, p.k)])
     record_variant(chain, ref, finals, variants, "cuda_gemv", cuda_chain)
-    link_variants(gemv, chain, ref, tuned, finals, variants)
+    link_variants(chain, ref, tuned, finals, variants)
     # the links and the generic tiles, with the engine's unpack header, PDL on
     generic = compile_cubin(gemv.source, {"PDL": 1}, gemv.arch, w4gemv_cuda.sources()[1])
     if torch.cuda.get_device_capability(device)[0] >= 9:
@@ -276,13 +279,7 @@ def bulk_flow_variants(chain: Chain, ref: torch.Tensor, finals: dict[str, torch.
     ring of shared-memory stages while they wait on the product before, for each ring of
     FLOW_RINGS. Same sums: each must agree with ``bulk32`` bit for bit (``equal_to_bulk32``)."""
     t32 = Tiling(32, FLOW_RPT, FLOW_WARPS, bulk=1)
-
-    def bulk32() -> None:
-        with pdl_launches():
-            for i, (p, (w, s)) in enumerate(zip(chain.products, chain.weights, strict=True)):
-                w4gemv_cuda.launch(chain.input_of(i)[: p.k], w, s, chain.outs[i], t32)
-
-    record_variant(chain, ref, finals, into, "bulk32", bulk32)
+    record_variant(chain, ref, finals, into, "bulk32", gemv_chain(chain, lambda p: t32))
     if max(p.k for p in chain.products) * 2 > FLOW_X:
         into["bulk_flow"] = {"error": f"a row wider than {FLOW_X // 2} values"}
         return

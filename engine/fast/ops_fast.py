@@ -93,7 +93,7 @@ class FastOps(ops.Ops):
                  ) -> None:  # fmt: skip
         super().__init__(prefix_sdpa)
         self.half2 = half2
-        self.cuda_gemv = cuda_gemv  # one bf16 row by the CUDA GEMV (engine/kernels/w4gemv_cuda.py)
+        self.cuda_gemv = cuda_gemv  # 1-8 bf16 rows by the CUDA GEMV (engine/kernels/w4gemv_cuda.py)
         self._attention: dict[tuple, DecodeAttention] = {}
 
     def linear4(self, x: torch.Tensor, w: PackedLinear) -> torch.Tensor:

@@ -79,44 +79,26 @@ __device__ __forceinline__ u32 word_of(uint4 v, int q) {  // q known at compile 
     return q == 0 ? v.x : q == 1 ? v.y : q == 2 ? v.z : v.w;
 }
 
-// acc[r] += scale[r] * (the chunk's 32 codes of row r . the row's 32 activations there), for R
-// rows; the activations from a staged, swizzled row (STAGED_X) or through L1
-template <int R, bool STAGED_X>
+// acc[r * M + m] += scale[r] * (the chunk's 32 codes of weight row r . activation row m's 32
+// values there), for R weight rows and M activation rows: each weight word's codes unpacked once
+// for all M rows. The activations come through L1 (row m's words `row_words` apart) or, for one
+// row, from a staged, swizzled copy (STAGED_X).
+template <int R, int M, bool STAGED_X>
 __device__ __forceinline__ void chunk_dot(const uint4* wv, const float* scale, const uint4* xsrc,
-                                          int chunk, float* acc) {
-    float part[R];
-#pragma unroll
-    for (int r = 0; r < R; ++r) part[r] = 0.f;
-#pragma unroll
-    for (int q = 0; q < 4; ++q) {  // the chunk's 4 words, 8 activations each
-        float xv[8];
-        unpack_x8(STAGED_X ? xsrc[swz(chunk * 4 + q)] : __ldca(xsrc + chunk * 4 + q), xv);
-#pragma unroll
-        for (int r = 0; r < R; ++r) part[r] = dot_word(word_of(wv[r], q), xv, part[r]);
-    }
-#pragma unroll
-    for (int r = 0; r < R; ++r) acc[r] = fmaf(part[r], scale[r], acc[r]);
-}
-
-// chunk_dot for M rows of activations (row m's words `row_words` apart, read through L1): each
-// weight word's codes unpacked once for all M rows; acc[r * M + m]. At M = 1 the same operations
-// in the same order as chunk_dot's.
-template <int R, int M>
-__device__ __forceinline__ void chunk_dot_rows(const uint4* wv, const float* scale,
-                                               const uint4* x4, int row_words, int chunk,
-                                               float* acc) {
+                                          int row_words, int chunk, float* acc) {
     float part[R * M];
 #pragma unroll
     for (int i = 0; i < R * M; ++i) part[i] = 0.f;
 #pragma unroll
-    for (int q = 0; q < 4; ++q) {
+    for (int q = 0; q < 4; ++q) {  // the chunk's 4 words, 8 activations each
         float c[R][8];
 #pragma unroll
         for (int r = 0; r < R; ++r) codes8(word_of(wv[r], q), c[r]);
 #pragma unroll
         for (int m = 0; m < M; ++m) {
             float xv[8];
-            unpack_x8(__ldca(x4 + m * row_words + chunk * 4 + q), xv);
+            const int word = chunk * 4 + q;
+            unpack_x8(STAGED_X ? xsrc[swz(word)] : __ldca(xsrc + m * row_words + word), xv);
 #pragma unroll
             for (int r = 0; r < R; ++r)
 #pragma unroll

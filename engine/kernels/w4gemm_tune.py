@@ -109,6 +109,14 @@ def candidate_configs(n: int, k: int, m: int, tc: bool, epi: int = 0) -> list[di
     return out
 
 
+def random_layer(n: int, k: int, dtype: torch.dtype, device: torch.device,
+                 gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Random packed words [n, k/8] and small positive scales [n, k/32] of one int4 layer."""
+    p = torch.randint(-(2**31), 2**31 - 1, (n, k // 8), device=device, dtype=torch.int32,
+                      generator=gen)  # fmt: skip
+    return p, (torch.rand(n, k // 32, device=device, generator=gen) * 0.02 + 0.001).to(dtype)
+
+
 def random_sets(n: int, k: int, dtype: torch.dtype, m: int, device: torch.device, epi: int = 0):
     """Copies of random operands of one shape, enough to rotate past the L2 (each call then
     reads device memory, as in a decode step): [(x [m, K], packed, scales, out)]."""
@@ -117,9 +125,7 @@ def random_sets(n: int, k: int, dtype: torch.dtype, m: int, device: torch.device
     l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 64 << 20)
     sets = []
     for _ in range(max(2, min(64, math.ceil(3 * l2 / one)))):
-        p = torch.randint(-(2**31), 2**31 - 1, (n, k // 8), device=device, dtype=torch.int32,
-                          generator=gen)  # fmt: skip
-        s = (torch.rand(n, k // 32, device=device, generator=gen) * 0.02 + 0.001).to(dtype)
+        p, s = random_layer(n, k, dtype, device, gen)
         x = torch.randn(m, k, device=device, generator=gen).to(dtype)
         y = torch.empty(m, n // 2 if epi == 1 else n, device=device, dtype=dtype)
         sets.append((x, p, s, y))

@@ -152,9 +152,9 @@ def w4_gemv_after_residual(
         aux = aux.reshape(m, n) if m > 1 else aux.reshape(-1)
         if aux.stride(-1) != 1:
             aux = aux.contiguous()
-    norms = [t for t in (w_post, scalar, w_next, aux) if t is not None]
     if (cuda and m == 1 and k <= w4gemv_cuda.MAX_PRO_K and w4gemv_cuda.usable(y, m, packed=packed)
-            and all(t.dtype == torch.bfloat16 for t in norms)):  # fmt: skip
+            and all(t.dtype == torch.bfloat16 for t in (w_post, scalar, w_next, aux)
+                    if t is not None)):  # fmt: skip
         pro = w4gemv_cuda.Prologue(y.reshape(-1), h.reshape(-1), w_post, scalar, w_next,
                                    h_out.reshape(-1), eps)  # fmt: skip
         return w4gemv_cuda.w4_gemv_cuda(y.reshape(-1), packed, scales, epi=epi, aux=aux,

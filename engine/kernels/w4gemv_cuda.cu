@@ -38,16 +38,6 @@
 #define RB (RG * RPT)                      // rows per block
 #define STAGED (PRO || XS)                 // one activation row only (MR == 1)
 
-// one chunk's products: RPT weight rows against the MR activation rows
-__device__ __forceinline__ void chunk_product(const uint4* wv, const float* scale,
-                                              const uint4* xsrc, int chunk, float* acc) {
-#if MR == 1
-    chunk_dot<RPT, STAGED>(wv, scale, xsrc, chunk, acc);
-#else
-    chunk_dot_rows<RPT, MR>(wv, scale, xsrc, KC * 4, chunk, acc);
-#endif
-}
-
 __device__ __forceinline__ float gelu_tanh(float x) {  // as engine/kernels/fused.py's
     float z = 0.7978845608028654f * (x + 0.044715f * x * x * x);
     z = fminf(fmaxf(z, -20.f), 20.f);
@@ -189,7 +179,7 @@ w4_gemv(const u16* __restrict__ x, const uint4* __restrict__ w, const u16* __res
             wv[r] = wsm[(lr0 + r) * KC + chunk];
             scale[r] = bf16_to_f32(ssm[(lr0 + r) * KC + chunk]);
         }
-        chunk_product(wv, scale, xsrc, chunk, acc);
+        chunk_dot<RPT, MR, STAGED>(wv, scale, xsrc, KC * 4, chunk, acc);
     }
 #else
 #pragma unroll
@@ -204,7 +194,7 @@ w4_gemv(const u16* __restrict__ x, const uint4* __restrict__ w, const u16* __res
                     sr[c][r] = bf16_to_f32(s[(long)row * KC + chunk]);
                 }
             }
-            chunk_product(wr[c], sr[c], xsrc, chunk, acc);
+            chunk_dot<RPT, MR, STAGED>(wr[c], sr[c], xsrc, KC * 4, chunk, acc);
         }
     }
 #endif

@@ -36,7 +36,7 @@ from engine.kernels.cuda_build import (
     cuda_build_available,
 )
 from engine.kernels.launch import compiling_only, default_threads, pdl_enabled
-from engine.kernels.w4gemm_tune import random_sets
+from engine.kernels.w4gemm_tune import random_layer, random_sets
 
 _log = logging.getLogger(__name__)
 
@@ -290,9 +290,7 @@ def tune(n: int, k: int, device: torch.device, epi: int = 0, rows: int = 1
     if epi == 2:
         aux = (torch.rand(rows, n, device=device, generator=gen) + 0.5).bfloat16()
     lead_x = torch.randn(LEAD_K, device=device, generator=gen).bfloat16()
-    lead_w = torch.randint(-(2**31), 2**31 - 1, (k, LEAD_K // 8), device=device,
-                           dtype=torch.int32, generator=gen)  # fmt: skip
-    lead_s = (torch.rand(k, LEAD_K // 32, device=device, generator=gen) * 0.02 + 1e-3).bfloat16()
+    lead_w, lead_s = random_layer(k, LEAD_K, torch.bfloat16, device, gen)
     lead_t = default_tiling(k, LEAD_K)
 
     arch = arch_of(device)
