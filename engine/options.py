@@ -38,6 +38,10 @@ the environment.
 | GPURIG_GEMV_H2            | half2_gemv          | "0": exact fp32-unpack GEMV instead of half2     | on      |
 | GPURIG_CUDA_GEMV          | cuda_gemv           | "1": 1-8 bf16 rows' int4 products by the CUDA    | off     |
 |                           |                     | GEMV (engine/kernels/w4gemv_cuda.py), not Triton |         |
+| GPURIG_CARVEOUT           | carveout            | 0-100: every kernel's preferred shared-memory    | driver  |
+|                           |                     | share of the L1 (one configuration for all, so   |         |
+|                           |                     | a kernel may start on an SM beside the one       |         |
+|                           |                     | before it); unset or "driver": the driver's      |         |
 | GPURIG_PREFIX_SDPA        | prefix_sdpa         | "0": a full layer's cached prefix by the online  | on      |
 |                           |                     | softmax slices instead of torch's efficient SDPA |         |
 | GPURIG_EXPANDABLE_SEGMENTS| expandable_segments | "0": no expandable segments under a memory cap   | on      |
@@ -75,6 +79,19 @@ def _flag(env: Mapping[str, str], name: str, default: bool = True) -> bool:
     return value.strip() != "0"
 
 
+def _percent(env: Mapping[str, str], name: str) -> int | None:
+    """A whole percentage 0-100, or None where unset, empty or "driver"."""
+    raw = env.get(name, "").strip()
+    if raw in ("", "driver"):
+        return None
+    if not (raw.isdigit() and int(raw) <= 100):
+        from engine.errors import EngineError
+
+        raise EngineError(f"{name}={raw!r} is not a percentage",
+                          "set a whole number from 0 to 100, or unset it (the driver's choice)")  # fmt: skip
+    return int(raw)
+
+
 @dataclass(frozen=True)
 class EngineOptions:
     """How the engine computes; the defaults are the measured-fastest arrangement."""
@@ -93,6 +110,7 @@ class EngineOptions:
     greedy_tail: bool = True  # batch step: soft-cap + greedy ids in two launches
     half2_gemv: bool = True  # 16-bit GEMV multiplies in half2 (fp32 unpack when False)
     cuda_gemv: bool = False  # 1-8 bf16 rows' products by the CUDA GEMV (NVRTC-built)
+    carveout: int | None = None  # every kernel's preferred shared-memory %; None: the driver's
     prefix_sdpa: bool = True  # a full layer's prefix through torch's efficient attention
     expandable_segments: bool = True  # under a memory cap, grow allocator segments in place
     autotune: bool = True  # time GEMV tile candidates on first use of a shape
@@ -105,6 +123,8 @@ class EngineOptions:
             raise ValueError(f"fast must be 'on', 'off' or 'force', not {self.fast!r}")
         if self.compile_threads is not None and self.compile_threads < 1:
             raise ValueError(f"compile_threads must be at least 1, not {self.compile_threads}")
+        if self.carveout is not None and not 0 <= self.carveout <= 100:
+            raise ValueError(f"carveout must be a percentage (0-100), not {self.carveout}")
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> EngineOptions:
@@ -136,6 +156,7 @@ class EngineOptions:
             greedy_tail=_flag(env, "GPURIG_GREEDY_TAIL"),
             half2_gemv=_flag(env, "GPURIG_GEMV_H2"),
             cuda_gemv=_flag(env, "GPURIG_CUDA_GEMV", default=False),
+            carveout=_percent(env, "GPURIG_CARVEOUT"),
             prefix_sdpa=_flag(env, "GPURIG_PREFIX_SDPA"),
             expandable_segments=_flag(env, "GPURIG_EXPANDABLE_SEGMENTS"),
             autotune=_flag(env, "GPURIG_KERNEL_AUTOTUNE"),

@@ -46,6 +46,9 @@ def make_kernels(options: EngineOptions, device: torch.device) -> ops.Ops:
     the device, else the reference set."""
     if options.fast_on(device):
         from engine.fast.ops_fast import FastOps
+        from engine.kernels.launch import set_carveout
+
+        set_carveout(options.carveout if device.type == "cuda" else None)
 
         return FastOps(prefix_sdpa=options.prefix_sdpa, half2=options.half2_gemv,
                        cuda_gemv=options.cuda_gemv)  # fmt: skip

@@ -35,7 +35,7 @@ from engine.kernels.cuda_build import (
     cached_cubin,
     cuda_build_available,
 )
-from engine.kernels.launch import compiling_only, default_threads, pdl_enabled
+from engine.kernels.launch import apply_carveout, compiling_only, default_threads, pdl_enabled
 from engine.kernels.w4gemm_tune import random_layer, random_sets
 
 _log = logging.getLogger(__name__)
@@ -245,6 +245,7 @@ def launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, y: torch
             _ptr(p and p.w_next), _ptr(p and p.h_out), ctypes.c_float(p.eps if p else 0.0)]  # fmt: skip
     if t.bulk and scales.data_ptr() % 16:
         raise ValueError("w4_gemv_cuda: a bulk copy needs the scales on 16 bytes")
+    apply_carveout(kern.function)
     kern.launch(-(-n // t.rows_per_block()), t.warps * 32, args, pdl=pdl_enabled(),
                 shared=t.bulk_bytes(k))  # fmt: skip
 
