@@ -38,6 +38,7 @@ the environment.
 | GPURIG_GEMV_H2            | half2_gemv          | "0": exact fp32-unpack GEMV instead of half2     | on      |
 | GPURIG_CUDA_GEMV          | cuda_gemv           | "1": 1-8 bf16 rows' int4 products by the CUDA    | off     |
 |                           |                     | GEMV (engine/kernels/w4gemv_cuda.py), not Triton |         |
+|                           |                     | (an experiment: slower in every decode bucket)   |         |
 | GPURIG_CARVEOUT           | carveout            | 0-100: every kernel's preferred shared-memory    | driver  |
 |                           |                     | share of the L1 (one configuration for all, so   |         |
 |                           |                     | a kernel may start on an SM beside the one       |         |
