@@ -1,6 +1,7 @@
 """Where a decode step's time goes in its chain: each kind of kernel taken out of the step graph.
 
-    python3 -m bench.engine.step_ablation --out $OUT/ablation.json [--rows 1,8] [--depth 600]
+    python3 -m bench.engine.step_ablation --out $OUT/ablation.json [--rows 1,8] [--depth 600] \
+        [--carveouts 100,0]
 
 A per-kernel profile of a PDL graph cannot say what a kind of kernel costs: each kernel's
 recorded time includes its wait for the one before (bench/NOTES.md v28). Here each kind is
@@ -15,6 +16,10 @@ product, the lm_head), `attention` (the paged split and combine), `qkv_norm_rope
 head norms, RoPE and the KV write), `residual_norm` (the residual+norm launches; the GEMV
 prologue's stays with `products`), and `all_but_products` (the three together: what the
 products' chain costs inside the step).
+
+`--carveouts` then times the whole step under each shared-memory carveout (GPURIG_CARVEOUT),
+captured again in the same process after the driver's choice (a kernel keeps a carveout once
+given one, so the driver's comes first).
 """
 
 from __future__ import annotations
@@ -135,6 +140,19 @@ def ablation(eng, rows_list: list[int], depth: int) -> dict[str, Any]:
     return out
 
 
+def carveouts(eng, rows_list: list[int], depth: int, percents: list[int]) -> dict[str, Any]:
+    """The whole step of each bucket under each carveout (engine/kernels/launch.py)."""
+    from engine.kernels.launch import set_carveout
+
+    out: dict[str, Any] = {}
+    for percent in percents:
+        set_carveout(percent)
+        out[str(percent)] = {f"rows_{r}": round(step_us(eng, r, depth, None), 1)
+                             for r in rows_list}  # fmt: skip
+        print(f"carveout {percent}: {out[str(percent)]}", flush=True)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     from bench.engine.batch_bench import E2B_DIR, load, make
 
@@ -142,9 +160,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ckpt", type=Path, default=E2B_DIR)
     ap.add_argument("--rows", default="1,8", help="buckets to ablate, comma-separated")
     ap.add_argument("--depth", type=int, default=600, help="tokens each row is deep (0: none)")
+    ap.add_argument("--carveouts", default="", help="percentages to time the step under after")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     rows_list = [int(r) for r in args.rows.split(",")]
+    percents = [int(p) for p in args.carveouts.split(",") if p]
     make(args.ckpt)
     eng = load(args.ckpt, max_num_seqs=max(rows_list))
     if eng.runner.graphs is None:
@@ -153,6 +173,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     result = {"device": torch.cuda.get_device_name(0), "depth": args.depth,
               "ablation": ablation(eng, rows_list, args.depth)}  # fmt: skip
+    if percents:
+        result["carveouts"] = carveouts(eng, rows_list, args.depth, percents)
     if args.out:
         args.out.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
     return 0
