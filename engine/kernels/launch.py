@@ -61,6 +61,17 @@ def set_carveout(percent: int | None) -> None:
     only while both use the same split, so a kernel asking for another one cannot start beside
     the one before it under PDL; one split for every kernel of a step removes that wait.
     """
+    if percent is not None:
+        try:
+            from cuda.bindings import driver  # noqa: F401
+        except ImportError as e:
+            from engine.errors import EngineError
+
+            raise EngineError(
+                f"GPURIG_CARVEOUT={percent} needs NVIDIA's driver bindings (cuda.bindings): {e}",
+                "install them (pip install cuda-bindings, matching the CUDA of your torch), or "
+                "unset GPURIG_CARVEOUT",
+            ) from e
     _CARVEOUT[0] = percent
     _CARVED.clear()
 

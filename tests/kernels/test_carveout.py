@@ -94,3 +94,13 @@ def test_the_cuda_gemv_carries_the_setting() -> None:
     torch.cuda.synchronize()
     kern = w4gemv_cuda.kernel_for(x.device, 1536, t, 0, None)
     assert _carveout_of(int(kern.function)) == 100
+
+
+def test_a_setting_without_the_driver_bindings_says_what_to_install(monkeypatch) -> None:
+    import sys
+
+    monkeypatch.setitem(sys.modules, "cuda.bindings", None)  # an import of it now fails
+    with pytest.raises(EngineError, match="cuda.bindings") as err:
+        launch.set_carveout(100)
+    assert "cuda-bindings" in err.value.remedy
+    assert launch.carveout() is None  # nothing half-set
