@@ -179,7 +179,7 @@ def _idle_share(before, after) -> float | None:
     return round(moved.idle_share, 4) if moved.busy_ms > 0 else None
 
 
-def _replay_us(graph, iters: int) -> float:
+def replay_us(graph, iters: int) -> float:
     """Mean microseconds of one replay of `graph`, replayed back to back (CUDA events)."""
     for _ in range(5):
         graph.replay()
@@ -205,7 +205,7 @@ def bucket_times(eng, iters: int = 50) -> list[dict[str, Any]]:
         bucket = graphs._by_size[b]
         if bucket.graph is None:
             continue
-        us = _replay_us(bucket.graph, iters)
+        us = replay_us(bucket.graph, iters)
         out.append(
             {"rows": b, "step_us": round(us, 1), "tok_s_at_full_bucket": round(b * 1e6 / us)}
         )
@@ -230,7 +230,7 @@ def bucket_times_at_depth(eng, depth: int, iters: int = 50) -> list[dict[str, An
             tokens = torch.full((b,), 7, dtype=torch.int64, device=eng.device)
             positions = torch.full((b,), depth, dtype=torch.int64, device=eng.device)
             graphs.run(tokens, positions, slots)  # stages these rows in the bucket's inputs
-            us = _replay_us(graphs._by_size[b].graph, iters)
+            us = replay_us(graphs._by_size[b].graph, iters)
         out.append({"rows": b, "depth": depth, "step_us": round(us, 1),
                     "tok_s_at_full_bucket": round(b * 1e6 / us)})  # fmt: skip
     return out

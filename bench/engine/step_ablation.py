@@ -106,7 +106,7 @@ def ablated(kind: str | None) -> Iterator[None]:
 def step_us(eng, rows: int, depth: int, kind: str | None, iters: int = 50) -> float:
     """The bucket's step graph captured again under `kind`'s ablation and replayed with every
     row `depth` tokens deep (0: the padding rows the capture left)."""
-    from bench.engine.batch_bench import _replay_us
+    from bench.engine.batch_bench import replay_us
     from bench.engine.rows import fill_rows, held_rows
 
     graphs = eng.runner.graphs
@@ -122,7 +122,7 @@ def step_us(eng, rows: int, depth: int, kind: str | None, iters: int = 50) -> fl
             tokens = torch.full((rows,), 7, dtype=torch.int64, device=eng.device)
             positions = torch.full((rows,), depth, dtype=torch.int64, device=eng.device)
             graphs.run(tokens, positions, slots)  # stages the rows (one replay)
-        return _replay_us(bucket.graph, iters)
+        return replay_us(bucket.graph, iters)
 
 
 def ablation(eng, rows_list: list[int], depth: int) -> dict[str, Any]:
