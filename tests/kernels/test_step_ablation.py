@@ -39,6 +39,9 @@ def _step(eng) -> torch.Tensor:
         pool.blocks.close_slot(slot)
 
 
+# an ablated step computes on the stand-ins' uninitialised tensors (no kernel may fill them):
+# the interpreter's arithmetic on them may overflow, which says nothing here
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
 def test_each_kind_is_taken_out_of_the_step_and_put_back(tiny_engine):
     whole = _step(tiny_engine)
     for kind in step_ablation.KINDS:
