@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import sys
 from collections.abc import Callable, Iterator
@@ -44,10 +45,6 @@ def _out_width(packed: torch.Tensor, epi: int) -> int:
 def _no_product(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, out=None,
                 epi: int = 0, **_: Any) -> torch.Tensor:  # fmt: skip
     return x.new_empty(*x.shape[:-1], _out_width(packed, epi))
-
-
-def _no_glu(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, **_: Any):
-    return x.new_empty(*x.shape[:-1], packed.shape[0] // 2)
 
 
 def _no_prologue_product(y, h, w_post, eps, packed, scales, spare, epi: int = 0, **_: Any):
@@ -72,7 +69,7 @@ def stand_ins(kind: str) -> list[tuple[Any, str, Any]]:
     from engine.fast import ops_fast
 
     table: dict[str, list[tuple[Any, str, Any]]] = {
-        "products": [(bd, "w4_gemv", _no_product), (bd, "w4_gemv_glu", _no_glu),
+        "products": [(bd, "w4_gemv", _no_product), (bd, "w4_gemv_glu", functools.partial(_no_product, epi=1)),
                      (bd, "w4_gemv_after_residual", _no_prologue_product),
                      (bd, "w4_gemm", _no_product), (ops_fast, "w4_gemv", _no_product)],
         "attention": [(bd.BatchDecoder, "_attn", _no_attention)],
