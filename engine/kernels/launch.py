@@ -83,8 +83,10 @@ def carveout() -> int | None:
 def apply_carveout(function: Any) -> None:
     """Give one loaded kernel (a CUfunction or its integer handle) the engine's carveout, once."""
     percent = _CARVEOUT[0]
+    if percent is None:  # the default: nothing to do on any launch
+        return
     handle = int(function)  # cuda.bindings' CUfunction is its handle as an int too
-    if percent is None or handle in _CARVED:
+    if handle in _CARVED:
         return
     from cuda.bindings import driver
 
