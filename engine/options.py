@@ -43,6 +43,8 @@ the environment.
 |                           |                     | share of the L1 (one configuration for all, so   |         |
 |                           |                     | a kernel may start on an SM beside the one       |         |
 |                           |                     | before it); unset or "driver": the driver's      |         |
+|                           |                     | (an experiment: no value is faster, bench/NOTES  |         |
+|                           |                     | v34)                                             |         |
 | GPURIG_PREFIX_SDPA        | prefix_sdpa         | "0": a full layer's cached prefix by the online  | on      |
 |                           |                     | softmax slices instead of torch's efficient SDPA |         |
 | GPURIG_EXPANDABLE_SEGMENTS| expandable_segments | "0": no expandable segments under a memory cap   | on      |
