@@ -182,6 +182,9 @@ def test_passes_a_graph_cannot_read_are_left_to_the_eager_path(tiny_engine):
         _close(eng.pool, slots)
 
 
+# the bucket's 27 padding rows attend over the padding slot's pool rows, which nothing
+# initialises (their writes land in the padding slot alone): the interpreter may overflow there
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
 def test_the_graphs_pass_leaves_the_pool_as_the_plain_pass(tiny_engine):
     """Three fresh prompts (one longer than the ring of 16 slots, whose tail alone stays) in a
     64-row bucket with a spare segment, beside a fourth sequence whose rows must not change;
