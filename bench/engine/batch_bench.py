@@ -212,12 +212,24 @@ def bucket_times(eng, iters: int = 50) -> list[dict[str, Any]]:
     return out
 
 
+def replay_us_at_depth(eng, rows: int, depth: int, iters: int = 50) -> float:
+    """Mean microseconds of one replay of the `rows` bucket's step graph with every row a
+    sequence of its own `depth` tokens deep (random keys)."""
+    from bench.engine.rows import fill_rows, held_rows
+
+    graphs = eng.runner.graphs
+    with held_rows(eng, rows, depth + 8) as slots, torch.no_grad():
+        fill_rows(eng, slots, depth)
+        tokens = torch.full((rows,), 7, dtype=torch.int64, device=eng.device)
+        positions = torch.full((rows,), depth, dtype=torch.int64, device=eng.device)
+        graphs.run(tokens, positions, slots)  # stages these rows in the bucket's inputs
+        return replay_us(graphs._by_size[rows].graph, iters)
+
+
 def bucket_times_at_depth(eng, depth: int, iters: int = 50) -> list[dict[str, Any]]:
     """GPU time of one step per bucket with every row a sequence of its own `depth` tokens
     deep (random keys): the attention a sweep's steps do (input 512 and 128 new tokens: 512 to
     640), which `bucket_times` leaves out (how much: bench/NOTES.md v22)."""
-    from bench.engine.rows import fill_rows, held_rows
-
     graphs = eng.runner.graphs
     out: list[dict[str, Any]] = []
     if graphs is None:
@@ -225,12 +237,7 @@ def bucket_times_at_depth(eng, depth: int, iters: int = 50) -> list[dict[str, An
     for b in graphs.buckets:
         if b > eng.max_num_seqs or graphs._by_size[b].graph is None:
             continue
-        with held_rows(eng, b, depth + 8) as slots, torch.no_grad():
-            fill_rows(eng, slots, depth)
-            tokens = torch.full((b,), 7, dtype=torch.int64, device=eng.device)
-            positions = torch.full((b,), depth, dtype=torch.int64, device=eng.device)
-            graphs.run(tokens, positions, slots)  # stages these rows in the bucket's inputs
-            us = replay_us(graphs._by_size[b].graph, iters)
+        us = replay_us_at_depth(eng, b, depth, iters)
         out.append({"rows": b, "depth": depth, "step_us": round(us, 1),
                     "tok_s_at_full_bucket": round(b * 1e6 / us)})  # fmt: skip
     return out

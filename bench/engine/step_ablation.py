@@ -103,23 +103,16 @@ def ablated(kind: str | None) -> Iterator[None]:
 def step_us(eng, rows: int, depth: int, kind: str | None, iters: int = 50) -> float:
     """The bucket's step graph captured again under `kind`'s ablation and replayed with every
     row `depth` tokens deep (0: the padding rows the capture left)."""
-    from bench.engine.batch_bench import replay_us
-    from bench.engine.rows import fill_rows, held_rows
+    from bench.engine.batch_bench import replay_us, replay_us_at_depth
 
     graphs = eng.runner.graphs
     bucket = graphs._by_size[rows]
     with ablated(kind):
         bucket.graph = None
         graphs._capture(bucket)
-    with contextlib.ExitStack() as stack:
-        if depth:
-            slots = stack.enter_context(held_rows(eng, rows, depth + 8))
-            with torch.no_grad():
-                fill_rows(eng, slots, depth)
-            tokens = torch.full((rows,), 7, dtype=torch.int64, device=eng.device)
-            positions = torch.full((rows,), depth, dtype=torch.int64, device=eng.device)
-            graphs.run(tokens, positions, slots)  # stages the rows (one replay)
-        return replay_us(bucket.graph, iters)
+    if depth:
+        return replay_us_at_depth(eng, rows, depth, iters)
+    return replay_us(bucket.graph, iters)
 
 
 def ablation(eng, rows_list: list[int], depth: int) -> dict[str, Any]:
