@@ -1,4 +1,4 @@
-"""`bench.engine.batch_bench`'s closed loop (the sweep's loop in process, no server): every
+"""`lab.engine.batch_bench`'s closed loop (the sweep's loop in process, no server): every
 stream sends its rounds of requests one after another through a real engine (the CPU
 reference path here), and the late steps' figures are the differences of the clock's
 counters."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 import engine
-from bench.engine import batch_bench
+from lab.engine import batch_bench
 from engine.checkpoint_maker import make_checkpoint
 from engine.options import EngineOptions
 from engine.step_clock import HOST_PHASES, StepTimes

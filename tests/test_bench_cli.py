@@ -17,7 +17,7 @@ import pytest
     ],
 )
 def test_decode_variants_refuses_bad_flags(argv, capsys) -> None:
-    from bench.engine import decode_variants  # here, not at collection: it imports the kernels
+    from lab.engine import decode_variants  # here, not at collection: it imports the kernels
 
     with pytest.raises(SystemExit) as exc:
         decode_variants.main(argv)
@@ -27,7 +27,7 @@ def test_decode_variants_refuses_bad_flags(argv, capsys) -> None:
 
 @pytest.mark.parametrize("parts", ["profil", ",", "prefetch,nope"])
 def test_decode_profile_refuses_unknown_parts(parts, capsys) -> None:
-    from bench.engine import decode_profile
+    from lab.engine import decode_profile
 
     with pytest.raises(SystemExit) as exc:
         decode_profile.main(["--parts", parts])

@@ -1,11 +1,11 @@
-"""bench/engine/gil_probe.py: per op, alone and beside a thread spinning in Python, for each
+"""lab/engine/gil_probe.py: per op, alone and beside a thread spinning in Python, for each
 switch interval asked for; the interval is restored after."""
 
 from __future__ import annotations
 
 import sys
 
-from bench.engine.gil_probe import probe
+from lab.engine.gil_probe import probe
 
 
 def test_probe_times_every_op_at_every_interval() -> None:

@@ -1,4 +1,4 @@
-"""bench.engine.goals on results the GPU runs committed, laid out as goals.sh lays them out."""
+"""lab.engine.goals on results the GPU runs committed, laid out as goals.sh lays them out."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.engine import goals
+from lab.engine import goals
 
 RESULTS = Path(__file__).resolve().parents[1] / "bench" / "results"
 COLD = RESULTS / "engine" / "cold_start_h100_2026-12-07.json"

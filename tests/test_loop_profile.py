@@ -1,9 +1,9 @@
-"""bench/engine/loop_profile.py's reading of a profiler trace: graph replays told from the loop's
+"""lab/engine/loop_profile.py's reading of a profiler trace: graph replays told from the loop's
 own launches by their correlation ids, periods and what ran between, prompt passes left out."""
 
 from __future__ import annotations
 
-from bench.engine.loop_profile import EAGER_PASS, replays_and_between
+from lab.engine.loop_profile import EAGER_PASS, replays_and_between
 
 
 def _launch(corr: int) -> dict:

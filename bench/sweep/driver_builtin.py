@@ -15,7 +15,7 @@ chunk that carries a choice, an ITL per later chunk, the output token count from
 usage (the chunk count where a server sends no usage). One event loop per cell, one connection
 per request through the lean client in sse_client.py (httpx for https); a chunk is parsed as
 JSON only when it carries usage or an error. The driver's own CPU cost is measured by
-bench/sweep_cost.py.
+lab/sweep_cost.py.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Small pieces every sweep command line shares, kept below the front doors so that bench
-scripts (bench/sweep_e2b.py) and the CLI (mcp_server/cli_sweep.py) both use them: the
+scripts (lab/sweep_e2b.py) and the CLI (mcp_server/cli_sweep.py) both use them: the
 comma-separated number lists of argparse, and the progress bar on stderr.
 """
 

@@ -1,7 +1,7 @@
 """A lean HTTP/1.1 client for one streaming POST: asyncio streams, chunked decoding, SSE lines.
 
 Why not httpx here: the driver's own CPU per streamed chunk must stay far below the server's
-time per token (bench/sweep_cost.py measures it). httpx's async stack (anyio, httpcore, h11)
+time per token (lab/sweep_cost.py measures it). httpx's async stack (anyio, httpcore, h11)
 spent about 1 ms of CPU per chunk on the 2-core CI host; one read wake-up plus a few bytes
 operations per chunk costs a fraction of that. Plain http:// only (the sweep talks to servers on
 its own network); the driver falls back to httpx for https.

@@ -1,4 +1,4 @@
-// Shared by the engine's CUDA GEMV (w4gemv_cuda.cu) and bench/engine/cuda_chain.cu: the int4 codes
+// Shared by the engine's CUDA GEMV (w4gemv_cuda.cu) and lab/engine/cuda_chain.cu: the int4 codes
 // of compressed-tensors' pack-quantized layout unpacked to exact fp32 products, bf16 conversions,
 // a chunk's product over R rows, the swizzled staged row, the PDL wait/release (-DPDL=1 from
 // sm_90; without it both are empty), and from sm_90 the bulk copies and their barrier.

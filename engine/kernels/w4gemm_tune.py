@@ -31,7 +31,7 @@ _log = logging.getLogger(__name__)
 
 def tuned_table(gpu: str) -> dict[str, dict[str, Any]]:
     """The table measured on this GPU model and shipped with the package (empty if none):
-    bench/engine/gemm_bench.py --tune on the lent H200, bf16, shape key -> tiling."""
+    lab/engine/gemm_bench.py --tune on the lent H200, bf16, shape key -> tiling."""
     return tuning.shipped_table("w4gemm", gpu)
 
 

@@ -41,7 +41,7 @@ from engine.kernels.w4gemm_tune import random_layer, random_sets
 _log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_suffix(".cu")
-HEADER = Path(__file__).with_name("w4_codes.cuh")  # shared with bench/engine/cuda_chain.cu
+HEADER = Path(__file__).with_name("w4_codes.cuh")  # shared with lab/engine/cuda_chain.cu
 KERNEL_NAME = "w4gemv_cuda"
 KERNEL_VERSION = 4  # bump when the kernel changes: stored tilings of older versions are ignored
 MAX_AHEAD = 16  # 16-byte weight loads a thread may hold before the wait (registers)

@@ -2,7 +2,7 @@
 program puts side by side along N (NWN) and along K (NWK) for a shape and row bucket.
 
 Lookup: the table measured on the lent H200 (engine/kernels/configs/w4mma_NVIDIA_H200.json,
-written from bench/engine/gemm_bench.py's `w4_mma` cells, which time every candidate), then
+written from lab/engine/gemm_bench.py's `w4_mma` cells, which time every candidate), then
 `default_config`, which follows the shape of that table (K split until a warp has about three
 128-element steps; neighbouring tiles only for the widest matrices). Under Triton's CPU
 interpreter, `interpreter_config`: there a program's cost is its count of Python-level tensor

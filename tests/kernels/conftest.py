@@ -20,8 +20,7 @@ if not torch.cuda.is_available():
                  "engine.kernels.attention_decode", "engine.kernels.attention_paged",
                  "engine.kernels.w4gemm_kernel", "engine.kernels.w4mma_kernel",
                  "engine.kernels.w4gemm", "engine.kernels.attention_prefill",
-                 "engine.kernels.step_inputs", "engine.kernels.greedy_tail",
-                 "bench.engine.persistent_probe", "bench.engine.dataflow_probe"):  # fmt: skip
+                 "engine.kernels.step_inputs", "engine.kernels.greedy_tail"):  # fmt: skip
         if name in sys.modules:
             importlib.reload(sys.modules[name])
 

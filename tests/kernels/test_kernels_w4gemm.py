@@ -264,9 +264,9 @@ def test_captured_in_a_cuda_graph_and_replayed() -> None:
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the smoke mode is the CPU interpreter's")
 def test_gemm_bench_smoke_mode_writes_its_table(tmp_path) -> None:
-    """bench/engine/gemm_bench.py --smoke: every method measured or reported n/a with a reason,
+    """lab/engine/gemm_bench.py --smoke: every method measured or reported n/a with a reason,
     the kernel's error small, the JSON and markdown written."""
-    from bench.engine.gemm_bench import METHODS, main
+    from lab.engine.gemm_bench import METHODS, main
 
     out_json, out_md = tmp_path / "g.json", tmp_path / "g.md"
     assert main(["--smoke", "--rows", "1,4", "--out-json", str(out_json),
@@ -285,7 +285,7 @@ def test_gemm_bench_smoke_mode_writes_its_table(tmp_path) -> None:
 
 def test_gemm_bench_takes_each_cards_bandwidth() -> None:
     """The % column's base follows the card: an H100's table is not read against 4.8 TB/s."""
-    from bench.engine.gemm_bench import peak_gbps
+    from lab.engine.gemm_bench import peak_gbps
 
     assert peak_gbps("NVIDIA H100 80GB HBM3") == 3350.0
     assert peak_gbps("NVIDIA H200") == 4800.0
