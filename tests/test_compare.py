@@ -19,7 +19,8 @@ from server_support import ServerProcess, free_port
 
 from engine.checkpoint_maker import make_checkpoint
 from tools.compare import CompareRequest, CompareResult, ServerTarget, compare_outputs, compare_pair
-from tools.compare_client import CompareError, Output
+from tools.compare_client import CompareError
+from tools.compare_types import Output
 from tools.errors import InvalidInputError, NotFoundError
 
 # ---- the rules -------------------------------------------------------------------------------

@@ -25,12 +25,16 @@ from __future__ import annotations
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, Field
 
-from tools.compare_client import CompareClient, NoPromptIds, Output, leading_token_apart
+from tools.compare_client import CompareClient, NoPromptIds
+from tools.compare_types import Output, ServerTarget, leading_token_apart
 from tools.errors import InvalidInputError
+
+if TYPE_CHECKING:
+    from tools.compare_reference import ReferenceRun
 
 DEFAULT_TEXTS = (
     "The capital of France is",
@@ -46,25 +50,6 @@ PROBE_TEXT = "Hello, world! 12345 caf\u00e9 \u65e5\u672c"
 MAX_PROMPTS = 64
 MAX_PROMPT_TOKENS = 8192
 NEAR_TIE_NATS = 0.1
-
-
-class ServerTarget(BaseModel):
-    base_url: str = Field(
-        min_length=1,
-        max_length=2048,
-        description="the server's URL, e.g. http://127.0.0.1:8000 (a trailing /v1 is fine)",
-    )
-    name: str | None = Field(None, max_length=64, description="label in the report")
-    model: str | None = Field(
-        None, max_length=512, description="the served model name; default: the first listed"
-    )
-    api_key: str | None = Field(None, max_length=512, description="Bearer token, if it needs one")
-
-    def root(self) -> str:
-        url = self.base_url.strip().rstrip("/")
-        if not url.startswith(("http://", "https://")):
-            url = "http://" + url
-        return url[: -len("/v1")] if url.endswith("/v1") else url
 
 
 class CompareRequest(BaseModel):
@@ -191,8 +176,8 @@ def compare_pair(a: Output, b: Output, near_tie: float) -> tuple[int, Difference
     return agreed, Difference(position=agreed, a=sa, b=sb, near_tie=tie)
 
 
-def _reference_check(ref: Any, a: Output, b: Output) -> ReferenceCheck:
-    """ref: tools.compare_reference.ReferenceRun (its tokens and full log-probabilities)."""
+def _reference_check(ref: ReferenceRun, a: Output, b: Output) -> ReferenceCheck:
+    """Where each side departs from the reference's greedy tokens, and how sure it was there."""
 
     def agreed(out: Output) -> int:
         n = min(len(out.tokens), len(ref.tokens))

@@ -14,14 +14,12 @@ Two dialects, told apart by the server's own /v1/models (llama-server says `owne
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import httpx
 
+from tools.compare_types import Output, ServerTarget
 from tools.errors import GpurigError
-
-if TYPE_CHECKING:
-    from tools.compare import ServerTarget
 
 Dialect = Literal["openai", "llamacpp"]
 
@@ -32,16 +30,6 @@ class CompareError(GpurigError):
 
 class NoPromptIds(CompareError):
     """A server that does not return prompt_token_ids (no vLLM `return_token_ids`)."""
-
-
-class Output:
-    """One server's greedy answer: token ids, each one's log-probability (None: not given) and
-    the top-k map {token id: logprob} per position ({} where not given)."""
-
-    def __init__(
-        self, tokens: list[int], logprobs: list[float | None], top: list[dict[int, float]]
-    ) -> None:
-        self.tokens, self.logprobs, self.top = tokens, logprobs, top
 
 
 class CompareClient:
@@ -219,11 +207,6 @@ def llamacpp_output(tokens: list[int], entries: Any) -> Output:
                 top[position].setdefault(alt["id"], float(alt["logprob"]))
         position += 1
     return Output(tokens, logprobs, top)
-
-
-def leading_token_apart(a: list[int], b: list[int]) -> bool:
-    """The same ids, or the same but for one leading token that one side adds (a BOS)."""
-    return a == b or a[1:] == b or b[1:] == a
 
 
 def _error_message(data: Any) -> str:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tools.compare_client import leading_token_apart
+from tools.compare_types import leading_token_apart
 from tools.errors import InvalidInputError, NotFoundError
 
 DTYPES = ("float32", "float64", "bfloat16")
