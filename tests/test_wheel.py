@@ -84,8 +84,9 @@ def wheel(source: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     )  # fmt: skip
     if done.returncode != 0:
         said = done.stdout + done.stderr
-        if any(words in said for words in OFFLINE):
-            pytest.skip(f"the build needs setuptools from the package index: {said[-300:]}")
+        offline = [line.strip() for line in said.splitlines() if any(w in line for w in OFFLINE)]
+        if offline:
+            pytest.skip(f"the build needs setuptools from the package index: {offline[0]}")
         pytest.fail(f"pip wheel failed ({done.returncode}): {said[-2000:]}")
     (found,) = out.glob("gpurig-*.whl")
     return found
