@@ -10,7 +10,42 @@ from __future__ import annotations
 
 import argparse
 
+from bench.eval.models import EvalArguments
 from mcp_server.output import grid, kv_table, print_result
+from mcp_server.request_flags import Door, Flag, add_flags, build
+from tools.errors import InvalidInputError
+
+# EvalArguments' fields on the command line where the rule (--field-name) does not fit
+EVAL = Door(
+    EvalArguments,
+    flags={
+        "a": Flag(
+            names=("urls",),
+            nargs="*",
+            metavar="URL",
+            spread=("a", "b"),
+            help="one or two servers (none: --resume)",
+        ),
+        "a_name": Flag(names=("--name-a",), help="label of the first server (default a)"),
+        "b_name": Flag(names=("--name-b",), help="label of the second server (default b)"),
+        "a_model": Flag(
+            names=("--model-a",), help="served model name (default: the first it lists)"
+        ),
+        "b_model": Flag(
+            names=("--model-b",), help="served model name (default: the first it lists)"
+        ),
+        "path": Flag(metavar="FILE", help="jsonl suite: the question file"),
+        "scoring": Flag(help="jsonl (default: auto)"),
+        "recall_tokens": Flag(help="recall prompt size (1024)"),
+        "max_tokens": Flag(help="per answer (256)"),
+        "temperature": Flag(help="0: greedy (default)"),
+        "concurrency": Flag(help="questions in flight (4)"),
+        "timeout_s": Flag(names=("--timeout",), help="seconds per answer (300)"),
+        "out_dir": Flag(help="run directory (default: GPURIG_HOME/evals/<run id>)"),
+        "resume": Flag(metavar="DIR|ID", help="continue a run from its files"),
+    },
+    cli_only={"--json": "prints the result as JSON instead of tables: nothing to send"},
+)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -19,66 +54,25 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="score one or two servers on the same questions, paired (evaluate)",
         description="Ask one or two OpenAI-compatible servers the same questions through "
         "/v1/chat/completions (greedy, seeded), score each answer, and pair them question by "
-        "question: totals with 95%% intervals, both right / only A / only B / both wrong, "
+        "question: totals with 95% intervals, both right / only A / only B / both wrong, "
         "McNemar's exact p and the ids that differ. Suites: bfcl (BFCL v4 simple), jsonl "
         "(your {id, prompt, answer} file; exact or last number), recall (six-digit codes in "
         "numbered records). A killed run continues with --resume DIR.",
     )
-    p.add_argument("urls", nargs="*", metavar="URL", help="one or two servers (none: --resume)")
-    p.add_argument("--suite", choices=["bfcl", "jsonl", "recall"], default="jsonl")
-    p.add_argument("--path", metavar="FILE", help="jsonl suite: the question file")
-    p.add_argument("--scoring", choices=["exact", "last_number"], help="jsonl (default: auto)")
-    p.add_argument(
-        "--bfcl-category", choices=["simple_python", "live_simple"], default="simple_python"
-    )
-    p.add_argument("--recall-tokens", type=int, default=1024, help="recall prompt size (1024)")
-    p.add_argument("--limit", type=int, help="the first N questions only")
-    p.add_argument("--name-a", help="label of the first server (default a)")
-    p.add_argument("--name-b", help="label of the second server (default b)")
-    p.add_argument("--model-a", help="served model name (default: the first it lists)")
-    p.add_argument("--model-b", help="served model name (default: the first it lists)")
-    p.add_argument("--max-tokens", type=int, default=256, help="per answer (256)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--concurrency", type=int, default=4, help="questions in flight (4)")
-    p.add_argument("--timeout", type=float, default=300.0, help="seconds per answer (300)")
-    p.add_argument("--out-dir", help="run directory (default: GPURIG_HOME/evals/<run id>)")
-    p.add_argument("--resume", metavar="DIR|ID", help="continue a run from its files")
+    add_flags(p, EVAL)
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(func=_run)
 
 
 def _run(args: argparse.Namespace) -> int:
-    from bench.eval.models import build_request
     from bench.eval.run import evaluate
     from bench.sweep.progress import ProgressBar
-    from tools.errors import InvalidInputError
 
     if len(args.urls) > 2:
         raise InvalidInputError(
             f"{len(args.urls)} servers given", "give one or two URLs: URL_A [URL_B]"
         )
-    labels = [(args.name_a, args.model_a), (args.name_b, args.model_b)]
-    servers = [
-        {"base_url": url, "name": name, "model": model}
-        for url, (name, model) in zip(args.urls, labels, strict=False)
-    ]
-    request = build_request(
-        servers=servers,
-        suite=args.suite,
-        path=args.path,
-        scoring=args.scoring,
-        bfcl_category=args.bfcl_category,
-        recall_tokens=args.recall_tokens,
-        limit=args.limit,
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        seed=args.seed,
-        concurrency=args.concurrency,
-        timeout_s=args.timeout,
-        out_dir=args.out_dir,
-        resume=args.resume,
-    )
+    request = build(EVAL, args).request()
     result = evaluate(request, None if args.json else ProgressBar())
     print_result(result, args.json, render)
     return 0

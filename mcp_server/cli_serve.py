@@ -15,8 +15,71 @@ import sys
 import time
 
 from mcp_server.output import grid, kv_table, print_result
+from mcp_server.request_flags import Door, Flag, add_flags, build
+from tools.errors import InvalidInputError
+from tools.serving.models import StartRequest
 
 GIB = 2**30
+
+
+def env_pairs(pairs: list[str]) -> dict[str, str]:
+    """--env NAME=VALUE texts as the env dict."""
+    out: dict[str, str] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise InvalidInputError(f"--env {pair!r} is not NAME=VALUE", "e.g. --env HF_HOME=/hf")
+        out[key] = value
+    return out
+
+
+def shell_words(texts: list[str]) -> list[str]:
+    """--extra-args texts, each split like a shell: --extra-args='--seed 0' -> two words."""
+    return [word for text in texts for word in shlex.split(text)]
+
+
+def check_pairs(texts: list[str]) -> list[dict[str, str]]:
+    """--check PROMPT=>EXPECT texts as {prompt, expect} checks."""
+    checks = []
+    for text in texts:
+        prompt, sep, expect = text.rpartition("=>")
+        if not sep or not prompt.strip() or not expect.strip():
+            raise InvalidInputError(
+                f"--check {text!r} is not PROMPT=>EXPECT", 'e.g. --check "What is 2+2?=>4"'
+            )
+        checks.append({"prompt": prompt.strip(), "expect": expect.strip()})
+    return checks
+
+
+# How ServerArgs' fields (tools/serving/models.py) show on the command line where the rule
+# (--field-name, type, default and help from the field) does not fit: `gpurig up` shares it.
+SERVER_FLAGS: dict[str, Flag] = {
+    "model": Flag(names=("model",), help="checkpoint directory or Hugging Face id (org/name)"),
+    "python_bin": Flag(names=("--python",), help="serving interpreter (GPURIG_PYTHON)"),
+    "tensor_parallel_size": Flag(names=("-tp", "--tensor-parallel-size")),
+    "max_model_len": Flag(help="context length (engine: --max-ctx)"),
+    "cpu_kv_cache_gib": Flag(metavar="N"),
+    "env": Flag(repeat=True, parse=env_pairs, metavar="NAME=VALUE", help="set for the server"),
+    "extra_args": Flag(
+        repeat=True,
+        parse=shell_words,
+        metavar="'FLAGS'",
+        help="flags passed to the server as-is, split like a shell: --extra-args='--seed 0' "
+        "(checked against the installed vLLM's own flags)",
+    ),
+    "timeout_s": Flag(names=("--timeout",), help="seconds to wait for ready (default 900)"),
+}
+PRESENTATION = {"--json": "prints the result as JSON instead of a table: nothing to send"}
+
+START = Door(
+    StartRequest,
+    flags={
+        **SERVER_FLAGS,
+        "pipeline_parallel_size": Flag(names=("-pp", "--pipeline-parallel-size")),
+        "wait": Flag(names=("--no-wait",), invert=True, help="return once the process started"),
+    },
+    cli_only=PRESENTATION,
+)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -30,48 +93,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     serve.set_defaults(func=lambda _a: (serve.print_help(), 2)[1])
 
     p = sub.add_parser("start", help="start a server and wait until it serves")
-    p.add_argument("model", help="checkpoint directory or Hugging Face id (org/name)")
-    p.add_argument("--backend", choices=["vllm", "engine", "llamacpp"], default="vllm")
-    p.add_argument("--name", help="a name for the server (default: BACKEND-PORT)")
-    p.add_argument("--python", dest="python_bin", help="serving interpreter (GPURIG_PYTHON)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--dtype", default="auto", help="auto: float16 below capability 8")
-    p.add_argument("--kv-cache-dtype", default="auto")
-    p.add_argument("-tp", "--tensor-parallel-size", type=int, default=1)
-    p.add_argument("-pp", "--pipeline-parallel-size", type=int, default=1)
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    p.add_argument("--max-model-len", type=int, help="context length (engine: --max-ctx)")
-    p.add_argument("--max-num-seqs", type=int)
-    p.add_argument("--attention-backend", help="e.g. TRITON_ATTN, FLEX_ATTENTION")
-    p.add_argument("--device", help="engine only: cuda, cuda:1 or cpu")
-    p.add_argument(
-        "--cpu-kv-cache-gib",
-        type=int,
-        metavar="N",
-        help="vLLM's CPU build: its KV cache in GiB (VLLM_CPU_KVCACHE_SPACE; default a quarter "
-        "of free RAM, at most 8), checked against the RAM available",
-    )
-    p.add_argument(
-        "--server-bin",
-        help="llamacpp only: the llama-server binary (default: GPURIG_LLAMA_SERVER, gpurig's "
-        "build from .ci/llama-cpp-build, or PATH)",
-    )
-    p.add_argument("--gpu-layers", type=int, help="llamacpp only: layers on the GPU (-ngl)")
-    p.add_argument(
-        "--env", action="append", default=[], metavar="NAME=VALUE", help="set for the server"
-    )
-    p.add_argument("--timeout", type=float, default=900, help="seconds to wait (default 900)")
-    p.add_argument("--no-wait", action="store_true", help="return once the process started")
-    p.add_argument("--json", action="store_true")
-    p.add_argument(
-        "--extra-args",
-        action="append",
-        default=[],
-        metavar="'FLAGS'",
-        help="flags passed to the server as-is, split like a shell: --extra-args='--seed 0' "
-        "(checked against the installed vLLM's own flags)",
-    )
+    add_flags(p, START)
+    p.add_argument("--json", action="store_true", help="print the record as JSON")
     p.set_defaults(func=_start)
 
     p = sub.add_parser("stop", help="stop a server (SIGTERM, SIGKILL after --timeout)")
@@ -142,36 +165,12 @@ class LiveLine:
         sys.stderr.flush()
 
 
-def _env(pairs: list[str]) -> dict[str, str]:
-    from tools.errors import InvalidInputError
-
-    out: dict[str, str] = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep or not key:
-            raise InvalidInputError(
-                f"--env {pair!r} is not NAME=VALUE", "e.g. --env HF_HOME=/opt1/hf"
-            )
-        out[key] = value
-    return out
-
-
 def _start(args: argparse.Namespace) -> int:
     from tools.serving import start_vllm_server
 
-    live = LiveLine() if not args.json and not args.no_wait else None
-    record = start_vllm_server(
-        args.model, backend=args.backend, name=args.name, python_bin=args.python_bin,
-        host=args.host, port=args.port, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
-        tensor_parallel_size=args.tensor_parallel_size,
-        pipeline_parallel_size=args.pipeline_parallel_size,
-        gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs, attention_backend=args.attention_backend,
-        extra_args=[a for text in args.extra_args for a in shlex.split(text)], env=_env(args.env), timeout_s=args.timeout,
-        wait=not args.no_wait, progress=live, device=args.device,
-        cpu_kv_cache_gib=args.cpu_kv_cache_gib, server_bin=args.server_bin,
-        gpu_layers=args.gpu_layers,
-    )  # fmt: skip
+    request = build(START, args)
+    live = LiveLine() if not args.json and request.wait else None
+    record = start_vllm_server(**request.model_dump(), progress=live)
     if live and live.tty and record.state != "ready":
         sys.stderr.write("\n")
     print_result(record, args.json, render_record)
@@ -300,16 +299,9 @@ def _query(args: argparse.Namespace) -> int:
 
 
 def _spot_check(args: argparse.Namespace) -> int:
-    from tools.errors import InvalidInputError
     from tools.serving import spot_check
 
-    checks = []
-    for text in args.check:
-        prompt, sep, expect = text.rpartition("=>")
-        if not sep or not prompt.strip() or not expect.strip():
-            raise InvalidInputError(f"--check {text!r} is not PROMPT=>EXPECT",
-                                    'e.g. --check "What is 2+2?=>4"')  # fmt: skip
-        checks.append({"prompt": prompt.strip(), "expect": expect.strip()})
+    checks = check_pairs(args.check)
     result = spot_check(
         name=args.name, base_url=args.base_url, checks=checks,
         builtin_checks=not args.no_builtin_checks,

@@ -13,8 +13,10 @@ import argparse
 import json
 from pathlib import Path
 
+from bench.sweep.models import SearchSpec, SweepRequest, Workload
 from bench.sweep.progress import ProgressBar, float_list, int_list
 from mcp_server.output import kv_table, print_result
+from mcp_server.request_flags import Composed, Door, Flag, Nested, add_flags, build
 from tools.errors import InvalidInputError
 
 
@@ -36,38 +38,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--targets-file", metavar="FILE", help="JSON list of target objects")
     p.add_argument("--model-dir", action="append", default=[], metavar="LABEL=DIR",
                    help="a target's checkpoint directory (its tokenizer; the roofline)")  # fmt: skip
-    p.add_argument("--input-lens", type=int_list, default=[512, 4096], metavar="N,N")
-    p.add_argument("--output-len", type=int, default=128)
-    p.add_argument(
-        "--concurrency",
-        type=int_list,
-        default=None,
-        metavar="C,C",
-        help="closed-loop levels (default 1,4,8,16 unless --request-rate or --search)",
-    )
-    p.add_argument("--request-rate", type=float_list, default=None, metavar="R,R",
-                   help="open-loop levels in requests per second")  # fmt: skip
-    p.add_argument("--burstiness", type=float, default=None, help="gamma shape (1: Poisson)")
-    p.add_argument("--max-concurrency", type=int, default=None, help="cap of the rate cells")
-    p.add_argument("--slo", action="append", default=[], metavar="METRIC_pP_ms=MS",
-                   help="e.g. --slo ttft_p99_ms=500 --slo tpot_p99_ms=50")  # fmt: skip
-    p.add_argument("--search", choices=["concurrency", "rate"],
-                   help="find the highest load meeting the --slo")  # fmt: skip
-    p.add_argument("--search-start", type=float, default=None)
-    p.add_argument("--search-max", type=float, default=None)
-    p.add_argument("--range-ratio", type=float, default=None, help="lengths drawn +-ratio")
-    p.add_argument("--length-dist", choices=["uniform", "normal"], default=None)
-    p.add_argument("--prefix-len", type=int, default=None, help="shared prefix tokens")
-    p.add_argument("--prefix-groups", type=int, default=None, help="distinct prefixes per cell")
-    p.add_argument("--turns", type=int, default=None, help="turns per conversation")
-    p.add_argument("--dataset", help="ShareGPT JSON or JSONL of {prompt, output_len}")
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--prompts-per-cell", type=int, default=None)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--driver", choices=["builtin", "vllm-bench"], default="builtin")
-    p.add_argument("--out", dest="out_dir", help="output directory (default: a new one)")
-    p.add_argument("--resume", metavar="DIR|ID", help="continue a sweep from its files")
-    p.add_argument("--detach", action="store_true", help="run in a background worker")
+    add_flags(p, SWEEP)
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(func=_run)
 
@@ -95,8 +66,11 @@ def _pair(text: str, flag: str) -> tuple[str, str]:
     return label, value
 
 
-def parse_targets(args: argparse.Namespace) -> list[dict]:
-    """The targets from --targets-file, --target and --serve, with --model-dir applied."""
+def parse_targets(args: argparse.Namespace) -> list[dict] | None:
+    """The targets from --targets-file, --target and --serve, with --model-dir applied (none
+    with --resume: the sweep's own)."""
+    if args.resume:
+        return None
     targets: list[dict] = []
     if args.targets_file:
         try:
@@ -145,57 +119,52 @@ def parse_slo(items: list[str]) -> dict[str, float] | None:
     return out or None
 
 
-def load_options(args: argparse.Namespace) -> dict:
-    """The load, SLO, search and workload arguments of run_sweep from the flags given."""
-    search = None
-    if args.search:
-        search = {"axis": args.search}
-        if args.search_start is not None:
-            search["start"] = args.search_start
-        if args.search_max is not None:
-            search["max"] = args.search_max
-    workload = {
-        k: v
-        for k, v in {
-            "range_ratio": args.range_ratio,
-            "length_dist": args.length_dist,
-            "prefix_len": args.prefix_len,
-            "prefix_groups": args.prefix_groups,
-            "turns": args.turns,
-            "dataset": args.dataset,
-        }.items()
-        if v is not None
-    }
-    return {
-        "request_rate": args.request_rate,
-        "burstiness": args.burstiness,
-        "max_concurrency": args.max_concurrency,
-        "slo": parse_slo(args.slo),
-        "search": search,
-        "workload": workload or None,
-    }
+# SweepRequest's fields on the command line where the rule (--field-name) does not fit
+SWEEP = Door(
+    SweepRequest,
+    flags={
+        "targets": Composed(
+            ("--target", "--serve", "--targets-file", "--model-dir"), build=parse_targets
+        ),
+        "input_lens": Flag(type=int_list, metavar="N,N", help="prompt lengths (default 512,4096)"),
+        "concurrency": Flag(
+            type=int_list,
+            metavar="C,C",
+            help="closed-loop levels (default 1,4,8,16 unless --request-rate or --search)",
+        ),
+        "request_rate": Flag(
+            type=float_list, metavar="R,R", help="open-loop levels in requests per second"
+        ),
+        "burstiness": Flag(help="gamma shape (1: Poisson)"),
+        "max_concurrency": Flag(help="cap of the rate cells"),
+        "slo": Flag(
+            repeat=True,
+            parse=parse_slo,
+            metavar="METRIC_pP_ms=MS",
+            help="e.g. --slo ttft_p99_ms=500 --slo tpot_p99_ms=50",
+        ),
+        "search": Nested(
+            SearchSpec,
+            prefix="search_",
+            flags={
+                "axis": Flag(names=("--search",), help="find the highest load meeting the --slo")
+            },
+        ),
+        "workload": Nested(Workload),
+        "out_dir": Flag(names=("--out",), help="output directory (default: a new one)"),
+        "resume": Flag(metavar="DIR|ID", help="continue a sweep from its files"),
+        "wait": Flag(names=("--detach",), invert=True, help="run in a background worker"),
+    },
+    cli_only={"--json": "prints the result as JSON instead of a table: nothing to send"},
+)
 
 
 def _run(args: argparse.Namespace) -> int:
     from bench.sweep.run import run_sweep
 
-    targets = None if args.resume else parse_targets(args)
-    bar = None if args.detach or args.json else ProgressBar()
-    result = run_sweep(
-        targets=targets,
-        input_lens=args.input_lens,
-        output_len=args.output_len,
-        concurrency=args.concurrency,
-        repeats=args.repeats,
-        prompts_per_cell=args.prompts_per_cell,
-        seed=args.seed,
-        driver=args.driver,
-        out_dir=args.out_dir,
-        resume=args.resume,
-        wait=not args.detach,
-        progress=bar,
-        **load_options(args),
-    )
+    request = build(SWEEP, args)
+    bar = None if not request.wait or args.json else ProgressBar()
+    result = run_sweep(**request.arguments(), progress=bar)
     print_result(result, args.json, render_result)
     return 0
 

@@ -9,16 +9,42 @@ what to do), 2 bad input.
 from __future__ import annotations
 
 import argparse
-import shlex
 import shutil
 import sys
 import textwrap
 import time
 
+from mcp_server.cli_serve import PRESENTATION, SERVER_FLAGS, check_pairs
 from mcp_server.output import grid, print_result
-from mcp_server.wording import cli_flag
+from mcp_server.request_flags import Door, Flag, add_flags, build
+from tools.bring_up_models import BringUpRequest
 
 FOUND_WIDTH = 84
+
+# BringUpRequest's fields on the command line where the rule does not fit (the server's own
+# are cli_serve.SERVER_FLAGS, shared with `gpurig serve start`)
+UP = Door(
+    BringUpRequest,
+    flags={
+        **SERVER_FLAGS,
+        "apply_patch": Flag(
+            names=("--no-patch",),
+            invert=True,
+            help="below capability 8, stop at a stock vLLM instead of applying the Turing patch",
+        ),
+        "checks": Flag(
+            names=("--check",), repeat=True, parse=check_pairs, metavar="PROMPT=>EXPECT"
+        ),
+        "builtin_checks": Flag(
+            names=("--no-builtin-checks",), invert=True, help="only the --check ones"
+        ),
+        "sweep": Flag(help="end with concurrency 1 and 4"),
+        "sweep_input_len": Flag(metavar="TOKENS"),
+        "sweep_output_len": Flag(metavar="TOKENS"),
+        "sweep_prompts": Flag(metavar="N"),
+    },
+    cli_only=PRESENTATION,
+)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -29,35 +55,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "stops at the first failure with its cause and the command that fixes it. A running "
         "server of that name and model is reused.",
     )
-    p.add_argument("model", help="checkpoint directory or Hugging Face id (org/name)")
-    p.add_argument("--backend", choices=["vllm", "engine", "llamacpp"], default="vllm")
-    p.add_argument("--name", help="the server's name (default: BACKEND-PORT)")
-    p.add_argument("--python", dest="python_bin", help="serving interpreter (GPURIG_PYTHON)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--dtype", default="auto", help="auto: float16 below capability 8")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    p.add_argument("-tp", "--tensor-parallel-size", type=int, default=1)
-    p.add_argument("--max-model-len", type=int, help="context length (engine: --max-ctx)")
-    p.add_argument("--max-num-seqs", type=int)
-    p.add_argument("--device", help="engine only: cuda, cuda:1 or cpu")
-    p.add_argument("--cpu-kv-cache-gib", type=int, metavar="N", help="vLLM's CPU build: KV GiB")
-    p.add_argument("--env", action="append", default=[], metavar="NAME=VALUE")
-    p.add_argument("--extra-args", action="append", default=[], metavar="'FLAGS'")
-    p.add_argument("--timeout", type=float, default=900, help="seconds to wait for ready")
-    p.add_argument(
-        "--no-patch",
-        dest="apply_patch",
-        action="store_false",
-        help="below capability 8, stop at a stock vLLM instead of applying the Turing patch",
-    )
-    p.add_argument("--check", action="append", default=[], metavar="PROMPT=>EXPECT")
-    p.add_argument("--no-builtin-checks", action="store_true", help="only the --check ones")
-    p.add_argument("--sweep", action="store_true", help="end with concurrency 1 and 4")
-    p.add_argument("--sweep-input-len", type=int, default=512, metavar="TOKENS")
-    p.add_argument("--sweep-output-len", type=int, default=64, metavar="TOKENS")
-    p.add_argument("--sweep-prompts", type=int, default=8, metavar="N", help="per level")
-    p.add_argument("--json", action="store_true")
+    add_flags(p, UP)
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=_up)
 
 
@@ -90,25 +89,6 @@ class StepLine:
             sys.stderr.write("\n")
 
 
-def _pairs(args: argparse.Namespace) -> tuple[dict[str, str], list[dict[str, str]]]:
-    """--env NAME=VALUE and --check PROMPT=>EXPECT, checked."""
-    from tools.errors import InvalidInputError
-
-    env: dict[str, str] = {}
-    for pair in args.env:
-        key, sep, value = pair.partition("=")
-        if not sep or not key:
-            raise InvalidInputError(f"--env {pair!r} is not NAME=VALUE", "e.g. --env HF_HOME=/hf")
-        env[key] = value
-    checks = []
-    for text in args.check:
-        prompt, sep, expect = text.rpartition("=>")
-        if not sep or not prompt.strip() or not expect.strip():
-            raise InvalidInputError(f"--check {text!r} is not PROMPT=>EXPECT", "e.g. '2+2?=>4'")
-        checks.append({"prompt": prompt.strip(), "expect": expect.strip()})
-    return env, checks
-
-
 def wrap_found(found: list[str], width: int = FOUND_WIDTH) -> list[str]:
     """The found column, folded so the table fits a terminal (continuations indented)."""
     wrap = textwrap.TextWrapper(
@@ -137,32 +117,10 @@ def render(report) -> str:
 
 
 def _up(args: argparse.Namespace) -> int:
-    from pydantic import ValidationError
-
     from bench.bring_up_sweep import short_sweep
     from tools.bring_up import bring_up
-    from tools.bring_up_models import BringUpRequest
-    from tools.errors import InvalidInputError
 
-    env, checks = _pairs(args)
-    try:
-        request = BringUpRequest(
-            model=args.model, backend=args.backend, name=args.name, python_bin=args.python_bin,
-            host=args.host, port=args.port, dtype=args.dtype,
-            gpu_memory_utilization=args.gpu_memory_utilization,
-            tensor_parallel_size=args.tensor_parallel_size,
-            max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, device=args.device,
-            cpu_kv_cache_gib=args.cpu_kv_cache_gib, env=env,
-            extra_args=[a for text in args.extra_args for a in shlex.split(text)],
-            timeout_s=args.timeout, apply_patch=args.apply_patch, checks=checks,
-            builtin_checks=not args.no_builtin_checks, sweep=args.sweep,
-            sweep_input_len=args.sweep_input_len, sweep_output_len=args.sweep_output_len,
-            sweep_prompts=args.sweep_prompts,
-        )  # fmt: skip
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        flag = cli_flag(str(first["loc"][0])) if first["loc"] else "arguments"
-        raise InvalidInputError(f"{flag}: {first['msg']}", remedy="fix that flag") from exc
+    request = build(UP, args)
     live = None if args.json else StepLine()
     try:
         report = bring_up(request, progress=live, measure=short_sweep)

@@ -6,7 +6,7 @@ server it starts runs detached and outlives this MCP server.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated
 
 import anyio
 import anyio.from_thread
@@ -16,7 +16,7 @@ from mcp.types import ToolAnnotations
 from pydantic import BaseModel, Field
 
 from mcp_server.annotations import DESTRUCTIVE, READ_ONLY
-from mcp_server.mcp_host import PythonBin
+from mcp_server.request_params import flat_arguments
 from tools import serving
 from tools.serving import (
     LogsResult,
@@ -26,6 +26,7 @@ from tools.serving import (
     StatusReport,
     StopResult,
 )
+from tools.serving.models import StartRequest
 
 # Starting a process and querying a model touch the host but destroy nothing.
 STARTS = ToolAnnotations(
@@ -58,48 +59,8 @@ async def _in_thread(fn, *args, **kwargs):
 
 def register(mcp: MCPServer) -> None:
     @mcp.tool(annotations=STARTS)
-    async def start_vllm_server(
-        model: Annotated[
-            str, Field(min_length=1, description="a checkpoint directory or a hub id (org/name)")
-        ],
-        ctx: Context,
-        backend: Literal["vllm", "engine", "llamacpp"] = "vllm",
-        name: Name = None,
-        python_bin: PythonBin = None,
-        host: str = "127.0.0.1",
-        port: Annotated[int, Field(ge=1, le=65535)] = 8000,
-        dtype: str = "auto",
-        kv_cache_dtype: str = "auto",
-        tensor_parallel_size: Annotated[int, Field(ge=1)] = 1,
-        pipeline_parallel_size: Annotated[int, Field(ge=1)] = 1,
-        gpu_memory_utilization: Annotated[float, Field(gt=0, le=1)] = 0.9,
-        max_model_len: Annotated[int | None, Field(ge=1)] = None,
-        max_num_seqs: Annotated[int | None, Field(ge=1)] = None,
-        attention_backend: str | None = None,
-        extra_args: list[str] | None = None,
-        env: dict[str, str] | None = None,
-        timeout_s: Annotated[float, Field(gt=0, le=7200)] = 900,
-        wait: bool = True,
-        device: Annotated[str | None, Field(description="engine only: cuda, cuda:1 or cpu")] = None,
-        cpu_kv_cache_gib: Annotated[
-            int | None,
-            Field(
-                ge=1,
-                description="vLLM's CPU build only: its KV cache in GiB (VLLM_CPU_KVCACHE_SPACE; "
-                "default a quarter of free RAM, at most 8), checked against the RAM available",
-            ),
-        ] = None,
-        server_bin: Annotated[
-            str | None,
-            Field(
-                description="llamacpp only: the llama-server binary (default: "
-                "GPURIG_LLAMA_SERVER, gpurig's build from .ci/llama-cpp-build, or PATH)"
-            ),
-        ] = None,
-        gpu_layers: Annotated[
-            int | None, Field(ge=0, description="llamacpp only: layers on the GPU (-ngl)")
-        ] = None,
-    ) -> ServerRecord:
+    @flat_arguments(StartRequest)
+    async def start_vllm_server(ctx: Context, request: StartRequest) -> ServerRecord:
         """Start an OpenAI-compatible server (vLLM, gpurig's engine, or llama.cpp's
         llama-server) detached, and wait until it serves (GET /health 200 and the model in
         /v1/models).
@@ -128,16 +89,8 @@ def register(mcp: MCPServer) -> None:
             anyio.from_thread.run(ctx.report_progress, done, total, message)
 
         return await _in_thread(
-            serving.start_vllm_server, model, backend=backend, name=name, python_bin=python_bin,
-            host=host, port=port, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
-            tensor_parallel_size=tensor_parallel_size,
-            pipeline_parallel_size=pipeline_parallel_size,
-            gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
-            max_num_seqs=max_num_seqs, attention_backend=attention_backend,
-            extra_args=extra_args or [], env=env or {}, timeout_s=timeout_s, wait=wait,
-            progress=progress, device=device, cpu_kv_cache_gib=cpu_kv_cache_gib,
-            server_bin=server_bin, gpu_layers=gpu_layers,
-        )  # fmt: skip
+            serving.start_vllm_server, **request.model_dump(), progress=progress
+        )
 
     @mcp.tool(annotations=DESTRUCTIVE)
     async def stop_vllm_server(

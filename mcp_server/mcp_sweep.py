@@ -4,13 +4,14 @@ compare_sweeps).
 run_sweep runs in a worker thread so the server keeps answering while it measures; with
 wait=True every finished request becomes a progress notification (when the client asked for
 them with a progress token), with wait=False it returns at once and sweep_status follows the
-detached worker.
+detached worker. run_sweep's arguments are SweepRequest's fields, flat
+(mcp_server/request_params.py).
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Annotated, Any, Literal
+from typing import Annotated
 
 import anyio
 import anyio.from_thread
@@ -22,8 +23,9 @@ from bench.sweep import compare as sweep_compare
 from bench.sweep import lookup as sweep_lookup
 from bench.sweep import run as sweep_run
 from bench.sweep.compare import CompareResult
-from bench.sweep.models import SweepResult, SweepStatus
+from bench.sweep.models import SweepRequest, SweepResult, SweepStatus
 from mcp_server.annotations import READ_ONLY
+from mcp_server.request_params import flat_arguments
 
 RUNS_SERVERS = ToolAnnotations(
     read_only_hint=False, destructive_hint=False, idempotent_hint=False, open_world_hint=False
@@ -32,72 +34,8 @@ RUNS_SERVERS = ToolAnnotations(
 
 def register(mcp: MCPServer) -> None:
     @mcp.tool(annotations=RUNS_SERVERS)
-    async def run_sweep(
-        ctx: Context,
-        targets: Annotated[
-            list[dict[str, Any]] | None,
-            Field(
-                description="servers to compare, each {'label', 'base_url'} (a running "
-                "OpenAI-compatible server, base_url ending in /v1) or {'label', 'server': "
-                "{start_vllm_server arguments}} (started and stopped by the sweep, one at a "
-                "time); optional 'model_dir' (local checkpoint: tokenizer and roofline), "
-                "'model', 'prompt_format' ('token_ids' or 'text'), 'python_bin'"
-            ),
-        ] = None,
-        input_lens: Annotated[list[int] | None, Field(description="default [512, 4096]")] = None,
-        output_len: Annotated[int, Field(ge=2, le=65536)] = 128,
-        concurrency: Annotated[
-            list[int] | None,
-            Field(description="closed-loop levels; default [1, 4, 8, 16] without a rate/search"),
-        ] = None,
-        request_rate: Annotated[
-            list[float] | None,
-            Field(description="open-loop levels (requests/s), arrivals seeded per cell"),
-        ] = None,
-        burstiness: Annotated[
-            float | None, Field(gt=0, description="gamma shape of arrival gaps; 1 = Poisson")
-        ] = None,
-        max_concurrency: Annotated[
-            int | None, Field(ge=1, description="cap of in-flight requests in rate cells")
-        ] = None,
-        slo: Annotated[
-            dict[str, float] | None,
-            Field(
-                description="e.g. {'ttft_p99_ms': 500, 'tpot_p99_ms': 50}: METRIC_pP_ms with "
-                "METRIC ttft, tpot, itl or e2e; adds goodput and pass/fail per cell"
-            ),
-        ] = None,
-        search: Annotated[
-            dict[str, Any] | None,
-            Field(
-                description="{'axis': 'concurrency'|'rate', 'start': 1, 'max': 256}: instead "
-                "of the grid, find the highest load meeting slo per target and input length"
-            ),
-        ] = None,
-        workload: Annotated[
-            dict[str, Any] | None,
-            Field(
-                description="{'range_ratio', 'length_dist': 'uniform'|'normal', 'prefix_len', "
-                "'prefix_groups', 'turns', 'dataset': ShareGPT JSON or JSONL path}"
-            ),
-        ] = None,
-        repeats: Annotated[int, Field(ge=1, le=50)] = 3,
-        prompts_per_cell: Annotated[
-            int | None,
-            Field(ge=1, description="requests per cell; default max(8, 4 x concurrency)"),
-        ] = None,
-        seed: Annotated[int, Field(ge=0, lt=2**32)] = 0,
-        driver: Literal["builtin", "vllm-bench"] = "builtin",
-        out_dir: Annotated[
-            str | None, Field(description="default: GPURIG_HOME/sweeps/<sweep id>")
-        ] = None,
-        resume: Annotated[
-            str | None, Field(description="a sweep's directory or id to continue")
-        ] = None,
-        wait: Annotated[
-            bool, Field(description="false: return at once; follow with sweep_status")
-        ] = True,
-    ) -> SweepResult:
+    @flat_arguments(SweepRequest)
+    async def run_sweep(ctx: Context, request: SweepRequest) -> SweepResult:
         """Benchmark servers side by side on identical prompts: a sweep over input lengths x
         load (concurrency, or request rate) x repeats, or an SLO search, with a report.
 
@@ -125,26 +63,7 @@ def register(mcp: MCPServer) -> None:
                 anyio.from_thread.run(ctx.report_progress, float(done), float(total), message)
 
         def work() -> SweepResult:
-            return sweep_run.run_sweep(
-                targets=targets,
-                input_lens=input_lens,
-                output_len=output_len,
-                concurrency=concurrency,
-                repeats=repeats,
-                prompts_per_cell=prompts_per_cell,
-                seed=seed,
-                driver=driver,
-                out_dir=out_dir,
-                resume=resume,
-                wait=wait,
-                progress=progress,
-                request_rate=request_rate,
-                burstiness=burstiness,
-                max_concurrency=max_concurrency,
-                slo=slo,
-                search=search,
-                workload=workload,
-            )
+            return sweep_run.run_sweep(**request.arguments(), progress=progress)
 
         return await anyio.to_thread.run_sync(work)
 

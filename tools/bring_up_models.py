@@ -11,7 +11,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from tools.serving.models import Backend, ServerRecord, SpotCheckResult
+from tools.serving.models import ServerArgs, ServerRecord, SpotCheckResult
 
 StepName = Literal["inputs", "doctor", "turing patch", "start", "spot check", "sweep"]
 STEPS: tuple[StepName, ...] = ("inputs", "doctor", "turing patch", "start", "spot check", "sweep")
@@ -27,38 +27,24 @@ class SpotCheckSpec(BaseModel):
     expect: str = Field(min_length=1, description="must appear in the answer as a whole word")
 
 
-class BringUpRequest(BaseModel):
-    """What to bring up: start_vllm_server's main arguments, the checks and the short sweep.
-    Checked here, before any step runs, so bad input starts nothing."""
+class BringUpRequest(ServerArgs):
+    """What to bring up: start_vllm_server's main arguments (ServerArgs, declared once in
+    tools/serving/models.py), the checks and the short sweep. Checked here, before any step
+    runs, so bad input starts nothing; the MCP tool's schema and `gpurig up`'s flags are
+    generated from these fields (mcp_server/request_params.py, request_flags.py)."""
 
-    model_config = ConfigDict(extra="forbid")
-
-    model: str = Field(min_length=1, description="a checkpoint directory or a hub id (org/name)")
-    backend: Backend = "vllm"
-    name: str | None = Field(
-        None, min_length=1, max_length=64, description="the server's name; default BACKEND-PORT"
-    )
-    python_bin: str | None = Field(None, description="the serving interpreter (GPURIG_PYTHON)")
-    host: str = "127.0.0.1"
-    port: int = Field(8000, ge=1, le=65535)
-    dtype: str = Field("auto", description="auto: float16 below capability 8")
-    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
-    tensor_parallel_size: int = Field(1, ge=1, description="vLLM: GPUs to split the model over")
-    max_model_len: int | None = Field(None, ge=1, description="context length (engine: max_ctx)")
-    max_num_seqs: int | None = Field(None, ge=1)
-    device: str | None = Field(None, description="engine only: cuda, cuda:1 or cpu")
-    cpu_kv_cache_gib: int | None = Field(None, ge=1, description="vLLM's CPU build: KV GiB")
-    extra_args: list[str] = Field(default_factory=list, description="server flags, as-is")
-    env: dict[str, str] = Field(default_factory=dict, description="variables for the server")
-    timeout_s: float = Field(900, gt=0, le=7200, description="seconds to wait for ready")
     apply_patch: bool = Field(
         True,
         description="below capability 8, apply the Turing patch when vLLM is stock; false: "
         "stop there instead (with the command that applies it)",
     )
-    checks: list[SpotCheckSpec] = Field(default_factory=list, description="more spot checks")
+    checks: list[SpotCheckSpec] = Field(
+        default_factory=list, description="more {prompt, expect} spot checks"
+    )
     builtin_checks: bool = Field(True, description="391, Canberra, Au; off with no checks: skip")
-    sweep: bool = Field(False, description="end with a short sweep: one input length, conc 1, 4")
+    sweep: bool = Field(
+        False, description="end with a short sweep (concurrency 1 and 4, one repeat)"
+    )
     sweep_input_len: int = Field(512, ge=1, le=131072, description="the sweep's prompt tokens")
     sweep_output_len: int = Field(64, ge=2, le=8192, description="tokens per request")
     sweep_prompts: int = Field(8, ge=1, le=256, description="requests per concurrency level")

@@ -7,7 +7,7 @@ exactly what the killed one wrote and a report can be rebuilt from the files alo
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -19,14 +19,23 @@ BfclCategory = Literal["simple_python", "live_simple"]
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
 
 
+ServerUrl = Annotated[str, Field(min_length=1, description="e.g. http://127.0.0.1:8000/v1")]
+ServerName = Annotated[
+    str | None, Field(max_length=64, pattern=NAME_PATTERN, description="label; default a / b")
+]
+ServedModel = Annotated[
+    str | None, Field(description="served model id; default: /v1/models' first")
+]
+
+
 class ServerSpec(BaseModel):
     """One OpenAI-compatible server: its base URL (with or without /v1), a label, its model."""
 
     model_config = ConfigDict(extra="forbid")
 
-    base_url: str = Field(min_length=1, description="e.g. http://127.0.0.1:8000/v1")
-    name: str | None = Field(None, pattern=NAME_PATTERN, description="label; default a / b")
-    model: str | None = Field(None, description="served model id; default: /v1/models' first")
+    base_url: ServerUrl
+    name: ServerName = None
+    model: ServedModel = None
 
     @field_validator("base_url")
     @classmethod
@@ -37,12 +46,12 @@ class ServerSpec(BaseModel):
         return v if v.endswith("/v1") else v + "/v1"
 
 
-class EvalRequest(BaseModel):
-    """What to ask, whom, and how. Greedy (temperature 0) with a fixed seed unless told."""
+class EvalOptions(BaseModel):
+    """What to ask and how, the same for every server: EvalRequest and the front doors'
+    EvalArguments both take these fields, declared once here."""
 
     model_config = ConfigDict(extra="forbid")
 
-    servers: list[ServerSpec] = Field(default_factory=list, max_length=2)
     suite: Suite = "jsonl"
     path: str | None = Field(None, description="jsonl suite: the file of {id, prompt, answer}")
     scoring: Literal["exact", "last_number"] | None = Field(
@@ -52,13 +61,19 @@ class EvalRequest(BaseModel):
     bfcl_category: BfclCategory = "simple_python"
     recall_tokens: int = Field(1024, ge=64, le=1_000_000, description="recall prompt size")
     limit: int | None = Field(None, ge=1, description="the first N questions only")
-    max_tokens: int = Field(256, ge=1, le=65536)
-    temperature: float = Field(0.0, ge=0, le=2)
+    max_tokens: int = Field(256, ge=1, le=65536, description="per answer")
+    temperature: float = Field(0.0, ge=0, le=2, description="0: greedy")
     seed: int = Field(0, ge=0, lt=2**31)
-    concurrency: int = Field(4, ge=1, le=256)
-    timeout_s: float = Field(300.0, gt=0, le=3600)
+    concurrency: int = Field(4, ge=1, le=256, description="questions in flight")
+    timeout_s: float = Field(300.0, gt=0, le=3600, description="seconds per answer")
     out_dir: str | None = Field(None, description="default: GPURIG_HOME/evals/<run id>")
     resume: str | None = Field(None, description="a run's directory or id to continue")
+
+
+class EvalRequest(EvalOptions):
+    """What to ask, whom, and how. Greedy (temperature 0) with a fixed seed unless told."""
+
+    servers: list[ServerSpec] = Field(default_factory=list, max_length=2)
 
     @model_validator(mode="after")
     def _check(self) -> EvalRequest:
@@ -70,6 +85,32 @@ class EvalRequest(BaseModel):
         if len(set(names)) != len(names):
             raise ValueError("the two servers need different names")
         return self
+
+
+class EvalArguments(EvalOptions):
+    """`evaluate`'s arguments as the front doors take them, the two servers flat (a and b, each
+    with a label and a model), so an MCP client sends {"a": URL, "suite": ...}. The tool's input
+    schema and `gpurig eval`'s flags are generated from these fields; `request()` makes the
+    EvalRequest, refused in plain words."""
+
+    a: str | None = Field(None, min_length=1, description="the first server; none with resume")
+    b: str | None = Field(None, min_length=1, description="a second server to pair with a")
+    a_name: ServerName = Field(None, description="label of a (default a)")
+    b_name: ServerName = Field(None, description="label of b (default b)")
+    a_model: ServedModel = Field(None, description="a's served model; default: the first listed")
+    b_model: ServedModel = Field(None, description="b's served model; default: the first listed")
+
+    def request(self) -> EvalRequest:
+        servers = [
+            {"base_url": url, "name": name, "model": model}
+            for url, name, model in (
+                (self.a, self.a_name, self.a_model),
+                (self.b, self.b_name, self.b_model),
+            )
+            if url
+        ]
+        options = {name: getattr(self, name) for name in EvalOptions.model_fields}
+        return build_request(servers=servers, **options)
 
 
 class Question(BaseModel):

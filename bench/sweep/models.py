@@ -132,9 +132,11 @@ class SearchSpec(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    axis: Literal["concurrency", "rate"] = "concurrency"
-    start: float = Field(1.0, gt=0)
-    max: float = Field(256.0, gt=0)
+    axis: Literal["concurrency", "rate"] = Field(
+        "concurrency", description="find the highest load meeting the slo along this axis"
+    )
+    start: float = Field(1.0, gt=0, description="the first level tried")
+    max: float = Field(256.0, gt=0, description="the highest level tried")
     precision: float = Field(
         0.1, gt=0, lt=1, description="rate: stop when the bracket is this narrow (relative)"
     )
@@ -146,6 +148,67 @@ class SearchSpec(BaseModel):
         if self.axis == "concurrency" and (self.start != int(self.start)):
             raise ValueError("a concurrency search starts at a whole number")
         return self
+
+
+class SweepRequest(BaseModel):
+    """run_sweep's arguments, as the front doors take them: the one declaration of each (the MCP
+    tool's input schema and `gpurig sweep run`'s flags are generated from these fields,
+    mcp_server/request_params.py and request_flags.py). SweepConfig checks the whole plan."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    targets: list[Target] | None = Field(
+        None,
+        description="servers to compare, each {'label', 'base_url'} (a running "
+        "OpenAI-compatible server, base_url ending in /v1) or {'label', 'server': "
+        "{start_vllm_server arguments}} (started and stopped by the sweep, one at a time); "
+        "optional 'model_dir' (local checkpoint: tokenizer and roofline), 'model', "
+        "'prompt_format' ('token_ids' or 'text'), 'python_bin'",
+    )
+    input_lens: list[int] = Field([512, 4096], min_length=1, description="prompt lengths")
+    output_len: int = Field(128, ge=2, le=65536, description="tokens per request")
+    concurrency: list[int] | None = Field(
+        None, description="closed-loop levels; default [1, 4, 8, 16] without a rate or search"
+    )
+    request_rate: list[float] | None = Field(
+        None, description="open-loop levels (requests/s), arrivals seeded per cell"
+    )
+    burstiness: float | None = Field(
+        None, gt=0, description="gamma shape of arrival gaps; 1 = Poisson"
+    )
+    max_concurrency: int | None = Field(
+        None, ge=1, description="cap of in-flight requests in rate cells"
+    )
+    slo: dict[str, float] | None = Field(
+        None,
+        description="e.g. {'ttft_p99_ms': 500, 'tpot_p99_ms': 50}: METRIC_pP_ms with METRIC "
+        "ttft, tpot, itl or e2e; adds goodput and pass/fail per cell",
+    )
+    search: SearchSpec | None = Field(
+        None,
+        description="instead of the grid, find the highest load meeting slo per target and "
+        "input length",
+    )
+    workload: Workload | None = Field(
+        None, description="drawn lengths, shared prefixes, conversations or a dataset file"
+    )
+    repeats: int = Field(3, ge=1, le=50)
+    prompts_per_cell: int | None = Field(
+        None, ge=1, description="requests per cell; default max(8, 4 x concurrency)"
+    )
+    seed: int = Field(0, ge=0, lt=2**32)
+    driver: Driver = "builtin"
+    out_dir: str | None = Field(None, description="default: GPURIG_HOME/sweeps/<sweep id>")
+    resume: str | None = Field(None, description="a sweep's directory or id to continue")
+    wait: bool = Field(True, description="false: return at once; follow with sweep_status")
+
+    def arguments(self) -> dict[str, Any]:
+        """The request as run_sweep's keyword arguments (nested models as the dicts it takes)."""
+        out = {name: getattr(self, name) for name in type(self).model_fields}
+        for name in ("search", "workload"):
+            if out[name] is not None:
+                out[name] = out[name].model_dump(exclude_unset=True)
+        return out
 
 
 class SweepConfig(BaseModel):

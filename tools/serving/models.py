@@ -1,17 +1,77 @@
-"""The serving tools' pydantic models: what start/stop/status/logs/query/spot_check return.
+"""The serving tools' pydantic models: what start_vllm_server takes (StartRequest, whose
+ServerArgs bring_up shares) and what start/stop/status/logs/query/spot_check return.
 
 Kept apart from the code so that the sweeps (issue 15), the MCP wrappers and the CLI import the
-shapes without pulling in process handling. Field names are a public interface: keep them.
+shapes without pulling in process handling. Field names are a public interface: keep them. The
+request's fields are the one declaration of the start tool's arguments: the MCP tool's input
+schema (mcp_server/request_params.py) and `gpurig serve start`'s flags
+(mcp_server/request_flags.py) are generated from them.
 """
 
 from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 Backend = Literal["vllm", "engine", "llamacpp"]
 ServerState = Literal["starting", "ready", "dead", "stopped"]
+
+
+class ServerArgs(BaseModel):
+    """What start_vllm_server and bring_up both take: the model, the backend and the server's
+    main settings. Declared once here so the two tools (and their flags) cannot drift apart."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field(min_length=1, description="a checkpoint directory or a hub id (org/name)")
+    backend: Backend = "vllm"
+    name: str | None = Field(
+        None, min_length=1, max_length=64, description="the server's name; default BACKEND-PORT"
+    )
+    python_bin: str | None = Field(
+        None,
+        min_length=1,
+        description="the interpreter that runs vLLM; default: GPURIG_PYTHON, else the server's",
+    )
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=1, le=65535)
+    dtype: str = Field("auto", description="auto: float16 below capability 8")
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
+    tensor_parallel_size: int = Field(1, ge=1, description="vLLM: GPUs to split the model over")
+    max_model_len: int | None = Field(None, ge=1, description="context length (engine: max_ctx)")
+    max_num_seqs: int | None = Field(None, ge=1, description="most requests served together")
+    device: str | None = Field(None, description="engine only: cuda, cuda:1 or cpu")
+    cpu_kv_cache_gib: int | None = Field(
+        None,
+        ge=1,
+        description="vLLM's CPU build only: its KV cache in GiB (VLLM_CPU_KVCACHE_SPACE; "
+        "default a quarter of free RAM, at most 8), checked against the RAM available",
+    )
+    extra_args: list[str] = Field(
+        default_factory=list,
+        description="flags passed to the server as-is (checked against the installed vLLM's "
+        "own flags)",
+    )
+    env: dict[str, str] = Field(default_factory=dict, description="variables for the server")
+    timeout_s: float = Field(900, gt=0, le=7200, description="seconds to wait for ready")
+
+
+class StartRequest(ServerArgs):
+    """start_vllm_server's arguments: ServerArgs and the settings only a plain start takes."""
+
+    kv_cache_dtype: str = "auto"
+    pipeline_parallel_size: int = Field(1, ge=1, description="vLLM: pipeline stages")
+    attention_backend: str | None = Field(None, description="e.g. TRITON_ATTN, FLEX_ATTENTION")
+    wait: bool = Field(True, description="false: return once the process started (state starting)")
+    server_bin: str | None = Field(
+        None,
+        description="llamacpp only: the llama-server binary (default: GPURIG_LLAMA_SERVER, "
+        "gpurig's build from .ci/llama-cpp-build, or PATH)",
+    )
+    gpu_layers: int | None = Field(
+        None, ge=0, description="llamacpp only: layers on the GPU (-ngl)"
+    )
 
 
 class StartupFacts(BaseModel):
