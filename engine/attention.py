@@ -108,7 +108,7 @@ def _sdpa_ok(qg: torch.Tensor, allowed: bool = True) -> bool:
     attention kernel on CUDA: one launch, no scores in memory, its log-sum-exp merged into
     the online softmax. Only without a mask and without broadcast keys (the query heads
     sharing a KV head are folded into rows), not the arrangement that returned wrong rows for
-    the seed. allowed False (EngineOptions.prefix_sdpa): the sliced softmax everywhere."""
+    the seed. allowed False (the tests' reference): the sliced softmax everywhere."""
     return (
         allowed
         and qg.is_cuda

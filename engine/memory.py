@@ -88,16 +88,13 @@ def build_report(
     )
 
 
-def apply_memory_cap(
-    device: torch.device, cap_mib: int | None, expandable_segments: bool = True
-) -> None:
+def apply_memory_cap(device: torch.device, cap_mib: int | None) -> None:
     """Cap this process's share of a CUDA device (torch.cuda.set_per_process_memory_fraction), so
-    a large card behaves like a small one for memory; with expandable segments unless told not
-    to (EngineOptions.expandable_segments). No effect on the CPU."""
+    a large card behaves like a small one for memory; with expandable segments. No effect on the
+    CPU."""
     if cap_mib is None or device.type != "cuda":
         return
-    if expandable_segments:
-        _expandable_segments()
+    _expandable_segments()
     # set_per_process_memory_fraction wants an index: "cuda" alone means the current device.
     index = device.index if device.index is not None else torch.cuda.current_device()
     total = torch.cuda.get_device_properties(index).total_memory
@@ -132,7 +129,7 @@ class PromptMemoryError(EngineError):
             f"raise memory_cap_mib (about {max(1, -(-(needed - available) // MIB))} MiB more "
             "reads it in small chunks), load the engine with a smaller max_context (its KV cache "
             "is allocated at load), or shorten the prompt"
-            + (" (or leave GPURIG_EXPANDABLE_SEGMENTS on)" if holes else ""),
+            + (" (or add expandable_segments:True to PYTORCH_CUDA_ALLOC_CONF)" if holes else ""),
         )
         self.requested, self.largest = requested, largest
         self.available, self.needed, self.holes = available, needed, holes
@@ -230,8 +227,8 @@ def _expandable_segments() -> None:
     Why: the cap counts what the allocator reserves, not what is allocated, and fixed
     segments leave holes that no large block fits: on the H200 at 3,732 MiB, a read failed
     asking for 44 MiB with 215 MiB reserved but unallocated (bench/NOTES.md). Set before the
-    weights load, so they pack too. EngineOptions.expandable_segments False leaves the
-    allocator alone (PYTORCH_CUDA_ALLOC_CONF, when set, is left as the user set it)."""
+    weights load, so they pack too. PYTORCH_CUDA_ALLOC_CONF, when set, is left as the user set
+    it."""
     if allocator_configured():
         return
     setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)

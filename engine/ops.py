@@ -179,7 +179,6 @@ def attention_prefill(
     window: int | None,
     score_budget: int | None = None,
     prefix_visible: bool = False,
-    prefix_sdpa: bool = True,
 ) -> torch.Tensor:
     """Attention of a prompt chunk: T queries over the cached keys plus the chunk's own keys.
 
@@ -203,7 +202,7 @@ def attention_prefill(
     # one block only while its scores and the keys it concatenates are small beside the budget
     if q.shape[1] * q.shape[0] * keys * 2 > budget or hkv * d * keys * 8 > budget:
         return attend_chunk(q, k_new, v_new, cache_k, cache_v, cache_pos, q_pos, window, budget,
-                            prefix_visible, prefix_sdpa)  # fmt: skip
+                            prefix_visible)  # fmt: skip
     keys = torch.cat([cache_k, k_new.to(cache_k.dtype)]).to(q.dtype)
     values = torch.cat([cache_v, v_new.to(cache_v.dtype)]).to(q.dtype)
     key_pos = torch.cat([cache_pos, q_pos])
@@ -292,11 +291,8 @@ def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
 
 
 class Ops:
-    """The dispatch points one model computes with: the reference bodies above, bound to the
-    engine's options. engine.fast.ops_fast.FastOps overrides the kernel-backed ones."""
-
-    def __init__(self, prefix_sdpa: bool = True) -> None:
-        self.prefix_sdpa = prefix_sdpa
+    """The dispatch points one model computes with: the reference bodies above.
+    engine.fast.ops_fast.FastOps overrides the kernel-backed ones."""
 
     linear4 = staticmethod(linear4)
     linear_plain = staticmethod(linear_plain)
@@ -308,6 +304,7 @@ class Ops:
     rope_cos_sin = staticmethod(rope_cos_sin)
     apply_rope = staticmethod(apply_rope)
     gelu_tanh = staticmethod(gelu_tanh)
+    attention_prefill = staticmethod(attention_prefill)
 
     def linear(self, x: torch.Tensor, w: Linear) -> torch.Tensor:
         """Dispatch on how the weight is stored."""
@@ -324,8 +321,3 @@ class Ops:
         if isinstance(table, PackedLinear):
             return self.lm_head4(x, table)
         return self.linear_plain(x, table)
-
-    def attention_prefill(self, *args, **kwargs) -> torch.Tensor:
-        """`attention_prefill` with this engine's prefix_sdpa choice."""
-        kwargs.setdefault("prefix_sdpa", self.prefix_sdpa)
-        return attention_prefill(*args, **kwargs)

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from engine import ops
+from engine.kernels.tuning import TuningSettings, tuning_settings
 from engine.kv_pool import KVPool
 from engine.logprobs import StepLogprobs
 from engine.model import Gemma4Model
@@ -46,13 +47,9 @@ def make_kernels(options: EngineOptions, device: torch.device) -> ops.Ops:
     the device, else the reference set."""
     if options.fast_on(device):
         from engine.fast.ops_fast import FastOps
-        from engine.kernels.launch import set_carveout
 
-        set_carveout(options.carveout if device.type == "cuda" else None)
-
-        return FastOps(prefix_sdpa=options.prefix_sdpa, half2=options.half2_gemv,
-                       cuda_gemv=options.cuda_gemv)  # fmt: skip
-    return ops.Ops(prefix_sdpa=options.prefix_sdpa)
+        return FastOps()
+    return ops.Ops()
 
 
 def prefill_chunk_for(device: torch.device) -> int:
@@ -95,6 +92,9 @@ class ModelRunner:
         self.max_batch = max_batch
         self.prefill_budget = prefill_budget
         self.memory_cap_mib = memory_cap_mib
+        # the engine's tile tuning, in force in each call below that launches kernels (the
+        # server steps the engine on a thread of its own: engine/kernels/tuning.py)
+        self.tuning = TuningSettings(options.autotune, options.tuning_cache_dir)
         self.batched = False  # the fused batched step runs
         self.graphs = None
         self.reader = None  # the fused prompt reader, when it runs (holds a dequantisation buffer)
@@ -112,7 +112,6 @@ class ModelRunner:
         self._previous: Launched | None = None
         # prompt passes beside the decode steps (engine/prompt_stream.py): each sequence's
         # last pass until it lands
-        self.steps_first = options.steps_first
         self.prompts: SidePrompts | None = None
         if options.async_prompts and self.device.type == "cuda":
             self.prompts = SidePrompts(self.device)
@@ -129,10 +128,8 @@ class ModelRunner:
         kernels = (
             model.ops if isinstance(model.ops, FastOps) else make_kernels(options, self.device)
         )
-        if options.fused_prefill and prefill.supported(model, fused):
-            reader = self.reader = prefill.FusedPrefill(
-                model, fused, kernels, pass_attention=options.pass_attention
-            )
+        if prefill.supported(model, fused):
+            reader = self.reader = prefill.FusedPrefill(model, fused, kernels)
             self._read = lambda parts, budget: reader.chunks(  # noqa: E731
                 [(ids, start, pool.view(slot)) for ids, start, slot in parts], budget
             )
@@ -141,11 +138,7 @@ class ModelRunner:
 
                 reader.graphs = PassGraphs(reader, pool, self.prefill_budget, self.max_batch)
         if batch_decode.supported(model, fused):
-            decoder = batch_decode.BatchDecoder(model, pool, fused, kernels, self.max_batch,
-                                                fold_residual=options.fold_residual,
-                                                batch_prologue=options.batch_prologue,
-                                                mma_ahead=options.mma_ahead,
-                                                greedy_tail=options.greedy_tail)  # fmt: skip
+            decoder = batch_decode.BatchDecoder(model, pool, fused, kernels, self.max_batch)
             self._step = decoder.step
             self.batched = True
 
@@ -153,6 +146,10 @@ class ModelRunner:
         """Capture every bucket's graph now (compiling and tuning every kernel on the way), so
         the first requests do not wait for it: the decode steps', then the prompt passes'
         where the memory left holds them (engine/fast/prefill_graph.py)."""
+        with tuning_settings(self.tuning):
+            self._warm_up()
+
+    def _warm_up(self) -> None:
         if self.graphs is not None:
             self.graphs.capture_all()
         passes = self.reader.graphs if self.reader is not None else None
@@ -173,10 +170,11 @@ class ModelRunner:
     def compile_steps(self) -> None:
         """Every bucket's step once without capturing (inside engine.kernels.launch's
         compile_ahead: queues their kernels' compiles), and every prompt-pass bucket's pass."""
-        if self.graphs is not None:
-            self.graphs.compile_all()
-        if self.reader is not None and self.reader.graphs is not None:
-            self.reader.graphs.compile_all()
+        with tuning_settings(self.tuning):
+            if self.graphs is not None:
+                self.graphs.compile_all()
+            if self.reader is not None and self.reader.graphs is not None:
+                self.reader.graphs.compile_all()
 
     # ---- the reference arrangement: the model's own rows, a batch in the same tensors -----------
     def _reference_read(
@@ -193,6 +191,10 @@ class ModelRunner:
     def execute(self, plan: StepPlan) -> Launched | None:
         """Run `plan`: bookkeeping, prompt chunks, then launch the decode rows (returned, their
         tokens not yet read)."""
+        with tuning_settings(self.tuning):
+            return self._execute(plan)
+
+    def _execute(self, plan: StepPlan) -> Launched | None:
         for seq_id in plan.ended:
             self._requests.pop(seq_id, None)
             landing = self._landing.pop(seq_id, None)
@@ -201,16 +203,8 @@ class ModelRunner:
         self.pool.apply(plan.opened, plan.grants)
         if plan.started:
             self._admit(plan.started)
-        side = plan.chunks and self.prompts is not None
-        if side and plan.rows and self.steps_first:
-            # the decode rows first: the GPU has the step before the host spends its time on
-            # the passes, which wait only for what the main stream queued before the step
-            queued = self.prompts.mark()
-            launched = self._previous = self._launch(plan)
-            self._read_aside(plan, queued)
-            return launched
-        if side:
-            self._read_aside(plan, None)
+        if plan.chunks and self.prompts is not None:
+            self._read_aside(plan)
         elif plan.chunks:
             self._read_chunks(plan.chunks, plan.score_budget)
         elif self.reader is not None and not self._landing:
@@ -240,12 +234,12 @@ class ModelRunner:
             start += len(seq.prompt)
             self._requests[seq.id] = _Request(prompt, sampler, p.logprobs)
 
-    def _read_aside(self, plan: StepPlan, after: torch.cuda.Event | None) -> None:
-        """The plan's prompt chunks on the side stream (after `after`, else after all the main
-        stream has queued); each sequence lands with the pass."""
+    def _read_aside(self, plan: StepPlan) -> None:
+        """The plan's prompt chunks on the side stream, after all the main stream has queued;
+        each sequence lands with the pass."""
         assert self.prompts is not None
         read = lambda: self._read_chunks(plan.chunks, plan.score_budget)  # noqa: E731
-        landing = self.prompts.run(read, after=after)
+        landing = self.prompts.run(read)
         for c in plan.chunks:
             self._landing[c.seq] = landing
 
@@ -307,9 +301,10 @@ class ModelRunner:
     ) -> torch.Tensor:
         """Logits [B, V] of one token per row (on CUDA a view of the graph's output: read it
         before the next step)."""
-        if self.graphs is not None:
-            return self.graphs.run(tokens, positions, slots)
-        return self._step(tokens, positions, slots)
+        with tuning_settings(self.tuning):
+            if self.graphs is not None:
+                return self.graphs.run(tokens, positions, slots)
+            return self._step(tokens, positions, slots)
 
     @staticmethod
     def _resample(logits: torch.Tensor, ids: torch.Tensor, requests: list[_Request]) -> None:

@@ -4,9 +4,10 @@ One design for every caller (nano-vllm's, vLLM v1's): a request becomes a `Seque
 scheduler's waiting line (engine/scheduler.py decides each step, engine/runner.py runs it over
 the pool), and `step()` advances every open request by one decode step. A single sequence is a
 batch of one row. `stream` returns a `Generation` that steps the engine while its consumer
-waits for a token, so the CLI and the benchmarks need no thread; the OpenAI server runs one
-thread that steps the engine for its requests (engine/server/engine_loop.py). Steps are
-serialised by a lock, so `stream` is safe from any thread.
+waits for a token, so the CLI and the benchmarks need no thread; for the OpenAI server the
+engine is a `ServedEngine` (engine/interface.py), stepped by one thread of its own while it has
+work (engine/process/local.py). Steps are serialised by a lock, so `stream` is safe from any
+thread.
 See the package docstring (engine/__init__.py) for the public surface.
 """
 
@@ -27,11 +28,13 @@ from engine.checkpoint import CheckpointReader
 from engine.config import TextConfig, load_config
 from engine.errors import CheckpointError, EngineError
 from engine.generation import Generation
-from engine.kernels.tuning import configure as configure_tuning
+from engine.interface import EngineFacts
+from engine.kernels.tuning import tuning_settings
 from engine.kv_pool import KVPool
 from engine.memory import MemoryReport, PromptPlanner, apply_memory_cap, build_report
 from engine.model import Gemma4Model
 from engine.options import EngineConfig, EngineOptions, default_dtype, triton_interpreted
+from engine.process.local import StepThread
 from engine.runner import Launched, ModelRunner, make_kernels, prefill_chunk_for
 from engine.sampling import SamplingParams, check_prompt
 from engine.scheduler import Scheduler, SchedulerStats
@@ -72,6 +75,9 @@ class Engine:
         self.max_context = plan.geometry.max_context
         self.bos_id: int | None = cfg.bos_token_id
         self.eos_ids: list[int] = list(cfg.eos_token_ids)
+        self.facts = EngineFacts(model_dir, self.model_name, self.max_context, cfg.vocab_size,
+                                 self.bos_id, tuple(self.eos_ids), chat_template,
+                                 str(self.device))  # fmt: skip
         self.options = options
         self.batching = plan
         self.pool = KVPool(cfg, plan.geometry, model.device, model.dtype)
@@ -82,10 +88,12 @@ class Engine:
         self._lock = threading.Lock()
         self._launched: Launched | None = None
         self._closed = False
+        self._stepper = StepThread(self)  # the server's stepping thread, once started
         # engine/warmup.py: kernels compiled, graphs captured, each kind of prompt read once
-        self.warm_up_report: WarmUpReport | None = (
-            run_warm_up(self, options.compile_threads) if warm_up else None
-        )
+        self.warm_up_report: WarmUpReport | None = None
+        if warm_up:  # under the engine's tuning settings (its cache directory, engine/warmup.py)
+            with tuning_settings(self.runner.tuning):
+                self.warm_up_report = run_warm_up(self, options.compile_threads)
         if warm_up:  # a fresh scheduler: the warm-up's steps stay out of the engine's stats
             self.scheduler = self._new_scheduler()
 
@@ -93,8 +101,7 @@ class Engine:
         plan = self.batching
         return Scheduler(self.pool.blocks, plan.max_num_seqs, plan.prefill_budget, self.max_context,
                          whole_prompts=self.runner.passes_captured,
-                         landed=self.runner.landed if self.runner.prompts else None,
-                         defer_outputs=self.options.defer_outputs)  # fmt: skip
+                         landed=self.runner.landed if self.runner.prompts else None)  # fmt: skip
 
     def reset_stats(self) -> bool:
         """Start the scheduler's counters (steps, rows) from zero again, if idle (after a
@@ -165,18 +172,12 @@ class Engine:
                 plan = self.scheduler.schedule()
                 clock.note("scheduled")
                 launched = self.runner.execute(plan)
-                # with defer_outputs, what the last collected step made reaches its sinks
-                # now, after the next step is launched (whoever a sink wakes, a server's event
-                # loop, then runs while the GPU has work, not while this thread must launch)
-                self.scheduler.hand_off()
                 if self._launched is not None:
                     delivered = self.runner.collect(self._launched)
                     clock.note("collected")
                     self.scheduler.deliver(delivered)
                     clock.note("delivered")
                 self._launched = launched
-                if launched is None:  # nothing in flight: nothing to launch first
-                    self.scheduler.hand_off()
             except BaseException as exc:
                 self._launched = None
                 self.runner.reset()
@@ -188,8 +189,34 @@ class Engine:
 
     def note(self, mark: str) -> None:
         """A caller's own loop reached `mark` ("sent", "received": the engine process's, see
-        engine/server/core.py) now: timed as host phases before late steps (step_clock)."""
+        engine/process/core.py) now: timed as host phases before late steps (step_clock)."""
         self.runner.clock.note(mark)
+
+    # ---- served: engine/interface.py's ServedEngine (the OpenAI server's view) ---------------
+    @property
+    def ended(self) -> EngineError | None:
+        """None: an engine in the server's process ends only with it."""
+        return None
+
+    async def add_request_async(
+        self, token_ids: list[int], params: SamplingParams, sink: Sink | None = None
+    ) -> Sequence:
+        """`add_request` from the server's event loop: queued, and the stepping thread woken."""
+        seq = self.add_request(token_ids, params, sink)
+        self._stepper.wake()
+        return seq
+
+    def start(self) -> None:
+        """Step this engine on a thread of its own while it has work (the server's)."""
+        self._stepper.start()
+
+    def wake(self) -> None:
+        self._stepper.wake()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop that thread, then close: open requests end with the shutdown error."""
+        self._stepper.stop(timeout)
+        self.close()
 
     def stats(self) -> SchedulerStats:
         """The scheduler's counters with the decode stream's GPU time (engine/step_clock.py)."""
@@ -260,8 +287,7 @@ def load(path: str | Path, config: EngineConfig | None = None, **fields: object)
         )
     chunk = prefill_chunk_for(dev) if config.prefill_chunk is None else config.prefill_chunk
     tokenizer = load_tokenizer(model_dir)
-    apply_memory_cap(dev, config.memory_cap_mib, options.expandable_segments)
-    configure_tuning(options.autotune, options.tuning_cache_dir)
+    apply_memory_cap(dev, config.memory_cap_mib)
     reader = CheckpointReader(model_dir)
     try:
         model = Gemma4Model.load(reader, cfg, dev, compute_dtype, make_kernels(options, dev))

@@ -98,7 +98,7 @@ class SchedulerStats:
     # the host's time before late steps by phase (engine.step_clock.HOST_PHASES), and how many
     late_host_ms: tuple[float, ...] = (0.0,) * len(HOST_PHASES)
     late_timed_steps: int = 0
-    # the engine process's own garbage collections (engine/server/core.py), which stop its
+    # the engine process's own garbage collections (engine/process/core.py), which stop its
     # stepping thread; zeros where the engine runs in the server's process (whose collector
     # the server's python_gc_* metrics count)
     process_gc_collections: int = 0
@@ -116,13 +116,8 @@ class Scheduler:
     def __init__(
         self, blocks: BlockManager, max_num_seqs: int, prefill_budget: int, max_context: int,
         whole_prompts: bool = False, landed: Callable[[int], bool] | None = None,
-        defer_outputs: bool = False,
     ) -> None:  # fmt: skip
         self.blocks = blocks
-        # outputs kept until `hand_off` (Engine.step calls it once the next step is launched)
-        # instead of handed to the sinks as they are made: see EngineOptions.defer_outputs
-        self.defer_outputs = defer_outputs
-        self._handoffs: list[tuple[Sequence, Output]] = []
         self.whole_prompts = whole_prompts  # see _prompt_chunks
         # where prompt passes run beside the decode steps (engine/prompt_stream.py): whether a
         # sequence's passes have finished on the device. Its first row waits for that, so it
@@ -148,14 +143,13 @@ class Scheduler:
                 limit=self.blocks.total_blocks * self.blocks.block_size,
             )
         if seq.max_tokens == 0:  # on the caller's thread: its sink hears it at once
-            self._end(seq, "length", now=True)
+            self._end(seq, "length")
             return
         self._inbox.put(seq)
 
     @property
     def has_work(self) -> bool:
-        return (bool(self.running or self.waiting or self._ended or self._handoffs)
-                or not self._inbox.empty())  # fmt: skip
+        return bool(self.running or self.waiting or self._ended) or not self._inbox.empty()
 
     # ---- one step's plan -----------------------------------------------------------------------
     def schedule(self) -> StepPlan:
@@ -282,23 +276,12 @@ class Scheduler:
         for seq_id, out in outputs.items():
             self._send(self.running[seq_id], out)
 
-    def _send(self, s: Sequence, out: Output, now: bool = False) -> None:
-        if s.sink is None:
-            return
-        if self.defer_outputs and not now:
-            self._handoffs.append((s, out))
-        else:
+    @staticmethod
+    def _send(s: Sequence, out: Output) -> None:
+        if s.sink is not None:
             s.sink(s, out)
 
-    def hand_off(self) -> None:
-        """The outputs kept since the last call, to their sinks in the order they were made
-        (nothing to do unless `defer_outputs`)."""
-        pending, self._handoffs = self._handoffs, []
-        for s, out in pending:
-            s.sink(s, out)
-
-    def _end(self, s: Sequence, reason: str | None, out: Output | None = None,
-             now: bool = False) -> None:  # fmt: skip
+    def _end(self, s: Sequence, reason: str | None, out: Output | None = None) -> None:
         s.finished, s.finish_reason = True, reason
         s.ended_at = time.perf_counter()
         out = out or Output([], [] if s.params.logprobs is not None else None)
@@ -308,12 +291,10 @@ class Scheduler:
             s.slot = -1
         if self.running.pop(s.id, None) is not None:
             self._ended.append(s.id)
-        self._send(s, out, now)
+        self._send(s, out)
 
     def fail_all(self, exc: BaseException) -> None:
-        """End every sequence, waiting or running, with `exc` (the step failed); what they
-        made before it first."""
-        self.hand_off()
+        """End every sequence, waiting or running, with `exc` (the step failed)."""
         while True:
             try:
                 self.waiting.append(self._inbox.get_nowait())

@@ -5,8 +5,7 @@ The CPU has no second stream, so the side stream is played by a stand-in that re
 at once but reports the pass landed only after a few polls, as a pass still running on the GPU
 would. What is checked is the engine's side of it: a sequence waits for its pass, the others
 keep decoding, a request cancelled during its pass frees its slot, and every request gets the
-tokens it gets alone, with the passes launched before their plan's decode step or after it
-(EngineOptions.steps_first). The CUDA stream itself is tested on a GPU
+tokens it gets alone. The CUDA stream itself is tested on a GPU
 (tests/kernels/test_kernels_pdl.py style, test_async_prompts_gpu below).
 """
 
@@ -51,23 +50,11 @@ class _LateLanding:
 class _LatePrompts:
     """Stands for SidePrompts on the CPU."""
 
-    def __init__(self, polls: int, runner=None) -> None:
+    def __init__(self, polls: int) -> None:
         self.polls = polls
-        self.runner = runner
         self.landings: list[_LateLanding] = []
-        self.marks = 0
-        self.after_step = 0  # passes read once their plan's step was launched (steps_first)
 
-    def mark(self) -> int:
-        self.marks += 1
-        return self.marks
-
-    def run(self, read, after=None) -> _LateLanding:
-        if after is not None:
-            assert after == self.marks  # the mark made for this plan, before its step
-            launched = self.runner._previous
-            assert launched is not None and launched.seqs  # the step is out already
-            self.after_step += 1
+    def run(self, read) -> _LateLanding:
         read()
         landing = _LateLanding(self.polls)
         self.landings.append(landing)
@@ -90,16 +77,13 @@ def _prompt(n: int, salt: int) -> list[int]:
 
 def _late_engine(checkpoint, polls: int, options: EngineOptions = REF):
     eng = engine.load(checkpoint, device="cpu", max_context=CTX, options=options, max_num_seqs=4)
-    prompts = _LatePrompts(polls, eng.runner)
+    prompts = _LatePrompts(polls)
     eng.runner.prompts = prompts
     eng.scheduler = eng._new_scheduler()  # asks the runner whether a pass landed
     return eng, prompts
 
 
-@pytest.mark.parametrize("steps_first", [False, True])
-def test_every_request_gets_its_own_tokens_while_passes_land_late(checkpoint, steps_first):
-    """steps_first: a plan's decode step goes out before its passes, which wait for a mark
-    made before the step."""
+def test_every_request_gets_its_own_tokens_while_passes_land_late(checkpoint):
     single = engine.load(checkpoint, device="cpu", max_context=CTX, options=REF)
     specs = [(1, 12), (5, 30), (40, 8), (17, 25), (90, 16), (3, 40), (33, 5)]
     prompts = [_prompt(n, salt=i) for i, (n, _) in enumerate(specs)]
@@ -107,8 +91,7 @@ def test_every_request_gets_its_own_tokens_while_passes_land_late(checkpoint, st
         single.generate(p, SamplingParams(max_tokens=m, stop_ids=()))
         for p, (_, m) in zip(prompts, specs, strict=True)
     ]
-    opts = EngineOptions(fast="off", steps_first=steps_first)
-    eng, late = _late_engine(checkpoint, polls=3, options=opts)
+    eng, late = _late_engine(checkpoint, polls=3)
     got: dict[int, list[int]] = {}
 
     def run(i: int) -> None:
@@ -129,9 +112,6 @@ def test_every_request_gets_its_own_tokens_while_passes_land_late(checkpoint, st
         assert all(landing.joins >= 1 for landing in late.landings if landing.polled)
         st = eng.scheduler.stats()
         assert st.step_rows == sum(m for _, m in specs) and st.steps < st.step_rows
-        # passes that arrived while others decoded: after their step with steps_first, with
-        # no mark at all without it
-        assert (late.after_step > 0) == steps_first and late.marks == late.after_step
     finally:
         eng.close()
 
@@ -184,9 +164,6 @@ def test_async_prompts_gpu(tmp_path) -> None:
                              stagger=0.01, check=side(True))  # fmt: skip
     assert got == overlapping_tokens(tmp_path, EngineOptions(async_prompts=False), dtype=fp32,
                                      stagger=0.01, check=side(False))  # fmt: skip
-    first = EngineOptions(async_prompts=True, steps_first=True)  # the step before the passes
-    assert got == overlapping_tokens(tmp_path, first, dtype=fp32, stagger=0.01,
-                                     check=side(True))  # fmt: skip
 
 
 def _assert_side_stream(eng, on: bool) -> None:

@@ -250,7 +250,7 @@ def test_a_plan_under_fixed_segments_counts_the_holes_its_blocks_fit():
     with pytest.raises(PromptMemoryError) as err:
         plan_prompt(E2B, 64, 4096, available=114 * MIB, holes=(18 * MIB,) * 15)
     assert err.value.holes and "holes of fixed allocator segments" in str(err.value)
-    assert "GPURIG_EXPANDABLE_SEGMENTS" in str(err.value)
+    assert "expandable_segments:True to PYTORCH_CUDA_ALLOC_CONF" in str(err.value)
     # one hole the matrix fits in makes a short prompt readable, and the holes then hold its
     # small tensors: more than without them, never more than they can hold
     roomy = (40 * MIB,) + (18 * MIB,) * 15

@@ -215,26 +215,21 @@ def test_with_passes_beside_the_steps_a_sequence_decodes_once_its_last_pass_land
     assert plan.chunks == () and one.id in [r.seq for r in plan.rows]
 
 
-def test_deferred_outputs_reach_the_sinks_at_hand_off_in_the_order_they_were_made():
-    """defer_outputs: deliver and a cancellation keep their outputs until hand_off, which
-    gives them in order (tokens, then the end); a request of zero tokens still hears at once
-    (on the caller's thread), and kept outputs count as work."""
-    sch = Scheduler(BlockManager(33, 4, BLOCK, 64), 4, 16, 64, defer_outputs=True)
+def test_outputs_reach_the_sinks_as_they_are_made():
+    """deliver and a cancellation hand their outputs to the sink at once, in order (tokens,
+    then the end); a request of zero tokens hears at once, on the caller's thread."""
+    sch = Scheduler(BlockManager(33, 4, BLOCK, 64), 4, 16, 64)
     outs: list[Output] = []
     s = _seq(3, 10, outputs=outs)
     sch.add(s)
     for _ in range(3):  # the body, then two rows
         sch.schedule()
     sch.deliver([(s.id, 5, None)])
+    assert [o.tokens for o in outs] == [[5]]
     sch.deliver([(s.id, 6, None)])
-    assert outs == [] and sch.has_work
     s.cancel()
-    sch.schedule()  # ends it (cancelled): kept behind its tokens
-    assert outs == []
-    sch.hand_off()
+    sch.schedule()  # ends it (cancelled)
     assert [o.tokens for o in outs] == [[5], [6], []] and outs[-1].finished
-    sch.hand_off()
-    assert len(outs) == 3
     zero: list[Output] = []
     sch.add(_seq(2, 0, outputs=zero))
     assert len(zero) == 1 and zero[0].finished and zero[0].finish_reason == "length"

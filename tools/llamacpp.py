@@ -24,6 +24,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
+from engine import env as variables
 from tools.errors import InvalidInputError, NotFoundError, RefusedError
 
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
@@ -37,7 +38,7 @@ CONVERT_TIMEOUT_S = 1800
 def llama_cpp_dir() -> Path:
     """Where `.ci/llama-cpp-build` puts the build (it may not be there)."""
     default = Path.home() / ".cache" / "gpurig" / f"llama-cpp-{LLAMA_CPP_PYTHON_VERSION}"
-    return Path(os.environ.get("GPURIG_LLAMA_CPP_DIR", default)).expanduser()
+    return Path(variables.read("GPURIG_LLAMA_CPP_DIR") or default).expanduser()
 
 
 def _build_hint() -> str:
@@ -69,7 +70,7 @@ def find_binary(name: str, given: str | None = None) -> Path:
                 + _build_hint(),
             )
         return path.absolute()
-    env = os.environ.get("GPURIG_LLAMA_SERVER") if name == "llama-server" else None
+    env = variables.read("GPURIG_LLAMA_SERVER") if name == "llama-server" else None
     candidates = [Path(env).expanduser()] if env else []
     candidates.append(llama_cpp_dir() / "bin" / name)
     for path in candidates:

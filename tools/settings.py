@@ -1,15 +1,11 @@
-"""Configuration, in one place: environment variables and their defaults.
+"""The tools' settings from the environment: the serving interpreter, the state directory and
+the Hugging Face cache, turned into checked values.
 
-| variable        | meaning                                                    | default                      |
-|-----------------|------------------------------------------------------------|------------------------------|
-| GPURIG_PYTHON   | the serving interpreter (the Python that runs vLLM); empty = unset | the current interpreter |
-| GPURIG_HOME     | state directory (backups, logs, server records, results)   | $XDG_STATE_HOME/gpurig, else ~/.local/state/gpurig |
-| HF_HOME / HF_HUB_CACHE | where Hugging Face keeps checkpoints (measured by check_host_capacity) | ~/.cache/huggingface/hub |
-| GPURIG_TEST_WHEELS | tests only: cache of the vLLM wheels the Turing-patch network tests download | ~/.cache/gpurig-tests/vllm-wheels |
-| GPURIG_ENGINE_API_KEY | the key `gpurig engine serve` asks of /v1 clients; `--api-key` | none |
-| GPURIG_FAST, GPURIG_CUDA_GRAPH, GPURIG_FAST_PREFILL, GPURIG_GEMV_H2, GPURIG_PREFIX_SDPA, GPURIG_EXPANDABLE_SEGMENTS, GPURIG_KERNEL_AUTOTUNE, GPURIG_KERNEL_CACHE | the engine's switches, read once by the `gpurig engine` front doors into `engine.options.EngineOptions` (its docstring is the table) | on, ~/.cache/gpurig/kernels |
-
-Every CLI flag that names one of these (`--python`) wins over the variable.
+Every GPURIG_* variable is declared, with its meaning and default, in engine/env.py (its
+VARIABLES table) and read through it; HF_HOME / HF_HUB_CACHE (where Hugging Face keeps
+checkpoints, measured by check_host_capacity; default ~/.cache/huggingface/hub) and
+XDG_STATE_HOME are the platform's own. Every CLI flag that names one of these (`--python`)
+wins over the variable.
 """
 
 from __future__ import annotations
@@ -19,6 +15,7 @@ import shutil
 import sys
 from pathlib import Path
 
+from engine import env
 from tools.errors import InvalidInputError, NotFoundError, arg
 from tools.interpreter import check_interpreter_file
 from tools.pathargs import MAX_PATH_CHARS, check_path_text
@@ -33,7 +30,7 @@ def serving_python(explicit: str | None = None) -> str:
     """
     if explicit is not None:
         return explicit
-    return os.environ.get("GPURIG_PYTHON") or sys.executable
+    return env.read("GPURIG_PYTHON") or sys.executable
 
 
 def resolve_python(explicit: str | None = None) -> str:
@@ -45,7 +42,7 @@ def resolve_python(explicit: str | None = None) -> str:
     (tools/interpreter.py), before any tool would execute it.
     """
     given = serving_python(explicit)
-    if explicit is None and os.environ.get("GPURIG_PYTHON"):
+    if explicit is None and env.read("GPURIG_PYTHON"):
         given_text = f"{given} (GPURIG_PYTHON)"  # say where a path nobody typed came from
     else:
         given_text = given
@@ -105,9 +102,9 @@ def resolve_python(explicit: str | None = None) -> str:
 def state_dir(create: bool = True) -> Path:
     """GPURIG_HOME, else the XDG state directory; created on first use unless `create` is False
     (read-only tools only name paths in it)."""
-    env = os.environ.get("GPURIG_HOME")
-    if env:
-        path = Path(env).expanduser()
+    home = env.read("GPURIG_HOME")
+    if home:
+        path = Path(home).expanduser()
     else:
         xdg = os.environ.get("XDG_STATE_HOME")
         base = Path(xdg).expanduser() if xdg else Path.home() / ".local" / "state"

@@ -25,6 +25,7 @@ from pathlib import Path
 
 from bench.sweep.models import SweepResult
 from bench.sweep.run import Progress, run_sweep
+from engine import env
 from tools.errors import GpurigError, InvalidInputError
 from tools.settings import state_dir
 from tools.vllm_locate import VllmDistribution, discover_vllm
@@ -89,7 +90,7 @@ def demo_vllm(vllm_python: str | None) -> VllmDistribution | None:
                 "build'), or leave it out for the two-engine demo",
             )
         return dist
-    if not os.environ.get("GPURIG_PYTHON"):
+    if not env.read("GPURIG_PYTHON"):
         return None
     dist = discover_vllm(None)
     return dist if dist.found else None

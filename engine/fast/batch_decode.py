@@ -19,19 +19,14 @@ the two norms over the whole vector, which the q|k|v and per-layer gate GEMVs ab
 gate|up and the lm_head would pay ~30% more instructions); the residual alternates between two
 buffers, since a prologue reads one while its program 0 writes the other. Other arrangements
 (residual+norm in GEMV epilogues, q/k/v work inside the attention, a gate|up prologue, PDL and
-L2 prefetch) were measured no faster; their numbers stay in bench/NOTES.md.
+L2 prefetch, folding the residual+norm into the product before it, a CUDA C++ GEMV) were
+measured no faster; their numbers stay in lab/journal.md.
 
-With `batch_prologue` (EngineOptions, on) a batch of up to PROLOGUE_ROWS rows makes the
-residual+norm before the per-layer gate in that GEMV's prologue too, one grid row per batch row
-(the gate is 256 x 1,536 on E2B: its GEMV at 8 rows took 2.5 us against the mma kernel's 3.2,
-and the residual+norm launch before it 2.3 us). On the H100 the 2- and 4-row steps fell by 5%,
-the 8-row step by 0.5% (bench/NOTES.md v19).
-
-With `fold_residual` (EngineOptions, off: measured slower on the H200, bench/NOTES.md v18) a
-batch step folds each residual+norm into the product before it, the o, down and per-layer
-projections: the warp-level mma kernel's programs make h' and the next norm after a grid barrier
-(engine/kernels/w4mma_residual.py), 105 launches fewer a step on E2B; products the mma kernel
-does not take keep the two launches.
+A batch of up to PROLOGUE_ROWS rows makes the residual+norm before the per-layer gate in that
+GEMV's prologue too, one grid row per batch row (the gate is a small matrix on E2B, whose GEMV
+per row beats the mma kernel there). The mma product of up to AHEAD_ROWS rows requests a step's
+scales and activations one step early, with its weights. The soft-cap and the greedy ids are
+two launches (engine/kernels/greedy_tail.py).
 
 Every intermediate is rounded where the reference rounds it, so a
 row's logits equal the reference's for that sequence up to summation order (fp32: the tokens of
@@ -44,22 +39,21 @@ import torch
 
 from engine.fast.fuse import FusedLayer
 from engine.fast.ops_fast import FastOps, packed_ok
-from engine.kernels import w4gemv_cuda
 from engine.kernels.attention_paged import PagedDecodeAttention
 from engine.kernels.fused import ple_mix, qkv_rope_rows, residual_norm, rmsnorm_rows
 from engine.kernels.greedy_tail import cap_and_pick
 from engine.kernels.step_inputs import step_tables
 from engine.kernels.w4dequant import w4_gather_rows
-from engine.kernels.w4gemm import w4_gemm, w4_gemm_residual
+from engine.kernels.w4gemm import w4_gemm
 from engine.kernels.w4gemv import w4_gemv, w4_gemv_after_residual, w4_gemv_glu
 from engine.kv_pool import KVPool
 
 GEMM_ROWS = 16  # the most rows one int4 GEMM launch takes
 GEMV_ROWS = 1  # rows past this go to w4_gemm (see BatchDecoder._mm)
 GEMV_MAX_N = 65536  # the lm_head (262,144 rows) is read once by the GEMM at any row count
-PROLOGUE_ROWS = 8  # batch_prologue: the most rows whose per-layer gate takes the GEMV prologue
+PROLOGUE_ROWS = 8  # the most rows whose per-layer gate takes the GEMV prologue
 PROLOGUE_MAX_N = 512  # ... and the widest matrix (E2B's per-layer gate: 256 rows)
-AHEAD_ROWS = 8  # mma_ahead: the most rows whose products request operands a step early
+AHEAD_ROWS = 8  # the most rows whose mma products request operands a step early
 
 
 def qkv_matrices(model, fused: list[FusedLayer]) -> list:
@@ -120,15 +114,9 @@ class BatchDecoder:
     """`step(tokens [B], positions [B], slots [B]) -> logits [B, V]` over a KVPool."""
 
     def __init__(
-        self, model, pool: KVPool, fused: list[FusedLayer], kernels: FastOps, max_batch: int,
-        *, fold_residual: bool = False, batch_prologue: bool = True, mma_ahead: bool = False,
-        greedy_tail: bool = True,
-    ) -> None:  # fmt: skip
+        self, model, pool: KVPool, fused: list[FusedLayer], kernels: FastOps, max_batch: int
+    ) -> None:
         self.model = model
-        self.greedy_tail = greedy_tail
-        self.fold_residual = fold_residual
-        self.mma_ahead = mma_ahead
-        self.batch_prologue = batch_prologue
         self.pool = pool
         self.fused = fused
         self.ops = kernels
@@ -165,22 +153,12 @@ class BatchDecoder:
         for the GEMV re-reading them; bench/results/engine/gemm_mma_h200_2026-12-02.md), more in
         launches of 16."""
         rows = x.shape[0]
-        if (
-            self.ops.cuda_gemv
-            and GEMV_ROWS < rows <= w4gemv_cuda.MAX_ROWS
-            and w.out_features < GEMV_MAX_N
-            and w4gemv_cuda.usable(x, rows, packed=w.packed)
-        ):
-            # GPURIG_CUDA_GEMV: the CUDA GEMV for several rows, each weight word's codes
-            # unpacked once for all of them (engine/kernels/w4gemv_cuda.py)
-            return w4gemv_cuda.w4_gemv_cuda(x, w.packed, w.scales, epi=epi, aux=aux)
         if rows <= GEMV_ROWS and epi != 2 and w.out_features < GEMV_MAX_N:
             if epi == 1:
-                return w4_gemv_glu(x, w.packed, w.scales, half2=self.ops.half2,
-                                   cuda=self.ops.cuda_gemv)  # fmt: skip
-            return w4_gemv(x, w.packed, w.scales, half2=self.ops.half2, cuda=self.ops.cuda_gemv)
+                return w4_gemv_glu(x, w.packed, w.scales)
+            return w4_gemv(x, w.packed, w.scales)
         if rows <= GEMM_ROWS:
-            return w4_gemm(x, w.packed, w.scales, epi=epi, aux=aux, ahead=self._ahead(rows))
+            return w4_gemm(x, w.packed, w.scales, epi=epi, aux=aux, ahead=rows <= AHEAD_ROWS)
         parts = [
             w4_gemm(
                 x[r : r + GEMM_ROWS],
@@ -188,29 +166,14 @@ class BatchDecoder:
                 w.scales,
                 epi=epi,
                 aux=None if aux is None else aux[r : r + GEMM_ROWS],
-                ahead=self._ahead(GEMM_ROWS),
+                ahead=GEMM_ROWS <= AHEAD_ROWS,
             )  # fmt: skip
             for r in range(0, x.shape[0], GEMM_ROWS)
         ]
         return torch.cat(parts)
 
-    def _ahead(self, rows: int) -> bool:
-        """The mma product's operands a step early (`mma_ahead`) for products of up to
-        AHEAD_ROWS rows: faster there, slower for 16 rows (bench/NOTES.md v21)."""
-        return self.mma_ahead and rows <= AHEAD_ROWS
-
     def _linear(self, x: torch.Tensor, w) -> torch.Tensor:
         return self._mm(x, w) if packed_ok(w) else self.ops.linear(x, w)
-
-    def _linear_residual(self, x: torch.Tensor, w, h: torch.Tensor, w_post, eps: float,
-                         scalar=None, w_next=None) -> torch.Tensor | None:  # fmt: skip
-        """h += norm(x @ w^T) [* scalar] in place; returns norm(h) by w_next (None without):
-        one launch where the fold applies (2..16 rows, a packed matrix), else two."""
-        if self.fold_residual and 2 <= x.shape[0] <= GEMM_ROWS and packed_ok(w):
-            return w4_gemm_residual(x, w.packed, w.scales, h, w_post, eps, scalar=scalar,
-                                    w_next=w_next, ahead=self._ahead(x.shape[0]))  # fmt: skip
-        y = self._linear(x, w)
-        return residual_norm(h, y, w_post, eps, scalar=scalar, w_next=w_next, h_out=h)[1]
 
     @torch.inference_mode()
     def step(
@@ -226,7 +189,6 @@ class BatchDecoder:
         m, cfg, pool = self.model, self.model.cfg, self.pool
         eps, b = cfg.rms_norm_eps, tokens.shape[0]
         single = b == 1
-        fold = self.fold_residual and not single  # one row keeps the GEMV's prologue
         h, ple = embed_tokens(m, self.ops, tokens, self._linear)
         spare = torch.empty_like(h)
         # RoPE's cos/sin per layer kind and the pool rows this step writes (one set for the
@@ -237,17 +199,16 @@ class BatchDecoder:
             [m.inv_freq[k] for k in kinds], m.dtype,
         )  # fmt: skip
         rope = dict(zip(kinds, tables, strict=True))
-        half2 = self.ops.half2
 
         def then(y, w_post, mat, scalar=None, w_next=None, epi=0, aux=None):
             """The residual+norm h += norm(y) (* scalar), then the product of its norm by w_next
             (or of h itself): one launch for a single row, two for a batch."""
             nonlocal h, spare
-            if single or (self.batch_prologue and b <= PROLOGUE_ROWS and packed_ok(mat)
+            if single or (b <= PROLOGUE_ROWS and packed_ok(mat)
                           and mat.out_features <= PROLOGUE_MAX_N):  # fmt: skip
                 out = w4_gemv_after_residual(y, h, w_post, eps, mat.packed, mat.scales, spare,
-                                             scalar=scalar, w_next=w_next, epi=epi, aux=aux,
-                                             half2=half2, cuda=self.ops.cuda_gemv)  # fmt: skip
+                                             scalar=scalar, w_next=w_next, epi=epi,
+                                             aux=aux)  # fmt: skip
                 h, spare = spare, h
                 return out.reshape(b, -1)
             h, x = residual_norm(h, y, w_post, eps, scalar=scalar, w_next=w_next, h_out=h)
@@ -260,10 +221,6 @@ class BatchDecoder:
             cos, sin = rope[cfg.layer_types[i]]
             if pending is None:
                 qkv = self._mm(rmsnorm_rows(h, w.input_norm, eps), self.qkv_lin[i])
-            elif fold:
-                x_in, mat, w_post, scalar = pending
-                x = self._linear_residual(x_in, mat, h, w_post, eps, scalar, w.input_norm)
-                qkv = self._mm(x, self.qkv_lin[i])
             else:
                 y, w_post, scalar = pending
                 qkv = then(y, w_post, self.qkv_lin[i], scalar=scalar, w_next=w.input_norm)
@@ -279,50 +236,20 @@ class BatchDecoder:
             attn = self._attn(i, b)(q, pool.k[src][:, 0], pool.v[src][:, 0], positions, slots,
                                     pool.block_tables)  # fmt: skip
             attn = attn.reshape(b, hq * hd)
-            if fold:
-                x2 = self._linear_residual(attn, w.o, h, w.post_attn_norm, eps,
-                                           w_next=w.pre_ffn_norm)  # fmt: skip
-            else:
-                o = self._linear(attn, w.o)
-                _, x2 = residual_norm(h, o, w.post_attn_norm, eps, w_next=w.pre_ffn_norm,
-                                      h_out=h)  # fmt: skip
+            o = self._linear(attn, w.o)
+            _, x2 = residual_norm(h, o, w.post_attn_norm, eps, w_next=w.pre_ffn_norm, h_out=h)
             act = self._mm(x2, fl.gate_up, epi=1)
-            if fold:
-                if ple is None:
-                    pending = (act, w.down, w.post_ffn_norm, w.layer_scalar)
-                    continue
-                self._linear_residual(act, w.down, h, w.post_ffn_norm, eps)
-                a2 = self._mm(h, w.ple_gate, epi=2, aux=ple[:, i])
-                pending = (a2, w.ple_proj, w.ple_norm, w.layer_scalar)
-                continue
             d = self._linear(act, w.down)
             if ple is None:
                 pending = (d, w.post_ffn_norm, w.layer_scalar)
                 continue
             a2 = then(d, w.post_ffn_norm, w.ple_gate, epi=2, aux=ple[:, i])
             pending = (self._linear(a2, w.ple_proj), w.ple_norm, w.layer_scalar)
-        if fold:
-            x_in, mat, w_post, scalar = pending
-            x = self._linear_residual(x_in, mat, h, w_post, eps, scalar, m.final_norm)
-        else:
-            y, w_post, scalar = pending
-            _, x = residual_norm(h, y, w_post, eps, scalar=scalar, w_next=m.final_norm,
-                                 h_out=h)  # fmt: skip
+        y, w_post, scalar = pending
+        _, x = residual_norm(h, y, w_post, eps, scalar=scalar, w_next=m.final_norm, h_out=h)
         out = self.ops.lm_head(x, m.lm_head) if single else self._lm_head(x)
-        return self._tail(out, ids)
-
-    def _tail(self, logits: torch.Tensor, ids: torch.Tensor | None) -> torch.Tensor:
-        """The soft-capped logits, and each row's greedy id into `ids` where given: with
-        `greedy_tail` two launches, capping in place (engine/kernels/greedy_tail.py), else
-        PyTorch ops."""
-        cap = self.model.cfg.final_logit_softcapping
-        if self.greedy_tail:
-            return cap_and_pick(logits, cap, ids)
-        if cap:
-            logits = torch.tanh(logits / cap) * cap
-        if ids is not None:
-            torch.argmax(logits, dim=-1, out=ids)
-        return logits
+        # the soft-capped logits (capped in place), and each row's greedy id into `ids`
+        return cap_and_pick(out, self.model.cfg.final_logit_softcapping, ids)
 
     def _lm_head(self, x: torch.Tensor) -> torch.Tensor:
         table = self.model.lm_head

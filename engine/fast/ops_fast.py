@@ -86,14 +86,10 @@ def linear_in(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 class FastOps(ops.Ops):
-    """The fast path's dispatch points, bound to one engine (its options and its attention
-    kernels' scratch buffers)."""
+    """The fast path's dispatch points, bound to one engine (its attention kernels' scratch
+    buffers)."""
 
-    def __init__(self, prefix_sdpa: bool = True, half2: bool = True, cuda_gemv: bool = False
-                 ) -> None:  # fmt: skip
-        super().__init__(prefix_sdpa)
-        self.half2 = half2
-        self.cuda_gemv = cuda_gemv  # 1-8 bf16 rows by the CUDA GEMV (engine/kernels/w4gemv_cuda.py)
+    def __init__(self) -> None:
         self._attention: dict[tuple, DecodeAttention] = {}
 
     def linear4(self, x: torch.Tensor, w: PackedLinear) -> torch.Tensor:
@@ -102,7 +98,7 @@ class FastOps(ops.Ops):
             return ops.linear4(x, w)
         rows = x.numel() // w.in_features
         if rows <= DECODE_ROWS:
-            return w4_gemv(x, w.packed, w.scales, half2=self.half2, cuda=self.cuda_gemv)
+            return w4_gemv(x, w.packed, w.scales)
         dt = x.dtype
         if x.is_cuda:
             dt = prefill_dtype(x.device.index or 0, x.dtype)

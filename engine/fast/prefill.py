@@ -53,14 +53,14 @@ class FusedPrefill:
     last=False)` does for each, in one pass."""
 
     def __init__(self, model, fused: list[FusedLayer], kernels: FastOps,
-                 pass_attention: bool = False) -> None:  # fmt: skip
+                 pass_attention: bool = True) -> None:  # fmt: skip
         self.model = model
         self.fused = fused
         self.ops = kernels
         self.weights: torch.Tensor | None = None  # one buffer every dequantised matrix reuses
-        self.pass_attention = (
-            pass_attention  # one launch per layer for all segments, where it applies
-        )
+        # one launch per layer for all segments where it applies (engine/fast/prefill_attention.py);
+        # False: segment by segment everywhere, the tests' reference
+        self.pass_attention = pass_attention
         # captured passes (engine/fast/prefill_graph.py), once the runner adds them
         self.graphs = None
 

@@ -12,7 +12,8 @@ It applies where the kernel does: every segment's cache a view of one `KVPool`, 
 short enough that re-reading it per query block stays cheap (`PREFIX_LIMIT`; a long prompt's
 later chunks keep `engine.attention.attend_chunk`, whose prefix goes through torch's
 memory-efficient kernel). Elsewhere `plan` says None and the segment-by-segment path runs.
-On by default; `EngineOptions.pass_attention=False` (GPURIG_PASS_ATTENTION=0) keeps the old path.
+`FusedPrefill(pass_attention=False)` keeps the segment-by-segment path everywhere (the tests'
+reference).
 """
 
 from __future__ import annotations

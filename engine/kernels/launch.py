@@ -28,8 +28,6 @@ from typing import Any
 
 _COMPILE_ONLY: ContextVar[bool] = ContextVar("gpurig_compile_only", default=False)
 _PDL: ContextVar[bool] = ContextVar("gpurig_pdl", default=False)
-_CARVEOUT: list[int | None] = [None]  # set_carveout: the engine's one setting, per process
-_CARVED: set[int] = set()  # kernel handles given the setting
 
 
 @contextlib.contextmanager
@@ -53,65 +51,14 @@ def _declares_pdl(kernel: Any) -> bool:
     return "PDL" in getattr(kernel, "arg_names", ())
 
 
-def set_carveout(percent: int | None) -> None:
-    """Every kernel launched from now on asks for this share (0-100) of its SM's unified L1 as
-    shared memory; None leaves it to the driver (EngineOptions.carveout).
-
-    Why: the driver sizes the split for each kernel, and an SM can hold blocks of two kernels
-    only while both use the same split, so a kernel asking for another one cannot start beside
-    the one before it under PDL; one split for every kernel of a step removes that wait.
-    """
-    if percent is not None:
-        try:
-            from cuda.bindings import driver  # noqa: F401
-        except ImportError as e:
-            from engine.errors import EngineError
-
-            raise EngineError(
-                f"GPURIG_CARVEOUT={percent} needs NVIDIA's driver bindings (cuda.bindings): {e}",
-                "install them (pip install cuda-bindings, matching the CUDA of your torch), or "
-                "unset GPURIG_CARVEOUT",
-            ) from e
-    _CARVEOUT[0] = percent
-    _CARVED.clear()
-
-
-def carveout() -> int | None:
-    return _CARVEOUT[0]
-
-
-def apply_carveout(function: Any) -> None:
-    """Give one loaded kernel (a CUfunction or its integer handle) the engine's carveout, once."""
-    percent = _CARVEOUT[0]
-    if percent is None:  # the default: nothing to do on any launch
-        return
-    handle = int(function)  # cuda.bindings' CUfunction is its handle as an int too
-    if handle in _CARVED:
-        return
-    from cuda.bindings import driver
-
-    fn = driver.CUfunction(handle)
-    attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT
-    (err,) = driver.cuFuncSetAttribute(fn, attr, percent)
-    if err != driver.CUresult.CUDA_SUCCESS:
-        raise RuntimeError(f"cuFuncSetAttribute(carveout {percent}%) failed: {err}")
-    _CARVED.add(handle)
-
-
 def run_kernel(kernel: Any, grid: Any, *args: Any, **kwargs: Any) -> None:
-    """`kernel[grid](*args, **kwargs)`, or inside `compile_ahead` only its compile (queued).
-    With a carveout set, the compiled kernel gets it after its first launch (the warm-up's,
-    before any graph captures it)."""
+    """`kernel[grid](*args, **kwargs)`, or inside `compile_ahead` only its compile (queued)."""
     if _PDL.get() and _declares_pdl(kernel):
         kwargs = {**kwargs, "PDL": True, "launch_pdl": True}
     if _COMPILE_ONLY.get():
         kernel.warmup(*args, grid=grid, **kwargs)
         return
-    compiled = kernel[grid](*args, **kwargs)
-    if _CARVEOUT[0] is not None:
-        function = getattr(compiled, "function", None)
-        if isinstance(function, int) and function:
-            apply_carveout(function)
+    kernel[grid](*args, **kwargs)
 
 
 def compiling_only() -> bool:

@@ -5,9 +5,13 @@ gets its own configuration. The first time a shape is seen on a GPU, the kernel 
 list of candidates (outside any CUDA-graph capture) and keeps the fastest; the choice is written
 to one JSON file per GPU name under the cache directory, so later runs start tuned.
 
-Both settings come from the engine's options at load (`configure`; EngineOptions.autotune and
-tuning_cache_dir, which the front doors read from GPURIG_KERNEL_AUTOTUNE / GPURIG_KERNEL_CACHE).
-They are process-wide because the cache files are: one GPU, one file.
+Both settings (first-use tuning on or off, the cache directory) are a frozen `TuningSettings`
+that the engine owns (made from EngineOptions.autotune and tuning_cache_dir at load) and puts in
+force around its own work with `tuning_settings`: a ContextVar, so two engines in one process
+keep their own, and a thread that launches kernels sees the settings of the engine it steps
+(the engine's runner sets them in each call that launches kernels, on whatever thread makes
+it). Outside an engine (tests, the lab's instruments) the defaults hold: tuning on, the
+default directory. The in-process copy of the tables is a memo keyed by directory and card.
 
 Configurations shipped with the package (``engine/kernels/configs/<gpu>.json``, measured on the
 lent H200) are used when the cache has no entry, so a known card needs no tuning at all. A card
@@ -25,8 +29,11 @@ import os
 import re
 import tempfile
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextvars import ContextVar
+from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -35,31 +42,56 @@ from engine.kernels.launch import compiling_only
 
 _BUNDLED_DIR = Path(__file__).with_name("configs")
 _LOCK = threading.Lock()
-_MEMORY: dict[str, dict[str, dict[str, Any]]] = {}
+# (cache directory, card) -> its merged tables: the shipped ones overlaid by the cache file
+_TABLE_CACHE: dict[tuple[Path, str], dict[str, dict[str, Any]]] = {}
 # compute capability -> the card whose shipped tables stand in for an unshipped one of it
-SHIPPED_FOR: dict[tuple[int, int], str] = {(9, 0): "NVIDIA_H200"}
-_STAND_IN: dict[str, str] = {}  # a card's name -> the shipped card whose tables it reads
+SHIPPED_FOR: MappingProxyType[tuple[int, int], str] = MappingProxyType({(9, 0): "NVIDIA_H200"})
+_STAND_IN_MEMO: dict[str, str] = {}  # a card's name -> the shipped card whose tables it reads
 
 
-_SETTINGS: dict[str, Any] = {"autotune": True, "cache_dir": None}
+@dataclass(frozen=True)
+class TuningSettings:
+    """First-use tuning on or off, and where the tuned tables live (None: the default)."""
+
+    autotune: bool = True
+    cache_dir: Path | None = None
+
+    @property
+    def directory(self) -> Path:
+        if self.cache_dir is not None:
+            return Path(self.cache_dir).expanduser()
+        return Path.home() / ".cache" / "gpurig" / "kernels"
 
 
-def configure(autotune: bool = True, directory: Path | None = None) -> None:
-    """Set first-use tuning on/off and the cache directory (None: ~/.cache/gpurig/kernels)."""
-    _SETTINGS["autotune"] = bool(autotune)
-    _SETTINGS["cache_dir"] = Path(directory).expanduser() if directory is not None else None
+DEFAULT_TUNING = TuningSettings()
+_IN_FORCE: ContextVar[TuningSettings] = ContextVar("gpurig_tuning", default=DEFAULT_TUNING)
+
+
+@contextlib.contextmanager
+def tuning_settings(settings: TuningSettings) -> Iterator[None]:
+    """Inside: the tuning lookups of this thread (and of the context it runs) use `settings`."""
+    token = _IN_FORCE.set(settings)
+    try:
+        yield
+    finally:
+        _IN_FORCE.reset(token)
+
+
+def current() -> TuningSettings:
+    """The settings in force here (the defaults outside any `tuning_settings`)."""
+    return _IN_FORCE.get()
 
 
 def cache_dir() -> Path:
-    """Where tuned configurations live (see `configure`)."""
-    return _SETTINGS["cache_dir"] or Path.home() / ".cache" / "gpurig" / "kernels"
+    """Where tuned configurations live under the settings in force."""
+    return current().directory
 
 
 def autotune_enabled() -> bool:
-    """First-use tuning is on unless `configure(autotune=False)`, and never while launches only
-    compile (engine.kernels.launch.compile_ahead: timing kernels that do not run would store
+    """First-use tuning is on unless the settings in force turn it off, and never while launches
+    only compile (engine.kernels.launch.compile_ahead: timing kernels that do not run would store
     wrong choices; the real warm-up after it tunes)."""
-    return bool(_SETTINGS["autotune"]) and not compiling_only()
+    return current().autotune and not compiling_only()
 
 
 @functools.cache
@@ -77,8 +109,8 @@ def gpu_key(device: torch.device | int | None = None) -> str:
     Notes which shipped card's tables the card reads (`stand_in`)."""
     name = torch.cuda.get_device_name(device)
     key = re.sub(r"[^A-Za-z0-9_.-]+", "_", name).strip("_") or "unknown_gpu"
-    if key not in _STAND_IN:
-        _STAND_IN[key] = stand_in(key, torch.cuda.get_device_capability(device))
+    if key not in _STAND_IN_MEMO:
+        _STAND_IN_MEMO[key] = stand_in(key, torch.cuda.get_device_capability(device))
     return key
 
 
@@ -92,7 +124,7 @@ def stand_in(gpu: str, capability: tuple[int, int]) -> str:
 
 def shipped_card(gpu: str) -> str:
     """The shipped card whose tables `gpu` reads (its own name until `gpu_key` saw it)."""
-    return _STAND_IN.get(gpu, gpu)
+    return _STAND_IN_MEMO.get(gpu, gpu)
 
 
 def write_atomic(path: Path, data: str | bytes) -> None:
@@ -121,13 +153,14 @@ def _read_json(path: Path) -> dict[str, dict[str, Any]]:
 
 def _table(gpu: str) -> dict[str, dict[str, Any]]:
     """The merged configs for one GPU: the shipped card's (its own or its stand-in's)
-    overlaid by the user's cache file for this card."""
-    if gpu not in _MEMORY:
+    overlaid by the user's cache file for this card (in the directory in force)."""
+    key = (cache_dir(), gpu)
+    if key not in _TABLE_CACHE:
         merged = _read_json(_BUNDLED_DIR / f"{shipped_card(gpu)}.json")
-        for kernel, entries in _read_json(cache_dir() / f"{gpu}.json").items():
+        for kernel, entries in _read_json(key[0] / f"{gpu}.json").items():
             merged.setdefault(kernel, {}).update(entries)
-        _MEMORY[gpu] = merged
-    return _MEMORY[gpu]
+        _TABLE_CACHE[key] = merged
+    return _TABLE_CACHE[key]
 
 
 def lookup(kernel: str, key: str, gpu: str) -> dict[str, Any] | None:
@@ -149,9 +182,9 @@ def store(kernel: str, key: str, gpu: str, config: dict[str, Any]) -> None:
 
 
 def forget_memory() -> None:
-    """Drop the in-process table (tests point GPURIG_KERNEL_CACHE elsewhere and reload)."""
+    """Drop the in-process tables (tests rewrite the cache files and read them again)."""
     with _LOCK:
-        _MEMORY.clear()
+        _TABLE_CACHE.clear()
 
 
 def time_graph_us(calls: list[Callable[[], Any]], repeats: int = 5) -> float:

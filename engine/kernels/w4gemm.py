@@ -3,9 +3,8 @@ engine/kernels/w4gemm_kernel.py, tile choice in engine/kernels/w4gemm_tune.py.
 
 `w4_gemm(x, packed, scales, out=None, epi=0, aux=None)`: Y = X W^T with every weight word read
 once for all rows; epi 1: gelu_tanh(gate) * up over interleaved gate|up rows ([M, N/2]); epi 2:
-gelu_tanh(Y) * aux ([M, N]). `w4_gemm_residual`: Y, then the residual+norm after it
-(`fused.residual_norm`), folded into the mma kernel's launch where that kernel runs. One row goes
-to the GEMV (engine/kernels/w4gemv.py), which is tuned for it. `w4_gemm_reference` is the PyTorch ground truth (fp32 accumulation, the same
+gelu_tanh(Y) * aux ([M, N]). One row goes to the GEMV (engine/kernels/w4gemv.py), which is
+tuned for it. `w4_gemm_reference` is the PyTorch ground truth (fp32 accumulation, the same
 roundings).
 
 CUDA graphs: the config is chosen on the host from (N, K, M bucket, dtype, device) and cached;
@@ -26,7 +25,6 @@ from typing import Any
 import torch
 import triton
 
-from engine.kernels.fused import residual_norm
 from engine.kernels.w4gemm_kernel import launch, split_plan, workspace
 from engine.kernels.w4gemm_tune import bucket, config_for
 from engine.kernels.w4gemv import dequantize_reference
@@ -34,7 +32,6 @@ from engine.kernels.w4gemv_kernel import launch as gemv_launch
 from engine.kernels.w4gemv_tune import config_for as gemv_config_for
 from engine.kernels.w4mma_kernel import launch as mma_launch
 from engine.kernels.w4mma_kernel import mma_ok
-from engine.kernels.w4mma_residual import ResidualFold
 from engine.kernels.w4mma_tune import config_for as mma_config_for
 
 
@@ -105,36 +102,6 @@ def w4_gemm(
         ws, tk = workspace(x.device, split * m * n, triton.cdiv(n, cfg["BLOCK_N"]))
     launch(x, packed, scales, out, cfg, epi=epi, aux=aux, ws=ws, tickets=tk)
     return out
-
-
-def w4_gemm_residual(
-    x: torch.Tensor,
-    packed: torch.Tensor,
-    scales: torch.Tensor,
-    h: torch.Tensor,
-    w_post: torch.Tensor,
-    eps: float,
-    *,
-    scalar: torch.Tensor | None = None,
-    w_next: torch.Tensor | None = None,
-    config: dict[str, Any] | None = None,
-    ahead: bool = False,
-) -> torch.Tensor | None:
-    """y = x @ dequant(W).T, then h += rms_norm(y, w_post) [then * scalar] in place, and returns
-    rms_norm(h, w_next) (None without w_next): what `w4_gemm` then `residual_norm(h, y, ...,
-    h_out=h)` give, in one launch where the warp-level mma kernel takes the product (2..16 rows,
-    `mma_ok`), in those two elsewhere. h: [M, N] contiguous, x's dtype."""
-    m, n, k = _check(x, packed, scales, 0, None)
-    x_out = torch.empty_like(h) if w_next is not None else None
-    fold = ResidualFold(h, w_post, eps, scalar, w_next, x_out)
-    fold.check(m, n, x.dtype)
-    if m >= 2 and x.stride(1) == 1 and mma_ok(x, packed, scales):
-        y = torch.empty(m, n, device=x.device, dtype=x.dtype)
-        mma_launch(x, packed, scales, y, config or mma_config_for(n, k, m, x.device), res=fold,
-                   ahead=ahead)  # fmt: skip
-        return x_out
-    y = w4_gemm(x, packed, scales, config=config, ahead=ahead)
-    return residual_norm(h, y, w_post, eps, scalar=scalar, w_next=w_next, h_out=h)[1]
 
 
 def _gemv(x, packed, scales, out, epi, aux) -> None:

@@ -415,8 +415,9 @@ def default_config(n: int, k: int, m: int, tc: bool, sms: int = 132) -> dict[str
             "SPLIT": split, "FUSED": True, "SWAP": False, "PIPE": True}  # fmt: skip
 
 
-_WORKSPACES: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-_OLD: list[tuple[torch.Tensor, torch.Tensor]] = []  # outgrown buffers a graph may still use
+_WORKSPACE_CACHE: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+# outgrown buffers, kept alive: a captured graph may still point at them
+_OUTGROWN_CACHE: list[tuple[torch.Tensor, torch.Tensor]] = []
 
 
 def workspace(device: torch.device, floats: int, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -424,7 +425,7 @@ def workspace(device: torch.device, floats: int, tiles: int) -> tuple[torch.Tens
     if device.type == "cuda" and device.index is None:  # "cuda" and "cuda:0": one buffer
         device = torch.device("cuda", torch.cuda.current_device())
     key = str(device)
-    ws, tk = _WORKSPACES.get(key, (None, None))
+    ws, tk = _WORKSPACE_CACHE.get(key, (None, None))
     if ws is not None and ws.numel() >= floats and tk.numel() >= tiles:
         return ws, tk
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
@@ -433,9 +434,9 @@ def workspace(device: torch.device, floats: int, tiles: int) -> tuple[torch.Tens
             "w4_gemm (or warm) with this shape and row count once before capturing"
         )
     if ws is not None:
-        _OLD.append((ws, tk))
+        _OUTGROWN_CACHE.append((ws, tk))
         floats, tiles = max(floats, ws.numel()), max(tiles, tk.numel())
     ws = torch.empty(max(floats, 1 << 16), device=device, dtype=torch.float32)
     tk = torch.zeros(max(tiles, 1024), device=device, dtype=torch.int32)
-    _WORKSPACES[key] = (ws, tk)
+    _WORKSPACE_CACHE[key] = (ws, tk)
     return ws, tk

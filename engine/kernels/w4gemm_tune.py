@@ -38,7 +38,7 @@ def tuned_table(gpu: str) -> dict[str, dict[str, Any]]:
 # tensor-core tilings: (BLOCK_N, BLOCK_KW, num_warps, SWAP, SLAB, PIPE). SLAB: K taken nibble
 # by nibble (8 dots per step, no reshape of the unpacked tile); SWAP: the weight tile is the
 # dot's A operand (wgmma on Hopper). Split-K is added per shape where N gives few tiles.
-_TC_TILES = [
+_TC_TILES = (
     (16, 16, 2, False, False, True),
     (32, 8, 2, False, False, True),
     (64, 16, 4, True, False, True),
@@ -51,11 +51,11 @@ _TC_TILES = [
     (64, 32, 4, True, True, False),
     (128, 16, 4, True, True, False),
     (128, 16, 8, True, True, False),
-]
+)
 # multiply-and-sum tilings (BLOCK_N, BLOCK_KW, num_warps, SLAB): Turing, and few rows anywhere;
 # SLAB: the [rows, BLOCK_N, BLOCK_KW] accumulator takes one nibble position at a time
-_FMA_TILES = [(4, 8, 4, False), (8, 16, 4, True), (16, 16, 4, True), (4, 32, 4, True),
-              (16, 32, 8, True), (32, 8, 4, True)]  # fmt: skip
+_FMA_TILES = ((4, 8, 4, False), (8, 16, 4, True), (16, 16, 4, True), (4, 32, 4, True),
+              (16, 32, 8, True), (32, 8, 4, True))  # fmt: skip
 
 
 def bucket(m: int) -> int:

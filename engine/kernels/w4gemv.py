@@ -12,7 +12,6 @@ from typing import Any
 
 import torch
 
-from engine.kernels import w4gemv_cuda
 from engine.kernels.w4gemv_kernel import launch
 from engine.kernels.w4gemv_tune import config_for
 
@@ -38,23 +37,15 @@ def w4_gemv(
     out: torch.Tensor | None = None,
     config: dict[str, Any] | None = None,
     half2: bool = True,
-    cuda: bool = False,
 ) -> torch.Tensor:
     """y[..., N] = x[..., K] @ dequant(packed, scales).T, accumulated in fp32, in x's dtype.
 
     `out` (optional) receives the result; its dtype may differ from x's (e.g. fp32 logits).
-    half2: 16-bit activations multiply in half2 on NVIDIA GPUs (False: the exact fp32 unpack).
+    half2: 16-bit activations multiply in half2 on NVIDIA GPUs (False: the exact fp32 unpack,
+    the tests' and the benchmarks' reference).
     """
     x2, n, k = _prepare(x, packed, scales)
     m = x2.shape[0]
-    if (
-        cuda
-        and config is None
-        and w4gemv_cuda.usable(x, m, None if out is None else out.dtype, packed)
-    ):
-        y1 = w4gemv_cuda.w4_gemv_cuda(x2, packed, scales,
-                                      out=None if out is None else out.view(m, n))  # fmt: skip
-        return y1.view(*x.shape[:-1], n)
     y = out.view(m, n) if out is not None else torch.empty(m, n, device=x.device, dtype=x.dtype)
     cfg = config or config_for(n, k, x.dtype, m, x.device, half2)
     launch(x2, packed.contiguous(), scales.contiguous(), y, cfg, half2=half2)
@@ -80,14 +71,10 @@ def w4_gemv_glu(
     packed: torch.Tensor,
     scales: torch.Tensor,
     half2: bool = True,
-    cuda: bool = False,
 ) -> torch.Tensor:
     """gelu_tanh(gate) * up from ONE GEMV over a gate|up matrix whose rows are interleaved
     (row 2i = gate_i, row 2i+1 = up_i): [..., N/2], rounded as the reference rounds."""
     x2, n, k = _prepare(x, packed, scales)
-    if cuda and w4gemv_cuda.usable(x, x2.shape[0], packed=packed):
-        y1 = w4gemv_cuda.w4_gemv_cuda(x2, packed, scales, epi=1)
-        return y1.view(*x.shape[:-1], n // 2)
     cfg = dict(config_for(n, k, x.dtype, x2.shape[0], x.device, half2))
     if cfg["BLOCK_N"] % 2:  # a one-row tiling tuned for the plain GEMV: whole row pairs
         cfg["BLOCK_N"] = 2
@@ -128,7 +115,6 @@ def w4_gemv_after_residual(
     epi: int = 0,
     aux: torch.Tensor | None = None,
     half2: bool = True,
-    cuda: bool = False,
 ) -> torch.Tensor:
     """`residual_norm(h, y, w_post, eps, scalar, w_next)` and the GEMV that reads its output, in
     ONE launch, for M rows (y, h, h_out [M, K] or one token's [K]). h' = h + rms_norm(y, w_post)
@@ -152,13 +138,6 @@ def w4_gemv_after_residual(
         aux = aux.reshape(m, n) if m > 1 else aux.reshape(-1)
         if aux.stride(-1) != 1:
             aux = aux.contiguous()
-    if (cuda and m == 1 and k <= w4gemv_cuda.MAX_PRO_K and w4gemv_cuda.usable(y, m, packed=packed)
-            and all(t.dtype == torch.bfloat16 for t in (w_post, scalar, w_next, aux)
-                    if t is not None)):  # fmt: skip
-        pro = w4gemv_cuda.Prologue(y.reshape(-1), h.reshape(-1), w_post, scalar, w_next,
-                                   h_out.reshape(-1), eps)  # fmt: skip
-        return w4gemv_cuda.w4_gemv_cuda(y.reshape(-1), packed, scales, epi=epi, aux=aux,
-                                        pro=pro).reshape(1, -1)  # fmt: skip
     y2 = y.reshape(m, k)
     cfg = dict(config_for(n, k, y.dtype, 1, y.device, half2))
     if epi == 1 and cfg["BLOCK_N"] % 2:

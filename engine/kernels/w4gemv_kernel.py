@@ -41,7 +41,7 @@ from engine.options import triton_interpreted
 
 KERNEL_NAME = "w4gemv"
 KERNEL_VERSION = 5  # bump when the kernel changes: stored tilings of older versions are ignored
-ASM = {"ok": True}  # cleared if the inline-PTX variant ever fails to build on this machine
+ASM_MEMO = {"ok": True}  # cleared if the inline-PTX variant ever fails to build on this machine
 
 
 @triton.jit
@@ -329,7 +329,7 @@ def shape_key(n: int, k: int, dtype: torch.dtype, m: int, h2: bool = False) -> s
 def asm_on(device: torch.device) -> bool:
     """The inline-PTX lop3 runs on NVIDIA GPUs only (not in the CPU interpreter)."""
     return (
-        ASM["ok"]
+        ASM_MEMO["ok"]
         and device.type == "cuda"
         and torch.version.hip is None
         and not triton_interpreted()

@@ -11,14 +11,21 @@ import torch
 import triton
 
 from engine.kernels import tuning
-from engine.kernels.w4gemv_kernel import ASM, KERNEL_NAME, default_config, h2_on, launch, shape_key
+from engine.kernels.w4gemv_kernel import (
+    ASM_MEMO,
+    KERNEL_NAME,
+    default_config,
+    h2_on,
+    launch,
+    shape_key,
+)
 
 _log = logging.getLogger(__name__)
 
 # (BLOCK_N, BLOCK_KW, num_warps, num_stages); BLOCK_KW counts int32 words (8 codes each).
 # Tiles with several rows per thread let one thread reuse its activations across rows, which is
 # what keeps the unpacking arithmetic (not the memory) from being the limit on a fast card.
-_CANDIDATE_TILES = [
+_CANDIDATE_TILES = (
     (1, 64, 1, 2),
     (1, 128, 1, 2),
     (1, 256, 2, 2),
@@ -57,7 +64,7 @@ _CANDIDATE_TILES = [
     (32, 32, 4, 2),
     (64, 32, 8, 2),
     (16, 64, 8, 2),
-]
+)
 
 
 def candidate_configs(n: int, k: int, epi: int = 0) -> list[dict[str, Any]]:
@@ -111,9 +118,9 @@ def tune(
     try:
         best, us, results = tuning.pick_fastest(candidates, make_calls)
     except RuntimeError:  # nothing built: retry with the plain (two-instruction) unpack
-        if not ASM["ok"]:
+        if not ASM_MEMO["ok"]:
             raise
-        ASM["ok"] = False
+        ASM_MEMO["ok"] = False
         best, us, results = tuning.pick_fastest(candidates, make_calls)
     return best, us, results
 

@@ -53,8 +53,7 @@ import triton.language as tl
 from engine.kernels.fused import gelu_tanh, round_to
 from engine.kernels.launch import run_kernel
 from engine.kernels.pdl import wait_inputs
-from engine.kernels.w4mma_lanes import ASM, ld4, step_tile, xs, xs_words
-from engine.kernels.w4mma_residual import ResidualFold, residual_tail, rows_per_chunk, spread_ok
+from engine.kernels.w4mma_lanes import ld4, step_tile, xs, xs_words
 from engine.options import triton_interpreted
 
 
@@ -165,18 +164,15 @@ def _tiles(wa, wb, wu, wv, sa, sb, sc, sd, rx, ry, acc, acc_t1, NB: tl.constexpr
 
 @triton.jit
 def _w4_mma_kernel(
-    x_ptr, w_ptr, s_ptr, y_ptr, aux_ptr, h_ptr, wp_ptr, sc_ptr, wn_ptr, xo_ptr, tk_ptr,
-    M, N, KW, G, STEPS, stride_xm, stride_ym, stride_am, eps,
+    x_ptr, w_ptr, s_ptr, y_ptr, aux_ptr,
+    M, N, KW, G, STEPS, stride_xm, stride_ym, stride_am,
     NWN: tl.constexpr, NWK: tl.constexpr, NB: tl.constexpr, EPI: tl.constexpr,
-    F16: tl.constexpr, ASM_ON: tl.constexpr, MT: tl.constexpr = 1, RES: tl.constexpr = False,
-    HAS_SCALAR: tl.constexpr = False, HAS_NEXT: tl.constexpr = False, RB: tl.constexpr = 1,
-    BLOCK_D: tl.constexpr = 16, SPREAD: tl.constexpr = False, AHEAD: tl.constexpr = False,
+    F16: tl.constexpr, ASM_ON: tl.constexpr, MT: tl.constexpr = 1, AHEAD: tl.constexpr = False,
     PDL: tl.constexpr = False,
 ):  # fmt: skip
     """EPI 0: Y = X W^T. 1: rows interleaved (gate, up) -> gelu_tanh(gate) * up, [M, N/2].
     2: gelu_tanh(Y) * aux. STEPS: 128-element K steps per warp (K = 128 * STEPS * NWK). MT: 16-row
-    tiles per warp (2: each step's activation pairs serve twice the weights). RES (EPI 0): the
-    residual+norm over Y after the stores (engine/kernels/w4mma_residual.py). AHEAD: a step's
+    tiles per warp (2: each step's activation pairs serve twice the weights). AHEAD: a step's
     scales and activations are requested one step early with its weights (the first step's
     scales before the PDL wait), not in the step that uses them.
 
@@ -231,13 +227,10 @@ def _w4_mma_kernel(
     if MT == 2:
         _store(f0, f1, f2, f3, h0, h1, h2, h3, 1, M, N, y_ptr, stride_ym, aux_ptr, stride_am,
                NWN, NWK, MT, NB, EPI)  # fmt: skip
-    if RES:
-        residual_tail(y_ptr, h_ptr, wp_ptr, sc_ptr, wn_ptr, xo_ptr, tk_ptr, M, N, stride_ym, eps,
-                      HAS_SCALAR, HAS_NEXT, RB, BLOCK_D, SPREAD)  # fmt: skip
 
 
 def asm_on(device: torch.device) -> bool:
-    return ASM["ok"] and device.type == "cuda" and not triton_interpreted()
+    return device.type == "cuda" and not triton_interpreted()
 
 
 def mma_ok(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> bool:
@@ -266,10 +259,8 @@ def _has_mma_sync(device_index: int) -> bool:
 
 def launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, y: torch.Tensor,
            cfg: dict[str, Any], epi: int = 0, aux: torch.Tensor | None = None,
-           res: ResidualFold | None = None, ahead: bool = False) -> None:  # fmt: skip
-    """One launch on checked operands (`mma_ok`); y [M, N] (or [M, N/2] for epi 1). res (epi
-    0, y contiguous): the residual+norm folded in after the stores (cfg "RB": the serial tail's
-    rows at once)."""
+           ahead: bool = False) -> None:  # fmt: skip
+    """One launch on checked operands (`mma_ok`); y [M, N] (or [M, N/2] for epi 1)."""
     m, k = x.shape
     n = packed.shape[0]
     nwn, nwk = cfg["NWN"], cfg["NWK"]
@@ -281,21 +272,11 @@ def launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, y: torch
     x32 = x.view(torch.int32)
     mt = cfg.get("MT", 1)
     grid = (triton.cdiv(n, 16 * nwn * mt),)
-    if res is not None:
-        if epi != 0 or not y.is_contiguous():
-            raise ValueError("w4mma: the residual fold takes epilogue 0 into a contiguous y")
-        res.check(*y.shape, y.dtype)
-    fold = res.kernel_args(y) if res is not None else (y, y, y, y, y, y, 0.0)
     run_kernel(_w4_mma_kernel, grid,
-        x32, packed, scales, y, aux if aux is not None else y, *fold[:6],
+        x32, packed, scales, y, aux if aux is not None else y,
         m, n, packed.stride(0), scales.stride(0), steps // nwk, x32.stride(0), y.stride(0),
-        aux.stride(0) if aux is not None else 0, fold[6],
+        aux.stride(0) if aux is not None else 0,
         NWN=nwn, NWK=nwk, NB=1 if m <= 8 else 2, EPI=epi, F16=x.dtype == torch.float16,
-        ASM_ON=asm_on(x.device), MT=mt, RES=res is not None,
-        HAS_SCALAR=res is not None and res.scalar is not None,
-        HAS_NEXT=res is not None and res.w_next is not None,
-        RB=(cfg.get("RB") or rows_per_chunk(m, n, nwn * nwk)) if res is not None else 1,
-        BLOCK_D=triton.next_power_of_2(n) if res is not None else 16,
-        SPREAD=res is not None and spread_ok(grid[0], x.device), AHEAD=ahead,
+        ASM_ON=asm_on(x.device), MT=mt, AHEAD=ahead,
         num_warps=nwn * nwk, num_stages=1,
     )  # fmt: skip

@@ -9,8 +9,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-ASM = {"ok": True}
-
 _LD_V4 = tl.constexpr("ld.global.nc.v4.b32 {$0, $1, $2, $3}, [$4];")  # weights: read-only
 # activations: written by the kernel before, which may still run (PDL, engine/kernels/pdl.py):
 # a coherent load, kept after the wait (not pure)

@@ -40,14 +40,12 @@ def ptxas_report(ptx: str, sm: int) -> str:
 
 # the int4 mma kernel's (engine/kernels/w4mma_kernel.py) runtime arguments and its constexprs'
 # values where a compile test does not choose them
-MMA_POINTERS = ("x_ptr", "w_ptr", "s_ptr", "y_ptr", "aux_ptr", "h_ptr", "wp_ptr", "sc_ptr",
-                "wn_ptr", "xo_ptr", "tk_ptr")  # fmt: skip
-MMA_SIGNATURE = {n: "*i32" if n in ("x_ptr", "w_ptr", "tk_ptr") else "*bf16" for n in MMA_POINTERS}
+MMA_POINTERS = ("x_ptr", "w_ptr", "s_ptr", "y_ptr", "aux_ptr")
+MMA_SIGNATURE = {n: "*i32" if n in ("x_ptr", "w_ptr") else "*bf16" for n in MMA_POINTERS}
 MMA_SIGNATURE |= dict.fromkeys(("M", "N", "KW", "G", "STEPS", "stride_xm", "stride_ym",
-                                "stride_am"), "i32") | {"eps": "fp32"}  # fmt: skip
+                                "stride_am"), "i32")  # fmt: skip
 MMA_CONSTS = {"NWN": 1, "NWK": 4, "NB": 1, "EPI": 0, "F16": False, "ASM_ON": True, "MT": 1,
-              "RES": False, "HAS_SCALAR": False, "HAS_NEXT": False, "RB": 1, "BLOCK_D": 16,
-              "SPREAD": False, "AHEAD": False, "PDL": False}  # fmt: skip
+              "AHEAD": False, "PDL": False}  # fmt: skip
 
 
 def mma_ptx(sm: int, warps: int, **consts: object) -> str:

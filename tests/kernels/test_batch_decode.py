@@ -13,6 +13,7 @@ import torch
 
 import engine
 from engine.checkpoint_maker import make_checkpoint
+from engine.fast import batch_decode
 from engine.options import EngineOptions
 from engine.sampling import SamplingParams
 
@@ -31,9 +32,8 @@ def _prompt(n: int, salt: int) -> list[int]:
 
 
 def test_batched_step_equals_the_reference_rows(checkpoint, device):
-    """With the defaults: 4 rows, so the residual+norm before each per-layer gate is made in
-    that GEMV's prologue, one grid row per batch row (EngineOptions.batch_prologue; the step
-    without it is test_kernels_w4mma_fold's baseline)."""
+    """4 rows, so the residual+norm before each per-layer gate is made in that GEMV's prologue,
+    one grid row per batch row (PROLOGUE_ROWS)."""
     opts = EngineOptions(fast="force", cuda_graph=False)
     eng = engine.load(checkpoint, device=device, max_context=CTX, dtype=torch.float32,
                       options=opts, max_num_seqs=4, warm_up=False)  # fmt: skip
@@ -66,57 +66,6 @@ def test_batched_step_equals_the_reference_rows(checkpoint, device):
         eng.close()
 
 
-def test_one_row_step_with_the_cuda_gemv_switch_equals_the_reference(checkpoint, device):
-    """GPURIG_CUDA_GEMV reaches every product of the one-row step (plain, GLU, the prologue's);
-    an fp32 model (and the CPU) keeps the Triton kernel, so the step is the reference's."""
-    opts = EngineOptions(fast="force", cuda_graph=False, cuda_gemv=True)
-    eng = engine.load(checkpoint, device=device, max_context=CTX, dtype=torch.float32,
-                      options=opts, max_num_seqs=4, warm_up=False)  # fmt: skip
-    try:
-        runner, pool, model = eng.runner, eng.pool, eng.model
-        assert runner.batched  # the fused step, whose products take the switch
-        slot = pool.blocks.open_slot()
-        ids = torch.tensor(_prompt(20, 0), device=model.device)
-        pool.apply((slot,), (pool.blocks.grow(slot, 21),))
-        model.prefill_chunk(ids[:-1], 0, pool.view(slot), False)
-        token, position = ids[-1:], torch.tensor([19], device=model.device)
-        slot_t = torch.tensor([slot], dtype=torch.int32, device=model.device)
-        one = runner.step(token, position, slot_t).clone()
-        reference = model.decode_step(token, position, pool.view(slot))
-        torch.testing.assert_close(one, reference, rtol=1e-4, atol=1e-4)
-    finally:
-        eng.close()
-
-
-def test_a_batched_step_with_the_cuda_gemv_switch_equals_the_step_without(checkpoint, device):
-    """Several rows take the multi-row CUDA GEMV where it can run (bf16 on a GPU); elsewhere
-    (here: fp32, and the CPU) the switch changes nothing in a batched step."""
-    outs = []
-    for cuda_gemv in (False, True):
-        opts = EngineOptions(fast="force", cuda_graph=False, cuda_gemv=cuda_gemv)
-        eng = engine.load(checkpoint, device=device, max_context=CTX, dtype=torch.float32,
-                          options=opts, max_num_seqs=4, warm_up=False)  # fmt: skip
-        try:
-            runner, pool, model = eng.runner, eng.pool, eng.model
-            slots, positions, tokens = [], [], []
-            for i, n in enumerate((6, 11, 3)):
-                slot = pool.blocks.open_slot()
-                ids = torch.tensor(_prompt(n, 30 + i), device=model.device)
-                pool.apply((slot,), (pool.blocks.grow(slot, n + 1),))
-                model.prefill_chunk(ids[:-1], 0, pool.view(slot), False)
-                slots.append(slot)
-                positions.append(n - 1)
-                tokens.append(int(ids[-1]))
-            dev = model.device
-            outs.append(runner.step(torch.tensor(tokens, device=dev),
-                                    torch.tensor(positions, device=dev),
-                                    torch.tensor(slots, dtype=torch.int32, device=dev)).clone())  # fmt: skip
-        finally:
-            eng.close()
-    assert outs[0].shape[0] == 3
-    torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=0)
-
-
 def test_fast_scheduler_tokens_equal_alone(checkpoint, device):
     """Three requests decoding together on the fast path each get the tokens they get alone
     on the reference path (fp32: the fused step equals the reference step, tested above, so
@@ -144,8 +93,8 @@ def test_fast_scheduler_tokens_equal_alone(checkpoint, device):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_greedy_tail_equals_pytorch_ops(checkpoint, device, interpreted, dtype):
-    """The step's soft-cap and greedy ids by the two-launch tail (EngineOptions.greedy_tail)
+def test_greedy_tail_equals_pytorch_ops(checkpoint, device, interpreted, dtype, monkeypatch):
+    """The step's soft-cap and greedy ids by the two-launch tail (engine/kernels/greedy_tail.py)
     against PyTorch's ops on the same rows: the same logits (exactly on the GPU, within the
     interpreter's exp-built tanh and truncating casts on the CPU) and each row's first
     largest."""
@@ -154,7 +103,7 @@ def test_greedy_tail_equals_pytorch_ops(checkpoint, device, interpreted, dtype):
                       warm_up=False)  # fmt: skip
     try:
         decoder = eng.runner._step.__self__
-        assert decoder.greedy_tail and eng.model.cfg.final_logit_softcapping
+        assert eng.model.cfg.final_logit_softcapping
         pool, dev = eng.pool, eng.model.device
         slots = [pool.blocks.open_slot() for _ in range(2)]
         pool.apply(tuple(slots), tuple(pool.blocks.grow(s, 4) for s in slots))
@@ -163,7 +112,7 @@ def test_greedy_tail_equals_pytorch_ops(checkpoint, device, interpreted, dtype):
         slot_t = torch.tensor([*slots, pool.pad_slot], dtype=torch.int32, device=dev)
         ids = torch.full((3,), -1, dtype=torch.int64, device=dev)
         fused = decoder.step(tokens, positions, slot_t, ids=ids).clone()
-        decoder.greedy_tail = False
+        monkeypatch.setattr(batch_decode, "cap_and_pick", _torch_tail)
         plain_ids = torch.full((3,), -1, dtype=torch.int64, device=dev)
         plain = decoder.step(tokens, positions, slot_t, ids=plain_ids)
         assert torch.equal(ids, fused.argmax(-1))
@@ -175,3 +124,12 @@ def test_greedy_tail_equals_pytorch_ops(checkpoint, device, interpreted, dtype):
             assert torch.equal(ids, plain_ids)
     finally:
         eng.close()
+
+
+def _torch_tail(logits: torch.Tensor, cap: float | None, ids: torch.Tensor | None) -> torch.Tensor:
+    """The tail by PyTorch's ops: the reference the two-launch kernels are held to."""
+    if cap:
+        logits = torch.tanh(logits / cap) * cap
+    if ids is not None:
+        torch.argmax(logits, dim=-1, out=ids)
+    return logits

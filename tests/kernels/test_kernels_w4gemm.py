@@ -178,12 +178,12 @@ E2B_SHAPES = [
 
 
 @pytest.fixture
-def no_autotune(monkeypatch):
+def no_autotune():
     """The tuned table or the default tiling: no minutes of tuning inside the test run."""
     from engine.kernels import tuning
 
-    monkeypatch.setattr(tuning, "_SETTINGS", dict(tuning._SETTINGS))
-    tuning.configure(autotune=False, directory=tuning.cache_dir())
+    with tuning.tuning_settings(tuning.TuningSettings(autotune=False)):
+        yield
 
 
 @pytest.mark.parametrize(("n", "k"), E2B_SHAPES)

@@ -85,10 +85,17 @@ def test_bad_shapes_are_refused(device) -> None:
         w4_gemv(torch.randn(1, 96, device=device), packed, scales)
 
 
-def test_config_cache_round_trips_through_its_file(tmp_path, monkeypatch) -> None:
-    monkeypatch.setattr(tuning, "_SETTINGS", dict(tuning._SETTINGS))  # restored after the test
-    tuning.configure(directory=tmp_path)
+@pytest.fixture
+def cache_in(tmp_path):
+    """The tuning tables under tmp_path for the test (the settings an engine would put in force)."""
     tuning.forget_memory()
+    with tuning.tuning_settings(tuning.TuningSettings(cache_dir=tmp_path)):
+        yield tmp_path
+    tuning.forget_memory()
+
+
+@pytest.mark.usefixtures("cache_in")
+def test_config_cache_round_trips_through_its_file(tmp_path) -> None:
     cfg = {"BLOCK_N": 4, "BLOCK_KW": 128, "num_warps": 4, "num_stages": 2, "us": 3.1}
     tuning.store("w4gemv", "N2560_K1536_bfloat16_M1", "Some_GPU", cfg)
     on_disk = json.loads((tmp_path / "Some_GPU.json").read_text())
@@ -97,24 +104,21 @@ def test_config_cache_round_trips_through_its_file(tmp_path, monkeypatch) -> Non
     assert tuning.lookup("w4gemv", "N2560_K1536_bfloat16_M1", "Some_GPU") == cfg
     assert tuning.lookup("w4gemv", "N1_K32_bfloat16_M1", "Some_GPU") is None
     assert not list(tmp_path.glob("*.tmp"))
-    tuning.forget_memory()
 
 
+@pytest.mark.usefixtures("cache_in")
 def test_an_unshipped_hopper_reads_the_h200s_tables(tmp_path, monkeypatch) -> None:
     """A card with no shipped tables of its own (an H100) reads those of the shipped card of its
     compute capability (the H200's: its first start then tunes nothing); its own tuned entries
     still win; a card of an unshipped capability reads nothing and tunes. (No GPU here: the
     names and capabilities are what `gpu_key` reads from torch on one.)"""
-    monkeypatch.setattr(tuning, "_SETTINGS", dict(tuning._SETTINGS))
-    monkeypatch.setattr(tuning, "_STAND_IN", {})
-    tuning.configure(directory=tmp_path)
-    tuning.forget_memory()
+    monkeypatch.setattr(tuning, "_STAND_IN_MEMO", {})
     h200 = json.loads((Path(tuning.__file__).with_name("configs") / "NVIDIA_H200.json").read_text())
     key, shipped = next(iter(h200["w4gemv"].items()))
     assert tuning.stand_in("NVIDIA_H200", (9, 0)) == "NVIDIA_H200"
     assert tuning.stand_in("NVIDIA_H100_80GB_HBM3", (9, 0)) == "NVIDIA_H200"
     assert tuning.stand_in("NVIDIA_A100-SXM4-80GB", (8, 0)) == "NVIDIA_A100-SXM4-80GB"
-    tuning._STAND_IN.update({"NVIDIA_H100_80GB_HBM3": "NVIDIA_H200", "Tesla_T4": "Tesla_T4"})
+    tuning._STAND_IN_MEMO.update({"NVIDIA_H100_80GB_HBM3": "NVIDIA_H200", "Tesla_T4": "Tesla_T4"})
     assert tuning.lookup("w4gemv", key, "NVIDIA_H100_80GB_HBM3") == shipped
     assert tuning.lookup("w4gemv", key, "Tesla_T4") is None  # its first use tunes
     mma = tuning.shipped_table("w4mma", "NVIDIA_H100_80GB_HBM3")
@@ -125,25 +129,7 @@ def test_an_unshipped_hopper_reads_the_h200s_tables(tmp_path, monkeypatch) -> No
     assert tuning.lookup("w4gemv", key, "NVIDIA_H100_80GB_HBM3") == own
     assert tuning.lookup("w4gemv", key, "NVIDIA_H200") == shipped
     assert sorted(p.name for p in tmp_path.iterdir()) == ["NVIDIA_H100_80GB_HBM3.json"]
-    tuning.forget_memory()
     tuning.shipped_table.cache_clear()  # it read through this test's stand-ins
-
-
-def test_autotune_switch_comes_from_the_engine_options(tmp_path, monkeypatch) -> None:
-    """EngineOptions.autotune / tuning_cache_dir reach the tuner through load; the
-    environment is read only by EngineOptions.from_env."""
-    from engine.options import EngineOptions
-
-    monkeypatch.setattr(tuning, "_SETTINGS", dict(tuning._SETTINGS))
-    opts = EngineOptions.from_env(
-        {"GPURIG_KERNEL_AUTOTUNE": "0", "GPURIG_KERNEL_CACHE": str(tmp_path)}
-    )
-    tuning.configure(opts.autotune, opts.tuning_cache_dir)
-    assert not tuning.autotune_enabled() and tuning.cache_dir() == tmp_path
-    monkeypatch.setenv("GPURIG_KERNEL_AUTOTUNE", "0")  # read by no one after configure
-    tuning.configure(EngineOptions().autotune, None)
-    assert tuning.autotune_enabled()
-    assert tuning.cache_dir().parts[-3:] == (".cache", "gpurig", "kernels")
 
 
 def test_gemv_epilogues_match_their_unfused_form(device) -> None:

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.eval.models import BfclCategory, Question
+from engine import env
 from tools.errors import NotFoundError
 
 BFCL_VERSION = "2026.3.23"
@@ -32,8 +33,9 @@ JSON_TYPES = {"dict": "object", "float": "number", "tuple": "array", "any": "str
 def cache_dir() -> Path:
     """Where the wheel is kept: GPURIG_BFCL_CACHE, else $XDG_CACHE_HOME/gpurig/bfcl (default
     ~/.cache/gpurig/bfcl, beside the project's other downloads)."""
-    if os.environ.get("GPURIG_BFCL_CACHE"):
-        return Path(os.environ["GPURIG_BFCL_CACHE"]).expanduser()
+    given = env.read("GPURIG_BFCL_CACHE")
+    if given:
+        return Path(given).expanduser()
     xdg = os.environ.get("XDG_CACHE_HOME")
     base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
     return base / "gpurig" / "bfcl"
