@@ -1,4 +1,4 @@
-"""What the architecture tests share: which `if` never runs, and an import cycle in a graph."""
+"""What the architecture tests share: which `if` never runs, and the import cycles of a graph."""
 
 from __future__ import annotations
 
@@ -34,3 +34,14 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
         if node not in state and (found := visit(node)):
             return found
     return None
+
+
+def all_cycles(graph: dict[str, set[str]], limit: int = 20) -> list[str]:
+    """Every cycle, not only the first ("a -> b -> a"): each one found loses its closing edge
+    (in a copy) and the search goes on, so one failure lists all the work."""
+    graph = {node: set(deps) for node, deps in graph.items()}
+    cycles: list[str] = []
+    while len(cycles) < limit and (found := find_cycle(graph)) is not None:
+        cycles.append(" -> ".join(found))
+        graph[found[-2]].discard(found[-1])
+    return cycles

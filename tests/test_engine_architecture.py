@@ -105,17 +105,13 @@ def test_deleted_experiments_stay_deleted() -> None:
 def test_options_from_the_environment() -> None:
     assert EngineOptions.from_env({}) == EngineOptions()
     opts = EngineOptions.from_env({"GPURIG_FAST": "force", "GPURIG_CUDA_GRAPH": "0",
-                                   "GPURIG_FAST_PREFILL": "0", "GPURIG_GEMV_H2": "0",
-                                   "GPURIG_PREFIX_SDPA": "0", "GPURIG_EXPANDABLE_SEGMENTS": "0",
-                                   "GPURIG_KERNEL_AUTOTUNE": "0", "GPURIG_PASS_ATTENTION": "0",
-                                   "GPURIG_KERNEL_CACHE": "/tmp/k", "GPURIG_PASS_GRAPHS": "0",
-                                   "GPURIG_BATCH_PROLOGUE": "0", "GPURIG_PDL": "0",
-                                   "GPURIG_MMA_AHEAD": "0"})  # fmt: skip
-    assert opts == EngineOptions(fast="force", cuda_graph=False, fused_prefill=False,
-                                 half2_gemv=False, prefix_sdpa=False, expandable_segments=False,
-                                 autotune=False, tuning_cache_dir=Path("/tmp/k"),
-                                 pass_attention=False, pass_graphs=False,
-                                 batch_prologue=False, pdl=False, mma_ahead=False)  # fmt: skip
+                                   "GPURIG_PASS_GRAPHS": "0", "GPURIG_ASYNC_PROMPTS": "0",
+                                   "GPURIG_PDL": "0", "GPURIG_KERNEL_AUTOTUNE": "0",
+                                   "GPURIG_KERNEL_CACHE": "/tmp/k",
+                                   "GPURIG_COMPILE_THREADS": "3"})  # fmt: skip
+    assert opts == EngineOptions(fast="force", cuda_graph=False, pass_graphs=False,
+                                 async_prompts=False, pdl=False, autotune=False,
+                                 tuning_cache_dir=Path("/tmp/k"), compile_threads=3)  # fmt: skip
     assert EngineOptions.from_env({"GPURIG_FAST": "0"}).fast == "off"
     with pytest.raises(ValueError, match="fast"):
         EngineOptions(fast="sometimes")  # type: ignore[arg-type]
@@ -126,11 +122,10 @@ def test_options_from_the_environment() -> None:
     assert EngineOptions(fast="force").fast_on(cpu) and not EngineOptions(fast="off").fast_on(cuda)
     assert EngineOptions().graphs_on(cuda) and not EngineOptions(cuda_graph=False).graphs_on(cuda)
     assert not EngineOptions(fast="force").graphs_on(cpu)
-    # prompt passes as graphs need the decode graphs, the fused prefill and its pass attention
+    # prompt passes as graphs need the decode graphs
     bf16 = torch.bfloat16
     assert not EngineOptions(fast="force").pass_graphs_on(cpu, bf16)
-    for off in ({"cuda_graph": False}, {"fused_prefill": False}, {"pass_attention": False},
-                {"pass_graphs": False}, {"fast": "off"}):  # fmt: skip
+    for off in ({"cuda_graph": False}, {"pass_graphs": False}, {"fast": "off"}):
         assert not EngineOptions(**off).pass_graphs_on(cuda, bf16), off
 
 
