@@ -61,6 +61,14 @@ def read(name: str, env: Mapping[str, str] | None = None) -> str | None:
     return (os.environ if env is None else env).get(name)
 
 
+def omp_threads(env: Mapping[str, str] | None = None) -> int | None:
+    """OMP_NUM_THREADS when it holds a positive count: not gpurig's variable but OpenMP's, the
+    usual way to pin torch's CPU threads, which the engine commands respect (engine/threads.py);
+    read here with the others so the engine reads its environment in one module."""
+    text = ((os.environ if env is None else env).get("OMP_NUM_THREADS") or "").strip()
+    return int(text) if text.isdigit() and int(text) > 0 else None
+
+
 def flag(name: str, default: bool = True, env: Mapping[str, str] | None = None) -> bool:
     """An on/off variable: "0" is off, any other value on, unset the default."""
     value = read(name, env)

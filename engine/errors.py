@@ -70,7 +70,7 @@ class GpurigError(Exception):
 
     def __reduce__(self) -> tuple[Any, ...]:
         """Pickled as its fields, whatever its subclass's constructor takes (the engine's
-        process sends its refusals to the server's: engine/server/core.py)."""
+        process sends its refusals to the server's: engine/process/core.py)."""
         return (_rebuild, (type(self), self.args, dict(self.__dict__)))
 
 

@@ -1,8 +1,9 @@
-"""The options of `gpurig engine serve`, defined once: names, flags, types, defaults, help, checks.
+"""The options of the engine server (`python -m engine.server`, `gpurig engine serve`), defined
+once: names, flags, types, defaults, help, checks.
 
-The CLI builds its argparse flags from `OPTIONS` (mcp_server/cli_engine_serve.py), and the serving
-tools read the accepted flags from `flags()` (tools/serving refuses an unknown one in extra_args
-before starting a server), so neither walks the other's parser. The module imports no web
+The server builds its argparse flags from `OPTIONS` (engine/server/main.py: for both commands),
+and the serving tools read the accepted flags from `flags()` (tools/serving refuses an unknown
+one in extra_args before starting a server), so neither walks the other's parser. The module imports no web
 framework and no torch (the standard library and engine.errors only): `gpurig --help` and the
 serving tools import it.
 

@@ -16,7 +16,7 @@ shows it. Two timing events per step measure it on the GPU:
   event loop), not a new request's;
 - late_host_ms: for the late steps, where the host's time went between the moment the step
   before the previous one had finished (its tokens collected) and this launch, by phase
-  (HOST_PHASES): delivering those tokens; in the engine process (engine/server/core.py),
+  (HOST_PHASES): delivering those tokens; in the engine process (engine/process/core.py),
   sending them to the server and receiving what came in (new requests added, cancellations);
   back in the caller's loop (the engine lock, the interpreter held elsewhere); scheduling;
   preparing the launch (blocks, admissions, passes). An engine stepped in the server's own

@@ -93,7 +93,7 @@ def prompt_ids(
     if prompt is not None:
         ids = engine.tokenizer.encode(prompt, add_special_tokens=False).ids
         return ([engine.bos_id] if engine.bos_id is not None else []) + list(ids), None
-    fmt = ChatFormat.of(engine)
+    fmt = ChatFormat.of(engine.tokenizer, engine.chat_template, engine.bos_id, engine.eos_ids)
     text = fmt.render([{"role": "user", "content": chat or ""}])
     return encode_prompt(engine.tokenizer, text), list(fmt.stop_ids)
 

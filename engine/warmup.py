@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from engine import warmup_cache
 from engine.kernels import tuning
@@ -35,7 +35,30 @@ from engine.kernels.launch import compile_ahead, default_threads
 from engine.sampling import SamplingParams
 
 if TYPE_CHECKING:
-    from engine.runtime import Engine
+    from engine.generation import Generation
+    from engine.kv_pool import KVPool
+    from engine.runner import ModelRunner
+
+
+class WarmingUp(warmup_cache.Compiling, Protocol):
+    """What the warm-up uses of the engine it warms (engine/runtime.py's Engine, which calls it
+    while it loads): typed here, so the warm-up does not import the engine it is part of."""
+
+    runner: ModelRunner
+    pool: KVPool
+
+    @property
+    def max_num_seqs(self) -> int: ...
+
+    @property
+    def has_work(self) -> bool: ...
+
+    def step(self) -> bool: ...
+
+    def generate(self, token_ids: list[int], params: SamplingParams | None = None) -> list[int]: ...
+
+    def stream(self, token_ids: list[int], params: SamplingParams | None = None) -> Generation: ...
+
 
 SPLIT_TAIL = 37  # tokens past a multiple of 16 (and past the budget): the uneven cases
 
@@ -82,7 +105,7 @@ def prompt_lengths(max_context: int, budget: int) -> tuple[int, ...]:
     return tuple(sorted({min(n, room) for n in wanted}))
 
 
-def warm_up(engine: Engine, threads: int | None = None, every_length: bool | None = None
+def warm_up(engine: WarmingUp, threads: int | None = None, every_length: bool | None = None
             ) -> WarmUpReport:  # fmt: skip
     """Compile, capture and read as the module docstring says; the engine is left idle, its pool
     empty. every_length None: every kind of prompt on CUDA, one token elsewhere."""
@@ -130,7 +153,7 @@ def warm_up(engine: Engine, threads: int | None = None, every_length: bool | Non
     )
 
 
-def _read_prompts(engine: Engine, lengths: tuple[int, ...]) -> None:
+def _read_prompts(engine: WarmingUp, lengths: tuple[int, ...]) -> None:
     """Each length alone, then (when the engine batches) the two shortest uneven ones in one
     pass; two new tokens each, so a decode step follows every read."""
     params = SamplingParams(max_tokens=2, stop_ids=())

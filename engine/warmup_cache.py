@@ -2,7 +2,7 @@
 Triton's disk cache, as a marker left by an earlier warm-up of the same engine says.
 
 Why: with a warm Triton cache the compile pass compiles nothing, yet it still runs every batch
-bucket's step and every warm-up prompt eagerly on the host (2.4-6.6 s on the H200: bench/NOTES.md,
+bucket's step and every warm-up prompt eagerly on the host (2.4-6.6 s on the H200: lab/journal.md,
 v14), only for the capture and the prompt reads that follow to run them again. After a warm-up,
 a marker in the kernel-tuning cache directory records a fingerprint of everything that decides
 which kernels compile (Triton, torch, the GPU, the engine's kernel sources, the model's shapes,
@@ -19,15 +19,32 @@ import json
 import os
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from engine.runtime import Engine
+    import torch
+
+    from engine.batching import BatchingPlan
+    from engine.config import TextConfig
+    from engine.options import EngineOptions
+
+
+class Compiling(Protocol):
+    """What decides which kernels an engine compiles (engine/runtime.py's Engine has it): typed
+    here, where it is read, so this module needs nothing of the engine that warms up."""
+
+    device: torch.device
+    dtype: torch.dtype
+    config: TextConfig
+    options: EngineOptions
+    batching: BatchingPlan
+    max_context: int
+
 
 _SOURCES = ("kernels", "fast")  # engine/ subpackages whose code decides what Triton compiles
 
 
-def facts(engine: Engine, lengths: tuple[int, ...]) -> dict[str, Any]:
+def facts(engine: Compiling, lengths: tuple[int, ...]) -> dict[str, Any]:
     """What decides the warm-up's compiles (see the module docstring), as plain values."""
     import dataclasses
 
@@ -63,7 +80,7 @@ def facts(engine: Engine, lengths: tuple[int, ...]) -> dict[str, Any]:
     }
 
 
-def fingerprint(engine: Engine, lengths: tuple[int, ...]) -> str:
+def fingerprint(engine: Compiling, lengths: tuple[int, ...]) -> str:
     """A hash of `facts`: one engine's marker name."""
     return fingerprint_of(facts(engine, lengths))
 

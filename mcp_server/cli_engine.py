@@ -13,6 +13,7 @@ import os
 import sys
 from pathlib import Path
 
+from engine.threads import set_threads
 from mcp_server.output import kv_table, print_result
 from tools.errors import NotFoundError, RefusedError
 
@@ -135,52 +136,6 @@ def _int_at_least(text: str, low: int) -> int:
     if value < low:
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number >= {low}")
     return value
-
-
-MAX_DEFAULT_THREADS = 8  # batch-1 decode is bound by memory bandwidth: more threads add barriers
-
-
-def default_threads() -> int:
-    """torch's CPU threads unless --threads says otherwise: the cores this process may run on
-    (its affinity, which containers and taskset narrow; at most the physical cores, since
-    hyperthreads share one core's FPUs) less those already busy (the 1-minute load average,
-    scaled to our share of the CPUs), at least 1 and at most 8. `engine serve` takes one
-    fewer, for its own event loop and tokenising threads.
-
-    Why not torch's default (every core): its OpenMP threads wait for each other at every small
-    matmul of a decode step, so one busy core stalls all of them. Measured on 2 shared cores,
-    small preset: 31.9 tok/s with 1 thread against 0.6 with 2 while one other process spun;
-    on idle cores 2 threads gain little (27-31 vs 32 tok/s)."""
-    import psutil
-
-    total = os.cpu_count() or 1
-    try:
-        usable = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # not Linux
-        usable = total
-    cores = max(1, min(usable, psutil.cpu_count(logical=False) or usable))
-    try:
-        busy = os.getloadavg()[0] * usable / total
-    except OSError:
-        busy = 0.0
-    return max(1, min(MAX_DEFAULT_THREADS, cores, round(cores - busy)))
-
-
-def set_threads(threads: int | None) -> int:
-    """Set torch's CPU thread count: `threads`, else OMP_NUM_THREADS, else default_threads().
-    Returns the number set."""
-    import torch
-
-    n = threads or _omp_threads() or default_threads()
-    torch.set_num_threads(n)
-    return n
-
-
-def _omp_threads() -> int | None:
-    """OMP_NUM_THREADS when it holds a positive count (the usual way to pin torch's threads),
-    respected as `engine serve` does; --threads wins over it."""
-    text = os.environ.get("OMP_NUM_THREADS", "").strip()
-    return int(text) if text.isdigit() and int(text) > 0 else None
 
 
 def _check_model_dir(

@@ -1,5 +1,5 @@
-"""Helpers for the live server tests: a free loopback port, the real `gpurig engine serve`
-process, and a "scripted" checkpoint whose greedy decode follows chosen token sequences.
+"""Helpers for the live server tests: a free loopback port, the real engine server
+process (`python -m engine.server`), and a "scripted" checkpoint whose greedy decode follows chosen token sequences.
 
 The scripted checkpoint is a real tiny W4A16 checkpoint from `make_checkpoint`, edited so the
 model is a first-order lookup table: every layer's residual contributions (o_proj, down_proj,
@@ -122,7 +122,8 @@ def make_scripted_checkpoint(
 
 
 class ServerProcess:
-    """`gpurig engine serve` in a child process on a free loopback port."""
+    """The engine server (`python -m engine.server`) in a child process on a free loopback
+    port."""
 
     def __init__(self, model_dir: Path, *extra: str, env: dict[str, str] | None = None) -> None:
         self.port = free_port()
@@ -131,9 +132,7 @@ class ServerProcess:
         cmd = [
             sys.executable,
             "-m",
-            "mcp_server.cli",
-            "engine",
-            "serve",
+            "engine.server",
             "--model",
             str(model_dir),
             "--port",

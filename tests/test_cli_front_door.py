@@ -141,7 +141,7 @@ def test_default_threads_leaves_busy_cores_alone(monkeypatch: pytest.MonkeyPatch
 
     import psutil
 
-    from mcp_server.cli_engine import default_threads
+    from engine.threads import default_threads
 
     cores = min(len(os.sched_getaffinity(0)), psutil.cpu_count(logical=False) or 99)
     monkeypatch.setattr(os, "getloadavg", lambda: (0.0, 0.0, 0.0))
@@ -178,7 +178,7 @@ def test_disk_advice_names_each_filesystem_once_and_says_what_happened(tmp_path:
 def test_omp_num_threads_is_respected_and_the_flag_wins(monkeypatch: pytest.MonkeyPatch) -> None:
     import torch
 
-    from mcp_server.cli_engine import set_threads
+    from engine.threads import set_threads
 
     before = torch.get_num_threads()
     try:

@@ -1,4 +1,4 @@
-"""The engine in a process of its own (engine/server/core.py, core_client.py): a real spawned
+"""The engine in a process of its own (engine/process/core.py, client.py): a real spawned
 process on a tiny checkpoint (the CPU reference path) gives the tokens the in-process engine
 gives, refuses what it refuses before queueing, cancels, reports its counters, fails open
 requests with a clear error when it dies, and reports a bad checkpoint; then
@@ -24,9 +24,9 @@ import engine
 from engine.checkpoint_maker import make_checkpoint
 from engine.errors import CheckpointError, ContextLengthError, EngineError
 from engine.options import EngineOptions
+from engine.process.client import EngineClient
+from engine.process.core import Core, CoreSpec
 from engine.sampling import SamplingParams
-from engine.server.core import Core, CoreSpec
-from engine.server.core_client import EngineClient
 
 CONTEXT = 256
 
@@ -269,8 +269,8 @@ def test_the_engine_process_ends_when_its_server_is_killed(tiny, tmp_path) -> No
     script = (
         "import sys, time\n"
         "from engine.options import EngineOptions\n"
-        "from engine.server.core import CoreSpec\n"
-        "from engine.server.core_client import EngineClient\n"
+        "from engine.process.core import CoreSpec\n"
+        "from engine.process.client import EngineClient\n"
         f"c = EngineClient(CoreSpec(sys.argv[1], {{'device': 'cpu', 'max_context': {CONTEXT}, "
         "'options': EngineOptions(fast='off'), 'warm_up': False}))\n"
         "print(c.process.pid, flush=True)\n"
@@ -291,7 +291,7 @@ def test_the_engine_process_ends_when_its_server_is_killed(tiny, tmp_path) -> No
 
 
 def test_auto_puts_the_engine_in_its_own_process_on_cuda_only(tiny, run_gpurig) -> None:
-    from mcp_server.cli_engine_serve import _serves_cuda
+    from engine.server.main import _serves_cuda
 
     assert _serves_cuda("cuda:0") and _serves_cuda("cuda")
     assert not _serves_cuda("cpu") and not _serves_cuda("no-such-device")
@@ -308,7 +308,7 @@ def test_the_engine_process_is_guessed_before_torch(tmp_path, monkeypatch) -> No
     files stand in for it). torch decides "auto" afterwards."""
     import argparse
 
-    from mcp_server import cli_engine_serve as serve
+    from engine.server import main as serve
 
     def expected(mode: str, device: str | None = None) -> bool:
         return serve._engine_process_expected(argparse.Namespace(engine_process=mode,
@@ -328,7 +328,7 @@ def test_the_server_starts_its_engine_process_before_importing_torch(tiny) -> No
     imported torch (the spawned process imports it meanwhile, not after)."""
     script = (
         "import sys\n"
-        "import engine.server.core as core\n"
+        "import engine.process.core as core\n"
         "def start(spec):\n"
         "    print('torch before the engine process:', 'torch' in sys.modules, flush=True)\n"
         "    raise SystemExit(3)\n"
@@ -347,7 +347,7 @@ def test_a_started_core_serves_its_client_or_is_abandoned(tiny) -> None:
     """`start_core` begins loading at once; an EngineClient takes the started process and
     serves from it; one abandoned (the server chose to load in its own process) is stopped and
     reaped."""
-    from engine.server.core import start_core
+    from engine.process.core import start_core
 
     spec = CoreSpec(tiny, _options(), torch_threads=1)
     started = start_core(spec)

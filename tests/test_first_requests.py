@@ -94,7 +94,8 @@ def test_an_app_that_raises_is_reported_not_fatal():
 
     state = SimpleNamespace(
         options=ServerOptions(), limits=SimpleNamespace(max_tokens=None), model_name="m",
-        chat=None, engine=object(), metrics=SimpleNamespace(reset=lambda: None),
+        engine=SimpleNamespace(has_work=False, reset_stats=lambda: True),
+        metrics=SimpleNamespace(reset=lambda: None),
         encode=lambda text, special, param: [2, 10],
     )  # fmt: skip
     line = asyncio.run(answer_first_requests(broken, state))

@@ -299,21 +299,14 @@ def test_generation_result_of_a_text_stream(eng):
 
 
 def test_chat_format_falls_back_to_the_bundled_template_and_bos_text(tokenizer, eng):
-    class Bare:  # an engine-like object without a template, a directory or a bos id
-        pass
-
-    bare = Bare()
-    bare.tokenizer = tokenizer
-    fmt = ChatFormat.of(bare)
+    fmt = ChatFormat.of(tokenizer)  # no template, no bos id
     assert fmt.template == bundled_template() and fmt.bos_token == "<bos>"
-    bare.bos_id = 2
-    assert ChatFormat.of(bare).bos_token == tokenizer.id_to_token(2)
-    own = ChatFormat.of(eng)
+    assert ChatFormat.of(tokenizer, bos_id=2).bos_token == tokenizer.id_to_token(2)
+    own = ChatFormat.of(eng.tokenizer, eng.chat_template, eng.bos_id, eng.eos_ids)
     assert own.template == eng.chat_template
     # a reply ends on the eos ids and the end-of-turn markers, found by their text
-    assert own.stop_ids == (1, 50, 106) and ChatFormat.of(bare).stop_ids == (1, 50, 106)
-    bare.eos_ids = [7]
-    assert ChatFormat.of(bare).stop_ids == (1, 7, 50, 106)
+    assert own.stop_ids == (1, 50, 106) and ChatFormat.of(tokenizer).stop_ids == (1, 50, 106)
+    assert ChatFormat.of(tokenizer, eos_ids=[7]).stop_ids == (1, 7, 50, 106)
     text = own.render([{"role": "user", "content": "hi"}])
     assert text.startswith("<bos>") and "hi" in text
 

@@ -103,7 +103,7 @@ def test_engine_lifecycle_across_two_mcp_processes(gpurig_bin, scripted, tmp_pat
     assert record.state == "ready", record.failure
     assert record.base_url == f"http://127.0.0.1:{port}/v1"
     assert record.served_model_name == "scripted"
-    assert record.command[1:6] == ["-m", "mcp_server.cli", "engine", "serve", "--model"]
+    assert record.command[1:4] == ["-m", "engine.server", "--model"]
     assert record.startup_facts.device == "cpu" and record.startup_facts.max_context
     # the KV block pool's line, in vLLM's words, read by the same parser as vLLM's
     facts = record.startup_facts

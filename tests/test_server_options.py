@@ -236,13 +236,12 @@ def test_openapi_without_a_key_has_no_security(checkpoint):
 
 
 def test_the_cli_defaults_are_the_servers():
-    from engine import serve_options
+    from engine import serve_options, threads
     from engine.server import limits
-    from mcp_server import cli_engine_serve as cli
     from mcp_server.cli import build_parser
 
     defaults = vars(build_parser().parse_args(["engine", "serve", "--model", "m"]))
     assert defaults["max_tokens_limit"] == limits.DEFAULT_MAX_TOKENS_LIMIT
     assert defaults["max_body_mib"] * 1024 * 1024 == limits.DEFAULT_MAX_BODY_BYTES
     assert defaults["port"] == serve_options.DEFAULT_PORT
-    assert 1 <= cli.default_threads() <= cli.MAX_DEFAULT_THREADS
+    assert 1 <= threads.serve_default() <= threads.MAX_DEFAULT_THREADS

@@ -193,22 +193,23 @@ def test_cli_module_is_light_and_refuses_bad_input(run_gpurig, tmp_path):
     assert "config.json" in recent.stderr
 
 
-def test_the_checkpoint_template_decides_about_earlier_reasoning(tokenizer):
+def test_the_checkpoint_template_decides_about_earlier_reasoning(tokenizer, tmp_path):
     """The chat prompt is what the checkpoint's template makes of the messages as sent:
     reasoning_content of an assistant turn included (Google's template re-shows it inside a
     tool-calling turn), content parts joined, nothing else added."""
     from types import SimpleNamespace
 
+    from engine.interface import EngineFacts
     from engine.server.chat import chat_prompt
     from engine.server.state import ServerState
 
     template = (
         "{% for m in messages %}{{ m.role }}:{{ m.content }}/{{ m.reasoning_content }}|{% endfor %}"
     )
-    facts = SimpleNamespace(
-        tokenizer=tokenizer, max_context=64, chat_template=template, bos_id=2, eos_ids=[1]
-    )
-    state = ServerState(facts, "m", ())
+    facts = EngineFacts(tmp_path, "m", 64, tokenizer.get_vocab_size(), 2, (1,), template, "cpu")
+    # what ServerState reads of its engine when it is made (rendering needs no more)
+    served = SimpleNamespace(facts=facts, tokenizer=tokenizer, stats=lambda: None)
+    state = ServerState(served, "m", ())  # type: ignore[arg-type]
     req = ChatCompletionRequest.model_validate(
         {
             "messages": [

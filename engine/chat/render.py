@@ -14,14 +14,18 @@ rides along under `content_object`, which gpurig's own template renders in Gemma
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
 
 TEMPLATE_FILE = "chat_template.jinja"
 CONTENT_OBJECT = "content_object"  # a tool result's JSON object, parsed (see the docstring)
@@ -181,22 +185,20 @@ class ChatFormat:
     stop_ids: tuple[int, ...] = ()
 
     @classmethod
-    def of(cls, engine: Any) -> ChatFormat:
-        """The format of a loaded engine (or any object with its tokenizer, chat_template,
-        bos_id and model_dir)."""
-        model_dir = getattr(engine, "model_dir", None)
-        template = (
-            getattr(engine, "chat_template", None)
-            or (read_template(model_dir) if model_dir is not None else None)
-            or bundled_template()  # a checkpoint without a template: gpurig's Gemma 4 one
-        )
-        tokenizer = engine.tokenizer
-        bos_id = getattr(engine, "bos_id", None)
+    def of(
+        cls,
+        tokenizer: Tokenizer,
+        template: str | None = None,
+        bos_id: int | None = None,
+        eos_ids: Iterable[int] = (),
+    ) -> ChatFormat:
+        """The format of a served model: its tokenizer, the checkpoint's template (None: it has
+        none, gpurig's Gemma 4 one is used), its BOS id and eos ids (engine/interface.py's
+        EngineFacts carries all three)."""
         bos = tokenizer.id_to_token(int(bos_id)) if bos_id is not None else None
         markers = (tokenizer.token_to_id(t) for t in CHAT_STOP_TOKENS)
-        eos = (int(i) for i in getattr(engine, "eos_ids", None) or ())
-        stops = tuple(sorted({*eos, *(i for i in markers if i is not None)}))
-        return cls(template, bos or "<bos>", stops)
+        stops = tuple(sorted({*(int(i) for i in eos_ids), *(i for i in markers if i is not None)}))
+        return cls(template or bundled_template(), bos or "<bos>", stops)
 
     def render(
         self,

@@ -1,9 +1,10 @@
-"""gpurig's OpenAI-compatible server for the in-process engine: `create_app(engine, options=...)`
-with `ServerOptions` (API key, max_tokens cap, body limit).
+"""gpurig's OpenAI-compatible server for the engine: `create_app(engine, options=...)` with
+`ServerOptions` (API key, max_tokens cap, body limit); `python -m engine.server --model DIR`
+runs it (main.py, the composition root; `gpurig engine serve` calls the same).
 
-Both are imported on first use: the engine process imports engine.server.core, and with it this
-package, and needs nothing of the HTTP side (starlette and the handlers take a third of a second
-to import)."""
+Both are imported on first use: the engine process imports engine.server.gc_watch, and with it
+this package, and needs nothing of the HTTP side (starlette and the handlers take a third of a
+second to import)."""
 
 from __future__ import annotations
 

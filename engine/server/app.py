@@ -1,9 +1,10 @@
 """The OpenAI-compatible HTTP app: chat, completions, models, health, metrics and the OpenAPI
 document.
 
-`create_app(engine, options=ServerOptions(...))` takes any object with the engine's surface
-(tokenizer, stream, chat_template, eos_ids, bos_id, max_context, model_name, model_dir) and
-returns a Starlette app; `gpurig engine serve` runs it under uvicorn. A request's body is read on
+`create_app(engine, options=ServerOptions(...))` takes a `ServedEngine` (engine/interface.py:
+the engine in this process, or the client of one in its own) and returns a Starlette app;
+`python -m engine.server` (engine/server/main.py, also `gpurig engine serve`) runs it under
+uvicorn. A request's body is read on
 the event loop, then parsed, rendered and tokenised in a worker thread (bounded before any of it:
 engine/server/limits.py), then queued for the generation workers (queue.py), which the engine's
 scheduler batches (engine/scheduler.py).
@@ -26,7 +27,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Callable
 from importlib import metadata
-from typing import Any
+from typing import TYPE_CHECKING
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -44,6 +45,9 @@ from engine.server.openapi import openapi_spec
 from engine.server.schemas import ModelCard, ModelList
 from engine.server.state import ServerState
 from engine.server.tokenize import add_openapi_paths, detokenize, tokenize
+
+if TYPE_CHECKING:
+    from engine.interface import ServedEngine
 
 
 def _card(state: ServerState) -> ModelCard:
@@ -64,7 +68,7 @@ async def retrieve_model(request: Request) -> Response:
 
 async def health(request: Request) -> Response:
     state: ServerState = request.app.state.server
-    ended = getattr(state.engine, "ended", None)  # an engine process that died (core_client.py)
+    ended = state.engine.ended  # an engine process that died (engine/process/client.py)
     if ended is not None:
         raise ApiError(503, f"The engine is not running: {ended}.", type_="server_error",
                        code="engine_dead")  # fmt: skip
@@ -134,7 +138,7 @@ def _version() -> str:
 
 
 def create_app(
-    engine: Any,
+    engine: ServedEngine,
     model_name: str | None = None,
     aliases: tuple[str, ...] = (),
     options: ServerOptions | None = None,

@@ -2,7 +2,7 @@
 
 Why: the engine's warm-up compiles every kernel and reads every kind of prompt, yet the very
 first HTTP request of a server still waited about 30 ms longer than later ones of its length
-(bench/NOTES.md, v14: 1.7-2.4x its warm time to first token), with no compile left to blame:
+(lab/journal.md, v14: 1.7-2.4x its warm time to first token), with no compile left to blame:
 the HTTP path's own first use (the middleware stack built, the request parsed and validated,
 the tokenizer and detokenizer's first calls, the stream's first chunk, the generation thread's
 first wake). Here the app serves a streamed completion and a chat completion to itself as
@@ -16,13 +16,18 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from starlette.types import ASGIApp
+
+    from engine.server.state import ServerState
 
 WARM_UP_TOKENS = 2  # tokens each request asks for: enough for a decode step and a stream chunk
 IDLE_POLLS = 1000  # 5 ms apart: how long the engine may take to go idle after them
 
 
-async def answer_first_requests(app: Any, state: Any) -> str:
+async def answer_first_requests(app: ASGIApp, state: ServerState) -> str:
     """Drive the app through its generation endpoints once; the line that says how it went.
     A refusal (a max_tokens limit or a context too small for the prompt, say) is reported
     there, not raised: the server still starts, only its first client pays the first use."""
@@ -34,10 +39,9 @@ async def answer_first_requests(app: Any, state: Any) -> str:
     prompt = [int(i) for i in state.encode("Hello", True, "prompt")] or [0]
     bodies = [("/v1/completions", {"model": state.model_name, "prompt": prompt,
                                    "max_tokens": tokens, "stream": True})]  # fmt: skip
-    if state.chat is not None:
-        bodies.append(("/v1/chat/completions", {
-            "model": state.model_name, "max_tokens": tokens,
-            "messages": [{"role": "user", "content": "Hello"}]}))  # fmt: skip
+    bodies.append(("/v1/chat/completions", {
+        "model": state.model_name, "max_tokens": tokens,
+        "messages": [{"role": "user", "content": "Hello"}]}))  # fmt: skip
     refused = []
     for path, body in bodies:
         try:
@@ -49,11 +53,10 @@ async def answer_first_requests(app: Any, state: Any) -> str:
             refused.append(f"{path} answered {status}")
     engine = state.engine
     for _ in range(IDLE_POLLS):  # the engine's thread may still be finishing the last step
-        if not getattr(engine, "has_work", False):
+        if not engine.has_work:
             break
         await asyncio.sleep(0.005)
-    reset = getattr(engine, "reset_stats", None)
-    if reset is not None and not reset():
+    if not engine.reset_stats():
         refused.append("the engine stayed busy, so its step counters include them")
     state.metrics.reset()
     ms = (time.perf_counter() - t0) * 1000
@@ -62,7 +65,7 @@ async def answer_first_requests(app: Any, state: Any) -> str:
     return f"answered its first requests in-process in {ms:.0f} ms"
 
 
-async def _post(app: Any, path: str, body: bytes, headers: list[tuple[bytes, bytes]]) -> int:
+async def _post(app: ASGIApp, path: str, body: bytes, headers: list[tuple[bytes, bytes]]) -> int:
     """One POST through the ASGI app (no socket); its status, once the whole body was sent."""
     scope = {
         "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",

@@ -6,7 +6,7 @@ thread, which has one decode step's time (1.4-2.8 ms on E2B) to launch the next.
 collection stops both for as long as it walks the heap, and the heap after loading holds the
 model's and tokenizer's Python objects, which a full collection walks every time. At 8-16
 streams the decode stream's clock (engine/step_clock.py) shows the GPU waiting for the host on
-2-5% of the steps (bench/NOTES.md v23); these counters say how much of that the collector is.
+2-5% of the steps (lab/journal.md v23); these counters say how much of that the collector is.
 
 `freeze` moves everything alive at startup into the permanent generation (gc.freeze, as vLLM's
 engine does after loading), so later collections walk only what the requests allocate.

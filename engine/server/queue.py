@@ -1,34 +1,36 @@
 """Requests into the engine and their text back to the event loop.
 
 One waiting line, the scheduler's (engine/scheduler.py): `submit` hands a request straight to
-the engine, and one thread (`EngineLoop`) steps the engine while it has work. The engine hands
-each request's new tokens to its sink on that thread, which puts them on the request's asyncio
-queue; the handler's side turns them into text there (engine/detokenize.py: the incremental
-detokeniser and the stop strings), so no thread relays anything and the loop keeps answering
-/health and /metrics while generations run. Cancelling a request (a client that left, a stop
-string) is one flag on its sequence, read by the next step.
-
-An engine in a process of its own (engine/server/core_client.py, the default on a GPU) steps
-itself: `submit` then waits for it to accept the request, and the thread reading its pipe calls
-the sinks instead of the engine's thread.
+the engine (engine/interface.py's `ServedEngine`), which steps itself while it has work: on a
+thread of its own in this process (engine/process/local.py), or in a process of its own
+(engine/process/client.py, the default on a GPU), whose pipe's reader then stands in for that
+thread. The engine hands each request's new tokens to its sink on that thread, which puts them
+on the request's asyncio queue; the handler's side turns them into text there
+(engine/detokenize.py: the incremental detokeniser and the stop strings), so no thread relays
+anything and the loop keeps answering /health and /metrics while generations run. Cancelling a
+request (a client that left, a stop string) is one flag on its sequence, read by the next step.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engine.detokenize import TextAssembler
 from engine.generation import Timings
 from engine.sampling import SamplingParams
-from engine.sequence import Output, Sequence
+from engine.sequence import Output
 from engine.server.metrics import Metrics
 from engine.textgen import GenerationResult
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
+
+    from engine.interface import RequestHandle, ServedEngine
 
 log = logging.getLogger(__name__)
 
@@ -78,50 +80,15 @@ def timings(result: GenerationResult, queue_ms: float) -> dict[str, float]:
     }
 
 
-class EngineLoop:
-    """The one thread that steps the engine while any request is open."""
-
-    def __init__(self, engine: Any) -> None:
-        self.engine = engine
-        self._wake = threading.Event()
-        self._closing = False
-        self._thread: threading.Thread | None = None
-
-    def start(self) -> None:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="gpurig-engine", daemon=True)
-            self._thread.start()
-
-    def wake(self) -> None:
-        self._wake.set()
-
-    def stop(self, timeout: float = 10.0) -> None:
-        """Stop stepping; open requests end with the engine's shutdown error."""
-        self._closing = True
-        self._wake.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
-            self._thread = None
-        self.engine.close()
-
-    def _run(self) -> None:
-        while not self._closing:
-            if self.engine.has_work:
-                self.engine.step()  # a failing step ends its requests with the error itself
-                continue
-            self._wake.wait(timeout=1.0)
-            self._wake.clear()
-
-
 class Job:
     """One request in the engine: its sequence (the cancel flag) and its events."""
 
-    def __init__(self, request: GenerationRequest, tokenizer: Any, metrics: Metrics,
+    def __init__(self, request: GenerationRequest, tokenizer: Tokenizer, metrics: Metrics,
                  loop: asyncio.AbstractEventLoop, wake: Callable[[], None]) -> None:  # fmt: skip
         self.request = request
         self.metrics = metrics
         self.loop = loop
-        self.seq: Sequence | None = None
+        self.seq: RequestHandle | None = None
         self.finished = False
         self._outputs: asyncio.Queue[Output] = asyncio.Queue()
         self._text = TextAssembler(tokenizer, request.stop_strings, request.skip_special_tokens)
@@ -139,7 +106,7 @@ class Job:
             self.seq.cancel()
             self._wake()
 
-    def sink(self, _seq: Sequence, out: Output) -> None:
+    def sink(self, _seq: RequestHandle, out: Output) -> None:
         """The engine's hand-off (on its thread): onto the event loop, as it is."""
         try:
             self.loop.call_soon_threadsafe(self._outputs.put_nowait, out)
@@ -201,29 +168,23 @@ class Job:
 
 
 class GenerationQueue:
-    """Requests into the engine (its one waiting line), stepped by one EngineLoop."""
+    """Requests into the engine (its one waiting line), which steps itself while it has work."""
 
-    def __init__(self, engine: Any, metrics: Metrics) -> None:
+    def __init__(self, engine: ServedEngine, metrics: Metrics) -> None:
         self.engine = engine
         self.metrics = metrics
-        # an engine in a process of its own (engine/server/core_client.py) steps itself
-        self.loop: Any = engine if getattr(engine, "runs_itself", False) else EngineLoop(engine)
 
     def start(self) -> None:
-        self.loop.start()
+        self.engine.start()
 
     def stop(self, timeout: float = 10.0) -> None:
-        self.loop.stop(timeout)
+        """Stop the engine: open requests end with its shutdown error."""
+        self.engine.stop(timeout)
 
     async def submit(self, request: GenerationRequest) -> Job:
         """Queue a request in the engine (its arguments checked there, raising before the
-        request is queued)."""
+        request is queued; an engine process answers between two of its steps)."""
         loop = asyncio.get_running_loop()
-        job = Job(request, self.engine.tokenizer, self.metrics, loop, self.loop.wake)
-        add_async = getattr(self.engine, "add_request_async", None)
-        if add_async is not None:  # the engine's process answers between two of its steps
-            job.seq = await add_async(request.prompt_ids, request.params, job.sink)
-        else:
-            job.seq = self.engine.add_request(request.prompt_ids, request.params, job.sink)
-        self.loop.wake()
+        job = Job(request, self.engine.tokenizer, self.metrics, loop, self.engine.wake)
+        job.seq = await self.engine.add_request_async(request.prompt_ids, request.params, job.sink)
         return job

@@ -12,7 +12,7 @@ import dataclasses
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NamedTuple, TypeVar
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 import anyio.to_thread
 from anyio import CapacityLimiter
@@ -27,6 +27,9 @@ from engine.server.logprobs import TokenText
 from engine.server.metrics import Metrics
 from engine.server.queue import GenerationQueue, GenerationRequest, Job
 
+if TYPE_CHECKING:
+    from engine.interface import ServedEngine
+
 T = TypeVar("T")
 
 PREPARE_THREADS = 4  # requests parsed/rendered/tokenised at once
@@ -38,31 +41,28 @@ class ServerState:
 
     def __init__(
         self,
-        engine: Any,
+        engine: ServedEngine,
         model_name: str | None,
         aliases: tuple[str, ...],
         options: ServerOptions | None = None,
     ) -> None:
+        facts = engine.facts
         self.engine = engine
-        self.model_name = model_name or str(getattr(engine, "model_name", "model"))
+        self.model_name = model_name or facts.model_name
         self.aliases = {self.model_name, *aliases}
-        self.max_context = int(engine.max_context)
+        self.max_context = facts.max_context
         self.tokenizer = engine.tokenizer
         self.token_text = TokenText(self.tokenizer)  # token texts for logprobs, decoded once
         self.options = options or ServerOptions()
         self.limits: Limits = compute_limits(self.options, self.tokenizer, self.max_context)
-        model_dir = getattr(engine, "model_dir", None)
-        self.chat = ChatFormat.of(engine)
-        config = getattr(engine, "config", None)
-        self.vocab_size = int(
-            getattr(config, "vocab_size", None) or self.tokenizer.get_vocab_size()
-        )
+        self.chat = ChatFormat.of(self.tokenizer, facts.chat_template, facts.bos_id, facts.eos_ids)
+        self.vocab_size = facts.vocab_size
         self.created = int(time.time())
         self.metrics = Metrics(self.model_name)
-        self.metrics.scheduler_stats = getattr(engine, "stats", None)  # None: a stand-in engine
+        self.metrics.scheduler_stats = engine.stats
         self.queue = GenerationQueue(engine, self.metrics)
-        self.eos_ids = [int(i) for i in (getattr(engine, "eos_ids", None) or [])]
-        self.defaults = sampling_defaults(model_dir)
+        self.eos_ids = list(facts.eos_ids)
+        self.defaults = sampling_defaults(facts.model_dir)
         self._limiter: CapacityLimiter | None = None
 
     def check_model(self, requested: str | None) -> None:
@@ -96,18 +96,15 @@ class ServerState:
                 param=param,
                 code="context_length_exceeded",
             )
-        batch = getattr(self.tokenizer, "encode_batch", None)
-        if batch is not None:  # the batch call lets go of the GIL while it works
-            return list(batch([text], add_special_tokens=add_special_tokens)[0].ids)
-        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
+        # the batch call lets go of the GIL while it works
+        encoded = self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)
+        return list(encoded[0].ids)
 
 
-def sampling_defaults(model_dir: Any) -> dict[str, Any]:
-    """The checkpoint's sampling defaults (engine/config.py's generation_config.json reader);
-    greedy for an engine without a directory."""
-    if model_dir is None:
-        return {"temperature": 0.0}
-    return read_generation_config(Path(model_dir)).sampling_defaults()
+def sampling_defaults(model_dir: Path) -> dict[str, Any]:
+    """The checkpoint's sampling defaults (engine/config.py's generation_config.json reader;
+    greedy where it has none)."""
+    return read_generation_config(model_dir).sampling_defaults()
 
 
 def generation_request(

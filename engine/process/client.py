@@ -1,5 +1,5 @@
-"""The server's end of the engine process (engine/server/core.py): an object with the engine's
-surface that the server's queue and handlers use as they use an in-process engine.
+"""The server's end of the engine process (engine/process/core.py): engine/interface.py's
+`ServedEngine`, which the server's queue and handlers use as they use an in-process engine.
 
 It starts the process (`start_core`), or takes one the server started early, waits for it to
 load, and keeps the facts it reported. Requests go in with `add_request_async`, which returns
@@ -17,14 +17,19 @@ import itertools
 import signal
 import threading
 import time
-from pathlib import Path
-from types import SimpleNamespace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engine.errors import EngineError, GpurigError
+from engine.interface import EngineFacts, Sink
+from engine.process.core import CoreSpec, Loaded, StartedCore, start_core
 from engine.runtime import load_tokenizer
 from engine.sequence import Output
-from engine.server.core import CoreSpec, StartedCore, start_core
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
+
+    from engine.sampling import SamplingParams
+    from engine.scheduler import SchedulerStats
 
 READY_POLL_S = 0.5
 REPLY_TIMEOUT_S = 30.0
@@ -34,12 +39,13 @@ class RemoteSequence:
     """A request in the engine process as the server reads it: its prompt, parameters and times
     (perf_counter is the system's monotonic clock, so the engine's times compare with ours)."""
 
-    def __init__(self, client: EngineClient, rid: int, prompt: list[int], params: Any) -> None:
+    def __init__(self, client: EngineClient, rid: int, prompt: list[int],
+                 params: SamplingParams, sink: Sink | None) -> None:  # fmt: skip
         self._client = client
         self.id = rid
         self.prompt = prompt
         self.params = params
-        self.sink: Any = None
+        self.sink = sink
         self.arrived = time.perf_counter()
         self.started_at: float | None = None
         self.first_token_at: float | None = None
@@ -56,9 +62,8 @@ class RemoteSequence:
 
 
 class EngineClient:
-    """The engine in its own process, with the in-process engine's surface for the server."""
-
-    runs_itself = True  # the queue starts no stepping thread for it (engine/server/queue.py)
+    """The engine in its own process, as a `ServedEngine` (engine/interface.py): it steps
+    itself, so `start` and `wake` have nothing to do."""
 
     def __init__(self, spec: CoreSpec, ready_timeout: float | None = None,
                  started: StartedCore | None = None) -> None:  # fmt: skip
@@ -74,24 +79,17 @@ class EngineClient:
         self._reset: tuple[threading.Event, list[Any]] | None = None
         self._ended: EngineError | None = None
         self._closed = False
-        facts = self._wait_ready(ready_timeout)
-        self.model_dir = Path(facts["model_dir"])
-        self.model_name: str = facts["model_name"]
-        self.max_context: int = facts["max_context"]
-        self.bos_id: int | None = facts["bos_id"]
-        self.eos_ids: list[int] = facts["eos_ids"]
-        self.chat_template: str | None = facts["chat_template"]
-        self.config = SimpleNamespace(vocab_size=facts["vocab_size"])  # what the server reads
-        self.device: str = facts["device"]
-        self.kv_cache_line: str = facts["kv_cache_line"]
-        self.warm_up_line: str | None = facts["warm_up_line"]
-        self._stats = facts["stats"]
-        self.tokenizer = load_tokenizer(self.model_dir)
+        ready = self._wait_ready(ready_timeout)
+        self._facts: EngineFacts = ready.facts
+        self.kv_cache_line: str = ready.kv_cache_line
+        self.warm_up_line: str | None = ready.warm_up_line
+        self._stats: SchedulerStats = ready.stats
+        self._tokenizer = load_tokenizer(ready.facts.model_dir)
         self._reader = threading.Thread(target=self._receive, name="gpurig-engine-pipe",
                                         daemon=True)  # fmt: skip
         self._reader.start()
 
-    def _wait_ready(self, timeout: float | None) -> dict[str, Any]:
+    def _wait_ready(self, timeout: float | None) -> Loaded:
         deadline = None if timeout is None else time.monotonic() + timeout
         while not self._conn.poll(READY_POLL_S):
             if not self.process.is_alive():
@@ -114,7 +112,16 @@ class EngineClient:
                               "server's process instead")  # fmt: skip
         return msg[1]
 
-    # ---- what the server calls ---------------------------------------------------------------
+    # ---- what the server calls (engine/interface.py's ServedEngine) -------------------------
+    @property
+    def facts(self) -> EngineFacts:
+        return self._facts
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        """The checkpoint's tokenizer, loaded in this process (the server tokenises here)."""
+        return self._tokenizer
+
     @property
     def ended(self) -> EngineError | None:
         """Why the engine process is gone (None while it runs); /health answers 503 then."""
@@ -124,7 +131,7 @@ class EngineClient:
     def has_work(self) -> bool:
         return bool(self._open)
 
-    def stats(self) -> Any:
+    def stats(self) -> SchedulerStats:
         """The scheduler's counters as the engine last sent them (each 50 ms while busy, and
         when it goes idle)."""
         return self._stats
@@ -138,14 +145,14 @@ class EngineClient:
         except (OSError, ValueError):
             raise self._gone() from None
 
-    async def add_request_async(self, prompt_ids: list[int], params: Any, sink: Any) -> Any:
+    async def add_request_async(self, token_ids: list[int], params: SamplingParams,
+                                sink: Sink | None = None) -> RemoteSequence:  # fmt: skip
         """Queue a request in the engine: its sequence once accepted, or the engine's refusal
         raised (as the in-process `add_request` raises it)."""
         loop = asyncio.get_running_loop()
         accepted: asyncio.Future[Any] = loop.create_future()
         rid = next(self._ids)
-        seq = RemoteSequence(self, rid, [int(t) for t in prompt_ids], params)
-        seq.sink = sink
+        seq = RemoteSequence(self, rid, [int(t) for t in token_ids], params, sink)
         self._acks[rid] = (loop, accepted)
         self._open[rid] = seq
         try:
@@ -172,7 +179,7 @@ class EngineClient:
         reply = self._reset[1]
         return bool(reply and reply[0])
 
-    # the queue's driver (engine/server/queue.py): the process steps itself
+    # the driver (ServedEngine): the process steps itself
     def start(self) -> None:
         pass
 
@@ -226,7 +233,8 @@ class EngineClient:
             if out.finished or out.error is not None:
                 seq.finished, seq.finish_reason = True, out.finish_reason
                 self._open.pop(rid, None)
-            seq.sink(seq, out)
+            if seq.sink is not None:
+                seq.sink(seq, out)
 
     def _gone(self) -> EngineError:
         if self._ended is None:
@@ -249,7 +257,8 @@ class EngineClient:
             seq = self._open.pop(rid, None)
             if seq is not None:
                 seq.finished = True
-                seq.sink(seq, Output([], finished=True, error=error))
+                if seq.sink is not None:
+                    seq.sink(seq, Output([], finished=True, error=error))
         if self._reset is not None:
             self._reset[0].set()
 

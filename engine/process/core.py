@@ -9,9 +9,10 @@ reason. Here the engine's process runs only this loop: requests and cancellation
 through a pipe between steps, each step's outputs go back in one message.
 
 Messages to the core: ("add", rid, prompt ids, SamplingParams), ("cancel", rid),
-("reset_stats",) (answered once the engine is idle), ("close",). From it: ("ready", facts) or ("failed", text) once, after loading;
-("added", rid, None or the refusal), ("outs", [(rid, Output, started_at, first_token_at)],
-stats or None), ("reset", done), ("closed",). engine/server/core_client.py is the other end.
+("reset_stats",) (answered once the engine is idle), ("close",). From it: ("ready", Loaded) or
+("failed", error, traceback) once, after loading; ("added", rid, None or the refusal), ("outs",
+[(rid, Output, started_at, first_token_at)], stats or None), ("reset", done, stats),
+("closed",). engine/process/client.py is the other end.
 """
 
 from __future__ import annotations
@@ -27,10 +28,16 @@ from dataclasses import dataclass, field, replace
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engine.errors import EngineError
+from engine.interface import EngineFacts
 from engine.server.gc_watch import GcWatch
+
+if TYPE_CHECKING:
+    from engine.runtime import Engine
+    from engine.scheduler import SchedulerStats
+    from engine.sequence import Output, Sequence
 
 STATS_EVERY_S = 0.05  # while busy, the scheduler's counters go along at most this often
 
@@ -79,7 +86,18 @@ def start_core(spec: CoreSpec) -> StartedCore:
     return StartedCore(process, conn)
 
 
-def startup_lines(eng: Any) -> tuple[str, str | None]:
+@dataclass(frozen=True)
+class Loaded:
+    """The engine process's "ready": the loaded engine's facts, the lines a server logs of it
+    (its KV cache, its warm-up if it ran) and its idle counters."""
+
+    facts: EngineFacts
+    kv_cache_line: str
+    warm_up_line: str | None
+    stats: SchedulerStats
+
+
+def startup_lines(eng: Engine) -> tuple[str, str | None]:
     """The lines a server logs of a loaded engine: its KV cache, and its warm-up if it ran."""
     from engine.batching import kv_cache_line
 
@@ -88,22 +106,10 @@ def startup_lines(eng: Any) -> tuple[str, str | None]:
     return line, report.line() if report is not None else None
 
 
-def engine_facts(eng: Any) -> dict[str, Any]:
-    """What the server reads of a loaded engine, as plain values (the client's attributes)."""
+def loaded(eng: Engine) -> Loaded:
+    """What the client needs of a loaded engine, in one message."""
     kv_line, warm_line = startup_lines(eng)
-    return {
-        "model_dir": str(eng.model_dir),
-        "model_name": eng.model_name,
-        "max_context": int(eng.max_context),
-        "bos_id": eng.bos_id,
-        "eos_ids": [int(i) for i in eng.eos_ids],
-        "chat_template": eng.chat_template,
-        "vocab_size": int(eng.config.vocab_size),
-        "device": str(eng.device),
-        "kv_cache_line": kv_line,
-        "warm_up_line": warm_line,
-        "stats": eng.stats(),
-    }
+    return Loaded(eng.facts, kv_line, warm_line, eng.stats())
 
 
 def portable(exc: BaseException) -> BaseException:
@@ -136,7 +142,7 @@ def core_main(conn: Connection, spec: CoreSpec) -> None:
         gc.collect()
         gc.freeze()
     try:
-        conn.send(("ready", engine_facts(eng)))
+        conn.send(("ready", loaded(eng)))
         Core(conn, eng).run()
     except (BrokenPipeError, ConnectionResetError, EOFError):
         pass  # the server's end went away: nobody is left to serve
@@ -148,18 +154,18 @@ def core_main(conn: Connection, spec: CoreSpec) -> None:
 class Core:
     """The loop: messages between steps, a step, its outputs in one message."""
 
-    def __init__(self, conn: Connection, eng: Any) -> None:
+    def __init__(self, conn: Connection, eng: Engine) -> None:
         self.conn = conn
         self.eng = eng
-        self.seqs: dict[int, Any] = {}  # rid -> the engine's Sequence, while open
-        self.outs: list[tuple[int, Any, float | None, float | None]] = []
+        self.seqs: dict[int, Sequence] = {}  # rid -> the engine's Sequence, while open
+        self.outs: list[tuple[int, Output, float | None, float | None]] = []
         self.stats_sent = 0.0
         self.idle_sent = True  # "ready" carried the idle engine's counters
         self.closing = False
         self.reset_wanted = False
         self.gc = GcWatch()  # this process's collections: they stop the stepping thread
 
-    def stats(self) -> Any:
+    def stats(self) -> SchedulerStats:
         """The engine's counters with this process's garbage-collector pauses."""
         t = self.gc.totals()
         return replace(self.eng.stats(), process_gc_collections=t.collections,
@@ -209,10 +215,10 @@ class Core:
         elif kind == "close":
             self.closing = True
 
-    def _sink(self, rid: int) -> Callable[[Any, Any], None]:
+    def _sink(self, rid: int) -> Callable[[Sequence, Output], None]:
         """The request's outputs into this step's message (on this, the stepping thread)."""
 
-        def sink(seq: Any, out: Any) -> None:
+        def sink(seq: Sequence, out: Output) -> None:
             if out.error is not None:
                 out.error = portable(out.error)
             self.outs.append((rid, out, seq.started_at, seq.first_token_at))
