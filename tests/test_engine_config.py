@@ -139,3 +139,52 @@ def test_refusals():
     # a multimodal config with its text part under text_config
     outer = {"model_type": "gemma4", "text_config": raw}
     assert parse_config(outer).num_hidden_layers == raw["num_hidden_layers"]
+
+
+def _options_table() -> dict[str, str]:
+    """engine/options.py's table: field -> its GPURIG_* variable."""
+    import re
+
+    from engine import options
+
+    rows = re.findall(r"^\| (GPURIG_\w+)\s*\| (\w+)\s*\|", options.__doc__ or "", re.M)
+    return {field: name for name, field in rows}
+
+
+def test_engine_options_are_few_each_documented_declared_and_read():
+    """At most eight switches (what a user would set, or a won feature's fallback); each has a
+    row in engine/options.py's table, its variable is declared in engine/env.py, and setting
+    that variable changes that field (and no other)."""
+    import dataclasses
+    from pathlib import Path
+
+    from engine import env
+    from engine.options import EngineOptions
+
+    names = [f.name for f in dataclasses.fields(EngineOptions)]
+    assert len(names) <= 8, names
+    table = _options_table()
+    assert sorted(table) == sorted(names)
+    assert set(table.values()) <= set(env.VARIABLES)
+    values = {"GPURIG_FAST": "0", "GPURIG_KERNEL_CACHE": "/tmp/k", "GPURIG_COMPILE_THREADS": "3"}
+    default = EngineOptions()
+    for field, name in table.items():
+        changed = EngineOptions.from_env({name: values.get(name, "0")})
+        differs = [n for n in names if getattr(changed, n) != getattr(default, n)]
+        assert differs == [field], (name, differs)
+    assert EngineOptions.from_env({"GPURIG_KERNEL_CACHE": "/tmp/k"}).tuning_cache_dir == Path(
+        "/tmp/k"
+    )
+
+
+def test_the_lost_experiments_left_no_variable_behind():
+    from engine import env
+
+    lost = ("GPURIG_CUDA_GEMV", "GPURIG_CARVEOUT", "GPURIG_FOLD_RESIDUAL", "GPURIG_FOLD_TAIL",
+            "GPURIG_STEPS_FIRST", "GPURIG_DEFER_OUTPUTS", "GPURIG_FAST_PREFILL",
+            "GPURIG_PASS_ATTENTION", "GPURIG_BATCH_PROLOGUE", "GPURIG_MMA_AHEAD",
+            "GPURIG_GREEDY_TAIL", "GPURIG_GEMV_H2", "GPURIG_PREFIX_SDPA",
+            "GPURIG_EXPANDABLE_SEGMENTS")  # fmt: skip
+    assert not set(lost) & set(env.VARIABLES)
+    with pytest.raises(KeyError, match="not a declared"):
+        env.read("GPURIG_CUDA_GEMV")

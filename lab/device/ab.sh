@@ -12,7 +12,7 @@
 #     run (carry [".whl", ".ab"]):  bash lab/device/ab.sh TREE ".ab/base ."
 #
 # NAME ENV compares sets of switches: each VALUE is "base" (the defaults) or comma-separated
-# GPURIG_*=value settings, e.g. "base GPURIG_DEFER_OUTPUTS=1 GPURIG_STEPS_FIRST=1"; its label is
+# GPURIG_*=value settings, e.g. "base GPURIG_PDL=0 GPURIG_ASYNC_PROMPTS=0"; its label is
 # the setting with "=" and "," made "-" and "_".
 #
 # AB_CONC=1,8,16 and AB_REPEATS=2 sweep fewer cells (a shorter call).

@@ -144,8 +144,8 @@ def profile_prompt(eng, n: int, whole: bool) -> dict[str, Any]:
 
 
 def gemv_hot_cold() -> list[dict[str, Any]]:
-    from lab.engine.engine_bench import GEMV_SHAPES, int4_bytes
     from engine.kernels import tuning, w4gemv
+    from lab.engine.engine_bench import GEMV_SHAPES, int4_bytes
 
     out = []
     l2 = torch.cuda.get_device_properties(0).L2_cache_size

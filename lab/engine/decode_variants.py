@@ -28,7 +28,6 @@ from lab.engine.rows import fill_rows, held_rows, step_fn
 
 VARIANTS: dict[str, dict[str, Any]] = {  # option changes against the engine's own
     "default": {},
-    "exact_gemv": {"half2_gemv": False},  # the fp32-unpack GEMV instead of half2
     "no_graph": {"cuda_graph": False},  # the fused step launched eagerly
 }
 
@@ -70,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--ckpt", default=str(E2B_DIR))
     ap.add_argument("--depths", default="0,4096,32768")
-    ap.add_argument("--variants", default="default,exact_gemv,no_graph",
+    ap.add_argument("--variants", default="default,no_graph",
                     help=f"comma-separated, the first is the baseline: {', '.join(VARIANTS)}")  # fmt: skip
     ap.add_argument("--greedy", type=int, default=0, help="also N greedy tokens, fast vs reference")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "variants.json"))

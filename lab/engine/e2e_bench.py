@@ -35,9 +35,9 @@ from typing import Any
 
 import torch
 
-from lab.engine.rows import fill_rows, held_rows, read_prompt, read_whole, step_fn, variant_runner
 from engine.options import EngineOptions
 from engine.sampling import SamplingParams
+from lab.engine.rows import fill_rows, held_rows, read_prompt, read_whole, step_fn, variant_runner
 
 E2B_DIR = Path(os.environ.get("GPURIG_BENCH_CKPT", "/tmp/gpurig_e2b_emb4"))
 TINY_DIR = Path("/tmp/gpurig_tiny_emb4")
@@ -159,7 +159,6 @@ def prefill_rate(eng, n: int, repeats: int = 3, whole: bool = False,
 
 PROMPT_MODES = {  # how a prompt reaches its first logits: (option changes, whole)
     "fused": ({}, False),  # fused chunks + the last token by the decode step (the default)
-    "unfused": ({"fused_prefill": False}, False),  # the model's layer code + decode step
     "whole": ({}, True),  # every token through prefill's chunks, KV-shared layers included
 }
 
@@ -178,7 +177,7 @@ def prompt_rates(eng, lengths=(32, 512, 4096)) -> dict[str, Any]:
             prompt = [int(t) for t in torch.randint(3, eng.config.vocab_size, (n,))]
             logits[mode] = read_as_generate(eng, prompt, runners[mode], whole).float()
         ref = logits["whole"]
-        for mode in ("fused", "unfused"):
+        for mode in ("fused",):
             out[f"{n}_{mode}"]["max_abs_logit_diff_vs_whole"] = float(
                 (logits[mode] - ref).abs().max()
             )
@@ -362,7 +361,6 @@ def run_all(read_bps: float, save_cb=None, partial: dict | None = None,
     if save_cb:
         save_cb()
     for name, changes in (  # the same step otherwise, at depth 0
-        ("decode_exact_fp32_unpack_gemv", {"half2_gemv": False}),
         ("decode_without_cuda_graph", {"cuda_graph": False}),
     ):
         try:

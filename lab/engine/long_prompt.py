@@ -28,11 +28,11 @@ from typing import Any
 
 import torch
 
+from engine.options import EngineOptions
+from engine.sampling import SamplingParams
 from lab.engine.e2e_bench import CAP_MIB, E2B_DIR, make
 from lab.engine.prompt_request import mib, random_prompt, request
 from lab.engine.rows import held_rows, read_prompt, read_whole, step_fn
-from engine.options import EngineOptions
-from engine.sampling import SamplingParams
 
 LENGTHS = (8192, 32768, 131000)
 CHECK_NEW = 16
@@ -107,7 +107,6 @@ def run(cap: int | None, lengths=LENGTHS, checks: bool = False, save=None) -> di
     res["max_chunk"] = eng.prefill_chunk
     passes = eng.runner.reader.graphs if eng.runner.reader is not None else None
     res["pass_graphs"] = passes is not None and passes.captured  # captured at load's warm-up
-    res["expandable_segments"] = eng.options.expandable_segments
     res["prefix_sdpa_runs"] = _sdpa_probe()
     try:
         eng.generate(
@@ -157,8 +156,6 @@ def _save(path: Path):
 VARIANTS = (  # name, environment, capped, seconds (most wanted first)
     ("capped", {}, True, 90),
     ("uncapped", {}, False, 170),
-    ("capped_no_prefix_sdpa", {"GPURIG_PREFIX_SDPA": "0"}, True, 70),
-    ("capped_fixed_segments", {"GPURIG_EXPANDABLE_SEGMENTS": "0"}, True, 60),
 )
 
 
