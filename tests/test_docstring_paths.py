@@ -1,10 +1,10 @@
 """Every repo path a docstring or comment of the product names exists (issue 51, item 6).
 
-Why: the code's prose is where a maintainer learns where the rest lives ("the figure: docs/
-engine-findings.md", "tests/test_x.py checks it"); a path that moved or was deleted sends them
-to nothing, and nobody notices, since no code runs it. A repo path here is one that starts with
-a top-level folder of the repo (engine/, tools/, mcp_server/, bench/, patches/, lab/, docs/,
-tests/, .ci/) and is not the tail of another path (GPURIG_HOME/..., ~/.cache/..., a
+Why: the code's prose is where a maintainer learns where the rest lives ("the figure:
+docs/engine-findings.md", "tests/test_x.py checks it"); a path that moved or was deleted sends
+them to nothing, and nobody notices, since no code runs it. A repo path here is one that starts
+with a top-level folder of the repo (engine/, tools/, mcp_server/, bench/, patches/, lab/,
+docs/, tests/, .ci/) and is not the tail of another path (GPURIG_HOME/..., ~/.cache/..., a
 checkpoint's files). A `<placeholder>` or glob part ends what is checked: the prefix before it
 must exist. A module may be named without its .py (tools/host); MCP's JSON-RPC methods
 (tools/call, tools/list) only look like paths.
