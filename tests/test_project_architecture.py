@@ -5,8 +5,9 @@ never import mcp_server; the engine imports none of the others. No import cycle,
 package or across them (a function-level import counts: it is a dependency all the same; so
 does one under `if TYPE_CHECKING:`, as the two modules cannot be understood apart), and no
 private name (`_name`) is imported or reached from another module: a name another module needs
-is public, or lives with its user. The `gpurig engine serve` options are defined once, in engine/serve_options.py,
-and both the CLI's flags and the serving tools' list of them come from there.
+is public, or lives with its user. The `gpurig engine serve` options are defined once, in
+engine/serve_options.py, and both the CLI's flags and the serving tools' list of them come from
+there.
 """
 
 from __future__ import annotations
@@ -170,7 +171,7 @@ def test_the_engine_serve_options_are_defined_once() -> None:
     built = command.engine_command("python3", "m", "127.0.0.1", 8100, 4096, "cpu", [])
     assert {a for a in built if a.startswith("--")} <= serve_options.flags()
 
-    cli = ast.parse((ROOT / "mcp_server" / "cli_engine_serve.py").read_text())
+    cli = ast.parse((ROOT / "engine" / "server" / "main.py").read_text())  # builds the flags
     by_hand = [
         node.lineno
         for node in ast.walk(cli)
