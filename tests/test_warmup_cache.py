@@ -38,7 +38,7 @@ def _engine(checkpoint, **kw):
 def test_the_fingerprint_follows_what_decides_the_compiles(checkpoint):
     a, b = _engine(checkpoint), _engine(checkpoint)
     other = _engine(checkpoint, max_num_seqs=4)
-    off = _engine(checkpoint, options=EngineOptions(fused_prefill=False))
+    off = _engine(checkpoint, options=EngineOptions(pass_graphs=False))
     threads = _engine(checkpoint, options=EngineOptions(compile_threads=3))
     try:
         lengths = (1, 37)
