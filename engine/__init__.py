@@ -22,7 +22,7 @@ One design for every caller: requests wait in one line, the scheduler (engine/sc
 plans each step, the runner (engine/runner.py) runs it over the KV block pool; a single
 sequence is a batch of one (EngineConfig.max_num_seqs 1, the default; the server loads "auto").
 Config: engine.options.EngineConfig (sizes) holding EngineOptions (every switch: fast path,
-CUDA graph, fused prefill, half2 GEMV, ...; `EngineOptions.from_env()` reads the GPURIG_*
+CUDA graphs, side-stream prompts, PDL, tuning; `EngineOptions.from_env()` reads the GPURIG_*
 variables). Errors: engine.errors.EngineError, CheckpointError, ContextLengthError (.limit,
 .requested). Checkpoints: engine.checkpoint_maker.make_checkpoint / quantize_checkpoint. Kernel
 dispatch points: engine/ops.py (reference) and engine/fast/ops_fast.py (Triton). Layout of

@@ -226,7 +226,7 @@ def _expandable_segments() -> None:
 
     Why: the cap counts what the allocator reserves, not what is allocated, and fixed
     segments leave holes that no large block fits: on the H200 at 3,732 MiB, a read failed
-    asking for 44 MiB with 215 MiB reserved but unallocated (bench/NOTES.md). Set before the
+    asking for 44 MiB with 215 MiB reserved but unallocated (lab/journal.md). Set before the
     weights load, so they pack too. PYTORCH_CUDA_ALLOC_CONF, when set, is left as the user set
     it."""
     if allocator_configured():
@@ -283,7 +283,7 @@ def segments_expand() -> bool:
 
     Why: the prompt planner may count part of the reserved-but-unallocated memory as usable
     only when segments expand; fixed segments ran out of memory at 32k under the cap when it
-    did (bench/NOTES.md v30)."""
+    did (lab/journal.md v30)."""
     getter = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
     own = getter() if getter is not None else ""
     flat = f"{own},{allocator_settings_from_env()}".replace(" ", "").lower()
@@ -358,7 +358,7 @@ class PromptPlanner:
     dictionary for each), asks the driver for its free memory, and under a cap first hands the
     allocator's free segments back (a cudaFree waits for the device, and the next prompt pass
     allocates them again). Once per request that sat on the stepping thread, where a late
-    millisecond idles the decode stream (bench/NOTES.md v28 times each call). An old
+    millisecond idles the decode stream (lab/journal.md v28 times each call). An old
     measurement only ever settles a roomy plan, which a fresh one on a roomy device gives too;
     any plan that reads in a smaller chunk, trims the score budget or refuses rests on a fresh
     measurement, as before."""

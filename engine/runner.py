@@ -221,7 +221,7 @@ class ModelRunner:
     def _admit(self, started: tuple[Sequence, ...]) -> None:
         """The new sequences' prompt ids to the device in one copy, joined in numpy: each
         PyTorch call gives the interpreter lock away, and while the server's threads run Python
-        getting it back can take a switch interval (bench/NOTES.md v24)."""
+        getting it back can take a switch interval (lab/journal.md v24)."""
         host = torch.from_numpy(np.concatenate([np.asarray(s.prompt, np.int64) for s in started]))
         if self.device.type == "cuda":  # pinned: the copy queues behind the running step; a
             host = host.pin_memory()  # pageable one waits for it (the GPU then idles)

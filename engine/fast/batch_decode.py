@@ -150,7 +150,7 @@ class BatchDecoder:
         """x [B, K] @ w^T: one row by the GEMV, 2..16 rows by w4_gemm (the warp-level mma kernel
         for bf16/fp16 on sm_80+, which reads each weight once for all rows: on the H200 its
         8-row product costs 1.3x the one-row GEMV summed over the E2B matrices, against 2.1x
-        for the GEMV re-reading them; bench/results/engine/gemm_mma_h200_2026-12-02.md), more in
+        for the GEMV re-reading them; lab/journal.md), more in
         launches of 16."""
         rows = x.shape[0]
         if rows <= GEMV_ROWS and epi != 2 and w.out_features < GEMV_MAX_N:

@@ -10,7 +10,7 @@ does.
 Buckets of up to `pdl_rows` rows are captured with programmatic dependent launch
 (engine/kernels/pdl.py): each kernel launches while the one before finishes and requests its
 first weights before it waits. It pays where the step is many short kernels (one row most); at
-16 rows, and in the prompt passes, it measured slower (bench/NOTES.md, v20), so those launch as
+16 rows, and in the prompt passes, it measured slower (lab/journal.md, v20), so those launch as
 before.
 """
 
@@ -128,7 +128,7 @@ class BatchGraphs:
     whose token is the previous step's output reads it from `ids` (the previous replay's
     argmax, or what a sampler wrote over it), and the replay's argmax writes `ids` for the
     next. Done between replays instead, those were a staging copy and about ten small launches
-    a step, each waiting on the host (bench/NOTES.md v22); the pick is one kernel
+    a step, each waiting on the host (lab/journal.md v22); the pick is one kernel
     (engine/kernels/step_inputs.py).
     """
 

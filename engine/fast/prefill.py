@@ -2,7 +2,7 @@
 `Gemma4Model.prefill_chunk(..., last=False)` in ~60 launches per layer instead of ~140.
 
 Why: reading a prompt is bound by the host, not the GPU. On the H200 a 32-token prompt
-launched 3,507 kernels that ran for 7 ms inside a 92 ms read (bench/NOTES.md, v7); each eager
+launched 3,507 kernels that ran for 7 ms inside a 92 ms read (lab/journal.md, v7); each eager
 PyTorch op or Triton launch costs the host ~20 us however little it computes. Here every
 RMSNorm is one kernel instead of seven ops, each residual+norm pair is one kernel that also
 makes the next norm, q|k|v and gate|up are one dequantise + one matmul each (the matrices fused

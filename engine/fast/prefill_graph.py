@@ -1,7 +1,7 @@
 """A prompt pass replayed as a CUDA graph, one per bucket of pass sizes (64 .. the prefill budget).
 
 Why: reading a prompt is bound by the host. On the H200 a pass of one 511-token prompt took
-9.7 ms of wall time for 3.1 ms of kernels, and four of them 13.1 ms for 6.9 ms (bench/NOTES.md,
+9.7 ms of wall time for 3.1 ms of kernels, and four of them 13.1 ms for 6.9 ms (lab/journal.md,
 v16): about 400 launches, each costing the host more than the GPU spends on it. Under load the
 other sequences' decode steps wait for every pass, so the host's share of it was most of what
 separated the c=8 and c=16 sweeps from their goals. Replayed, a pass costs its kernels' time.

@@ -188,7 +188,7 @@ def ring_block_s(max_batch: int) -> int:
     split default's two programs per SM) of a ring layer's split kernel with tl.dot. A ring
     holds at most its window (512 on E2B), so a slice is one tile: 16 keys for one or two
     rows, 32 above. Shorter slices start more programs on a short ring, and ptxas spills
-    nothing at these tiles where the 64-key tile spills (measured: bench/NOTES.md v21)."""
+    nothing at these tiles where the 64-key tile spills (measured: lab/journal.md v21)."""
     return 16 if max_batch <= 2 else 32
 
 

@@ -4,7 +4,7 @@ Why: a pass that reads several prompts at once (the scheduler packs up to its to
 used to attend segment by segment with plain PyTorch ops: concatenate the cache and the chunk,
 score, mask, softmax, multiply, for every segment of every KV-producing layer, about twenty
 launches each. At eight 512-token prompts that was over a thousand launches per pass, each
-costing the host more than the GPU spends on it (bench/NOTES.md, v15). Here one program owns
+costing the host more than the GPU spends on it (lab/journal.md, v15). Here one program owns
 BLOCK_M query rows of one segment and one query head, walks the keys that segment can see with
 an online softmax and writes its rows; no scores reach memory.
 

@@ -2,7 +2,7 @@
 id.
 
 Why: in PyTorch ops `tanh(logits / cap) * cap` is three elementwise launches, each a full pass
-over the [B, vocabulary] logits, and the argmax one or two more (bench/NOTES.md v23: 29 us of
+over the [B, vocabulary] logits, and the argmax one or two more (lab/journal.md v23: 29 us of
 a 16-row step). Here the first kernel caps a chunk of a row in place and keeps the chunk's
 largest value and its first index; the second takes each row's chunks in order.
 

@@ -1,7 +1,7 @@
 """Programmatic dependent launch (PDL): a kernel of the decode step starts while the one before
 it is still finishing, and requests what does not depend on it (its weights) before it waits.
 
-Why: the decode step is hundreds of short dependent kernels (bench/NOTES.md, v19: 384 at one
+Why: the decode step is hundreds of short dependent kernels (lab/journal.md, v19: 384 at one
 row), and each one pays a launch, a ramp and a first round trip to memory before it streams
 anything. With PDL (sm_90 on, CUDA 12.3 on; kept by stream capture as a programmatic edge of
 the graph) the launch and the first weight loads overlap the previous kernel's tail.

@@ -16,7 +16,7 @@ default directory. The in-process copy of the tables is a memo keyed by director
 Configurations shipped with the package (``engine/kernels/configs/<gpu>.json``, measured on the
 lent H200) are used when the cache has no entry, so a known card needs no tuning at all. A card
 with none of its own takes those of the shipped card of its architecture (SHIPPED_FOR: every
-Hopper the H200's), as every H100 figure in bench/NOTES.md was measured: tuning each GEMV shape
+Hopper the H200's), as every H100 figure in lab/journal.md was measured: tuning each GEMV shape
 at the first start costs an H100 about 100 s, which put its first start past a minute.
 """
 

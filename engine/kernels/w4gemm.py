@@ -15,7 +15,7 @@ pointing at them); one stream at a time uses them, as a decode step does.
 Two kernels behind it for 2..16 rows: the warp-level mma kernel (engine/kernels/w4mma_kernel.py:
 operands built in registers, bf16/fp16 from sm_80) and the tl.dot GEMM
 (engine/kernels/w4gemm_kernel.py: fp32, Turing, K not a multiple of 128), whose unpacked tile
-goes through shared memory; bench/results/engine/gemm_mma_h200_2026-12-02.md has both.
+goes through shared memory; lab/journal.md has both.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ warp-level): Y[M, N] = X[M, K] @ dequant(W).T for M = 1..16 bf16 or fp16 rows, s
 
 Here: the kernel and its launch (its lane-level pieces, the PTX: engine/kernels/w4mma_lanes.py;
 the tilings: engine/kernels/w4mma_tune.py; measured on the H200:
-bench/results/engine/gemm_mma_h200_2026-12-02_mt.md); the Python API is engine/kernels/w4gemm.py,
+lab/journal.md, v13); the Python API is engine/kernels/w4gemm.py,
 which sends 2..16 rows here where `mma_ok` allows and to engine/kernels/w4gemm_kernel.py
 otherwise. Layout on disk and in memory is the checkpoint's own (compressed-tensors
 pack-quantized: int32 [N, K/8], element k of a row at bits 4*(k%8) of word k//8, stored as
