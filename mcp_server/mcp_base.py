@@ -119,7 +119,7 @@ class GpurigMCP(MCPServer):
         The SDK derives capabilities from its request handlers and always installs those for
         prompts and resources, so a client is told to look for lists that are always empty.
         There is no public way to remove a handler; this pops them from the low-level server
-        (tests/test_mcp_capabilities.py checks the initialize result of a real client).
+        (tests/test_mcp_hardening.py checks the initialize result of a real client).
         """
         handlers = self._lowlevel_server._request_handlers
         if not self._prompt_manager.list_prompts():

@@ -177,10 +177,11 @@ def add_flags(parser: argparse.ArgumentParser, door: Door) -> None:
     """The flags of every field of the door's model that has one (see the module docstring)."""
     for name, info in door.model.model_fields.items():
         shown = door.flags.get(name, Flag())
-        if name in door.mcp_only or isinstance(shown, Composed) or door.spread_of(name):
-            if isinstance(shown, Flag) and shown.spread:
-                _add(parser, name, name, info, shown, None)
+        if isinstance(shown, Flag) and shown.spread:
+            _add(parser, name, name, info, shown, None)  # the one positional of all its fields
             continue
+        if name in door.mcp_only or isinstance(shown, Composed) or door.spread_of(name):
+            continue  # no flag, the command's own flags, or another field's positional
         if isinstance(shown, Nested):
             for sub, sub_info in shown.model.model_fields.items():
                 sub_shown = shown.flags.get(sub) or Flag(
