@@ -337,9 +337,9 @@ def asm_on(device: torch.device) -> bool:
 
 
 def h2_on(dtype: torch.dtype, device: torch.device, half2: bool = True) -> bool:
-    """Half2 arithmetic for 16-bit activations on NVIDIA GPUs when `half2` allows it
-    (EngineOptions.half2_gemv). fp32 models keep the exact fp32 unpack: their fast path equals
-    the reference token for token."""
+    """Half2 arithmetic for 16-bit activations on NVIDIA GPUs unless `half2` is False (the exact
+    fp32 unpack, the tests' and the lab's reference). fp32 models keep the exact fp32 unpack:
+    their fast path equals the reference token for token."""
     return half2 and dtype in (torch.float16, torch.bfloat16) and asm_on(device)
 
 
