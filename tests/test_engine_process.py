@@ -85,6 +85,7 @@ def test_tokens_equal_the_in_process_engine(tiny, client) -> None:
 
     got = asyncio.run(all_at_once())
     assert [tokens for tokens, _, _ in got] == want
+    assert client.facts == ref.facts  # engine/interface.py's EngineFacts, sent as they are
     for _tokens, last, seq in got:
         assert last.finish_reason == "length" and seq.finished and seq.finish_reason == "length"
         assert seq.arrived <= seq.started_at <= seq.first_token_at  # the engine's clock is ours
