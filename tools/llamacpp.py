@@ -12,6 +12,7 @@ build); GPURIG_LLAMA_SERVER names one too.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -33,6 +34,9 @@ GGUF_MAGIC = b"GGUF"
 OutType = Literal["f16", "bf16", "q4_0"]
 OUT_TYPES = ("f16", "bf16", "q4_0")
 CONVERT_TIMEOUT_S = 1800
+# what convert_hf_to_gguf.py imports beside its bundled gguf-py; transformers is not one of
+# gpurig's own dependencies (only of its dev extra), so a plain `pip install .` lacks it
+CONVERTER_MODULES = ("transformers", "torch", "numpy", "safetensors")
 
 
 def llama_cpp_dir() -> Path:
@@ -92,6 +96,12 @@ def find_converter() -> Path:
         raise NotFoundError(
             f"llama.cpp's converter is not at {script}",
             remedy=_build_hint() + " (it keeps the source tree with convert_hf_to_gguf.py)",
+        )
+    missing = [m for m in CONVERTER_MODULES if importlib.util.find_spec(m) is None]
+    if missing:  # found before it runs, not as an ImportError at the end of a long export
+        raise NotFoundError(
+            f"llama.cpp's converter needs {', '.join(missing)}, which {sys.executable} lacks",
+            remedy=f"{sys.executable} -m pip install {' '.join(missing)}",
         )
     return script
 

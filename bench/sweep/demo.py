@@ -86,7 +86,7 @@ def demo_vllm(vllm_python: str | None) -> VllmDistribution | None:
         if not dist.found:
             raise InvalidInputError(
                 f"{dist.python} has no vLLM, so the demo cannot compare with it",
-                remedy="pass --vllm-python the interpreter of a vLLM venv (README: 'vLLM's CPU "
+                remedy="pass --vllm-python the interpreter of a vLLM venv (docs/serving.md: 'vLLM's CPU "
                 "build'), or leave it out for the two-engine demo",
             )
         return dist
@@ -118,11 +118,24 @@ def missing_peers(dist: VllmDistribution | None, llama: Path | None) -> list[str
     out = []
     if dist is None:
         out.append("vLLM: --vllm-python PY (or GPURIG_PYTHON), the python of a venv with vLLM; "
-                   "README's 'vLLM's CPU build' makes one")  # fmt: skip
+                   "docs/serving.md's 'vLLM's CPU build' makes one")  # fmt: skip
     if llama is None:
-        out.append("llama.cpp: --llama-server PATH, or build it once: .ci/llama-cpp-build "
-                   "(about 6 minutes on 2 cores)")  # fmt: skip
+        out.append("llama.cpp: " + _llama_hint())
     return out
+
+
+def _llama_hint() -> str:
+    """Why llama.cpp is not in the demo: no build, or a build whose converter cannot run here."""
+    from tools import llamacpp
+
+    try:
+        llamacpp.find_binary("llama-server")
+        llamacpp.find_converter()
+    except GpurigError as exc:
+        if "converter needs" in exc.message:
+            return f"{exc.message}: {exc.remedy}"
+    return ("--llama-server PATH, or build it once: .ci/llama-cpp-build "
+            "(about 6 minutes on 2 cores)")  # fmt: skip
 
 
 def _gguf_of(checkpoint: Path) -> Path:
