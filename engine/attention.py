@@ -16,7 +16,7 @@ reaches it, and the chunk's keys inside the window. With `prefix_visible` (a ful
 slots 0..start-1 hold positions 0..start-1, as `read_prompt` leaves them) the prefix needs no
 mask at all, and on CUDA it is one call of torch's memory-efficient attention kernel (no
 scores in memory; its log-sum-exp merged as one more online-softmax step): on the H200 that
-halved the time of a capped 131,000-token read (bench/NOTES.md, v8).
+halved the time of a capped 131,000-token read (lab/journal.md, v8).
 
 Same function as `ops._attend` on the concatenated keys: scores in the activation dtype,
 softmax in fp32, probabilities cast to the activation dtype for the value product. What
@@ -35,7 +35,7 @@ SCORE_BYTES = 6  # peak bytes per score element of one slice: bf16 scores + thei
 # window useful ones per row, a full layer's diagonal block R x R keys for half of them useful
 # (the keys before the block are seen by every row and go through the unmasked path). With the
 # 4,096-row blocks of an uncapped chunk that was 4.6x and 2x the useful scores, and the uncapped
-# 131k read was slower than the capped one (bench/NOTES.md, v8); these caps bound the waste.
+# 131k read was slower than the capped one (lab/journal.md, v8); these caps bound the waste.
 FULL_BLOCK_ROWS = 1024
 SLIDING_BLOCK_MIN_ROWS = 256  # a tiny window still gets blocks of this many rows
 

@@ -175,7 +175,7 @@ class KVPool:
         self._rings = [i for i in self.k if cfg.is_sliding(i)]
         # each layer's recorded positions: rows of one tensor per layer kind, so that opening a
         # slot or granting blocks marks every layer's rows empty in one launch, not one a layer
-        # (host time between two decode steps, bench/NOTES.md v23)
+        # (host time between two decode steps, lab/journal.md v23)
         self._ring_pos = torch.full((len(self._rings), ring_rows), -1, dtype=torch.int64,
                                     device=device)  # fmt: skip
         self._full_pos = torch.full((len(self._full), full_rows), -1, dtype=torch.int64,
@@ -224,7 +224,7 @@ class KVPool:
             return
         # host work in numpy, then one copy for the tables and one for the rows: PyTorch gives
         # the interpreter lock away around each call, and while the server's threads run Python
-        # each call waits to get it back (bench/NOTES.md v24)
+        # each call waits to get it back (lab/journal.md v24)
         for g in grants:
             self._tables[g.slot, g.first : g.first + len(g.blocks)] = g.blocks
         lo = min(g.slot for g in grants)

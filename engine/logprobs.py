@@ -13,7 +13,7 @@ one not repeated, as vLLM's per-step dictionary does (so the OpenAI server can s
 
 Cost: nothing for a step in which no request asks (the scheduler computes only the rows that
 do); a step with askers adds one log_softmax, gather and top-k over the vocabulary and one copy
-(measured in bench/NOTES.md: +0.14 ms of host time per step on the H200, tiny preset).
+(measured in lab/journal.md: +0.14 ms of host time per step on the H200, tiny preset).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Why: under load a new request's prompt pass runs between two decode steps of every other
 sequence, which all wait for it. At eight streams of 512-token prompts and 128 new tokens,
 each request sees about seven such passes during its own 127 steps: about a tenth of its time
-per token (bench/NOTES.md v21). A pass is large matrix products, a decode step of few rows
+per token (lab/journal.md v21). A pass is large matrix products, a decode step of few rows
 hundreds of short kernels that leave most of the GPU idle; on two streams the GPU can run the
 pass in the gaps of the steps, and the decoding sequences stop waiting for it.
 
@@ -61,19 +61,9 @@ class SidePrompts:
         self.device = device
         self.stream = torch.cuda.Stream(device)
 
-    def mark(self) -> torch.cuda.Event:
-        """An event after all the main stream has queued so far (for `run`'s `after`)."""
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(self.device))
-        return event
-
-    def run(self, read: Callable[[], None], after: torch.cuda.Event | None = None) -> Landing:
-        """`read()` launched on the side stream, after `after` (an event of the main stream),
-        else after all the main stream has queued."""
-        if after is not None:
-            self.stream.wait_event(after)
-        else:
-            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+    def run(self, read: Callable[[], None]) -> Landing:
+        """`read()` launched on the side stream, after all the main stream has queued."""
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
             read()
         event = torch.cuda.Event()
