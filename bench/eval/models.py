@@ -15,7 +15,19 @@ from tools.errors import InvalidInputError, arg, either
 
 Suite = Literal["bfcl", "jsonl", "recall"]
 Scoring = Literal["exact", "last_number", "bfcl"]
-BfclCategory = Literal["simple_python", "live_simple"]
+# BFCL's AST categories as the wheel names them (each a file under bfcl_eval/data/)
+BfclCategory = Literal[
+    "simple_python",
+    "multiple",
+    "parallel",
+    "parallel_multiple",
+    "irrelevance",
+    "live_simple",
+    "live_multiple",
+    "live_parallel",
+    "live_parallel_multiple",
+    "live_irrelevance",
+]
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
 
 
@@ -115,14 +127,16 @@ class EvalArguments(EvalOptions):
 
 class Question(BaseModel):
     """One question as both servers get it: chat messages, tools for BFCL, the expected answer
-    (text, or BFCL's possible answers with the function's schema) and how it is scored."""
+    (text, or BFCL's possible answers with the functions' schemas) and how it is scored."""
 
     id: str
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]] | None = None
     answer: Any
     scoring: Scoring
-    function: dict[str, Any] | None = None  # bfcl: the function's own (BFCL-typed) schema
+    function: dict[str, Any] | None = None  # bfcl, one function offered: its BFCL schema
+    functions: list[dict[str, Any]] | None = None  # bfcl: every function offered (BFCL schemas)
+    category: str | None = None  # bfcl: which checker applies (None: a run from before: simple)
 
 
 class Answer(BaseModel):
@@ -133,6 +147,7 @@ class Answer(BaseModel):
     error: str | None = None
     right: bool
     why: str = ""
+    bucket: str | None = Field(None, description="why it is wrong, as a bucket (score_bfcl)")
     seconds: float = 0.0
     prompt_tokens: int | None = None
     token_ids: list[int] | None = Field(None, description="where the server returns them")
@@ -163,6 +178,23 @@ class Total(BaseModel):
     errors: int
     rate: float
     ci95: tuple[float, float] = Field(description="Wilson score interval of the rate")
+    buckets: dict[str, int] = Field(
+        default_factory=dict, description="wrong answers by bucket (wrong_tool, unparsed, ...)"
+    )
+
+
+class BucketPair(BaseModel):
+    """One failure bucket across the pair: how often each side fails that way, and how often it
+    does while the other side is right on the same question."""
+
+    bucket: str
+    a: int = Field(description="questions a got wrong this way")
+    b: int = Field(description="questions b got wrong this way")
+    a_fails_b_passes: int
+    b_fails_a_passes: int
+    both: int = Field(description="questions both got wrong this way")
+    a_fails_b_passes_ids: list[str] = Field(default_factory=list)
+    b_fails_a_passes_ids: list[str] = Field(default_factory=list)
 
 
 class Paired(BaseModel):
@@ -177,6 +209,7 @@ class Paired(BaseModel):
     only_a_ids: list[str]
     only_b_ids: list[str]
     differing_ids: list[str] = Field(description="questions whose answers differ, right or not")
+    buckets: list[BucketPair] = Field(default_factory=list, description="failures by bucket")
 
 
 class EvalResult(BaseModel):

@@ -7,6 +7,7 @@ import json
 
 from tabulate import tabulate
 
+from bench.eval import buckets
 from bench.eval.models import Answer, EvalResult, Paired, Row, ServerSpec, Total
 from bench.eval.stats import mcnemar_exact, wilson
 
@@ -41,6 +42,7 @@ def totals(rows: list[Row], servers: list[ServerSpec]) -> list[Total]:
                 errors=sum(a.error is not None for a in answers),
                 rate=round(right / n, 4) if n else 0.0,
                 ci95=(round(low, 4), round(high, 4)),
+                buckets=buckets.per_server(answers),
             )
         )
     return out
@@ -73,6 +75,7 @@ def paired(rows: list[Row], a: str, b: str) -> Paired:
         only_a_ids=only_a,
         only_b_ids=only_b,
         differing_ids=differ,
+        buckets=buckets.paired(rows, a, b),
     )
 
 
@@ -115,6 +118,9 @@ def markdown(result: EvalResult) -> str:
         totals_table(result, "github"),
         "",
     ]
+    by_bucket = buckets.server_table(result.totals, "github")
+    if by_bucket:
+        lines += ["Wrong answers by bucket:", "", by_bucket, ""]
     p = result.paired
     if p is not None:
         a, b = result.totals[0].server, result.totals[1].server
@@ -129,5 +135,15 @@ def markdown(result: EvalResult) -> str:
             f"- answers differ: {ids_line(p.differing_ids)}",
             "",
         ]
+        pair_buckets = buckets.paired_table(p, a, b, "github")
+        if pair_buckets:
+            lines += ["Failure buckets, paired question by question:", "", pair_buckets, ""]
+            lines += [
+                f"- {x.bucket}: {a} fails, {b} right: {ids_line(x.a_fails_b_passes_ids, 10)}; "
+                f"{b} fails, {a} right: {ids_line(x.b_fails_a_passes_ids, 10)}"
+                for x in p.buckets
+                if x.a_fails_b_passes or x.b_fails_a_passes
+            ]
+            lines.append("")
     lines += [f"note: {n}" for n in result.notes]
     return "\n".join(lines).rstrip() + "\n"

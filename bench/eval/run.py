@@ -22,9 +22,8 @@ from pathlib import Path
 
 from bench.eval import report
 from bench.eval.client import ChatClient, ServerDown
-from bench.eval.models import Answer, EvalRequest, EvalResult, Question, Row, RunConfig, ServerSpec
-from bench.eval.score_bfcl import check_call
-from bench.eval.score_text import score_exact, score_last_number
+from bench.eval.judge import judge
+from bench.eval.models import EvalRequest, EvalResult, Question, Row, RunConfig, ServerSpec
 from bench.eval.store import RunStore
 from bench.eval.suites import bfcl, jsonl, recall
 from tools.errors import InvalidInputError, NotFoundError, arg
@@ -47,24 +46,6 @@ def find_run_dir(ref: str) -> Path:
         f"no evaluation run at {ref}",
         f"pass a run's directory or its id (runs live in {evals_dir()})",
     )
-
-
-def score(q: Question, answer: Answer) -> tuple[bool, str]:
-    """(right, why) for one server's answer to one question."""
-    if answer.error:
-        return False, answer.error
-    if q.scoring == "bfcl":
-        function = q.function or {}
-        real = function.get("name", "")
-        calls = [
-            {**c, "name": real if c.get("name") == bfcl.openai_name(real) else c.get("name")}
-            for c in answer.tool_calls
-        ]
-        verdict = check_call(function, calls, q.answer)
-        return verdict.right, verdict.why
-    if q.scoring == "last_number":
-        return score_last_number(answer.text, q.answer)
-    return score_exact(answer.text, q.answer)
 
 
 def _questions(request: EvalRequest, first: ChatClient) -> list[Question]:
@@ -154,8 +135,8 @@ def _ask_all(
         answers = {}
         for c in clients:
             answer, _ = c.ask(q, config.request)
-            right, why = score(q, answer)
-            answers[c.name] = answer.model_copy(update={"right": right, "why": why})
+            verdict = judge(q, answer)
+            answers[c.name] = answer.model_copy(update=verdict.model_dump())
         with lock:
             store.append(Row(id=q.id, answers=answers))
             done[0] += 1

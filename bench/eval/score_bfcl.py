@@ -1,8 +1,10 @@
-"""Scoring a function call against BFCL's possible answers (the simple categories: one function,
-one call), by its name and arguments, the way BFCL's AST checker judges them.
+"""Scoring function calls against BFCL's possible answers, by name and arguments, the way BFCL's
+AST checker (bfcl_eval/eval_checker/ast_eval/ast_checker.py) judges them, with each failure put
+in a bucket (wrong tool, missing or unexpected parameter, parameter type, parameter value, call
+count) so two servers can be compared on *how* they fail, not only how often.
 
-The rules, as BFCL's ground truth is written:
-- exactly one call, to the function's own name;
+The rules for one call, as BFCL's ground truth is written:
+- the function's own name;
 - every required parameter present, no parameter the schema or the answer does not know;
 - each value of the schema's type (`integer` is an int and not a bool; a `float` may be an int;
   `array`/`tuple` items of their item type; `any` takes anything); a value of the type the
@@ -10,12 +12,16 @@ The rules, as BFCL's ground truth is written:
 - each value among the answer's options: strings and list items compared case-insensitively
   without spaces and `,./-_*^` ("April 1, 2024" = "april 1 2024"), dicts key by key;
 - a parameter left out only where its options include "" (optional).
+The categories (BFCL's `ast_checker` dispatch): simple and multiple want exactly one call, to
+the expected function among those offered; parallel (and parallel_multiple) want every expected
+call, in any order, each matched by a distinct call of the reply, and no other call.
 """
 
 from __future__ import annotations
 
 import re
-from typing import Any
+from collections import Counter
+from typing import Any, Literal
 
 from pydantic import BaseModel
 
@@ -32,10 +38,33 @@ TYPES: dict[str, tuple[type, ...]] = {
 }
 IGNORED = re.compile(r"[ ,./\-_*^]")
 
+Bucket = Literal[
+    "wrong_tool",  # a function other than the expected one (or none of those offered)
+    "call_count",  # more or fewer calls than expected
+    "missing_parameter",  # a required (or non-optional) parameter left out
+    "unexpected_parameter",  # a parameter the schema or the answer does not know
+    "parameter_type",  # a value of the wrong type
+    "parameter_value",  # the right type, none of the possible values
+    "no_call",  # plain text where a call was expected
+    "unparsed",  # a call the server did not turn into tool_calls, or arguments not JSON
+    "spurious_call",  # irrelevance: a call where none of the functions fits
+    "wrong_answer",  # text suites: the reply is not the answer
+    "error",  # no answer at all: an HTTP error or a timeout
+]
+BUCKETS: tuple[str, ...] = Bucket.__args__  # type: ignore[attr-defined]
+
 
 class Verdict(BaseModel):
     right: bool
     why: str
+    bucket: Bucket | None = None
+
+
+def _wrong(bucket: Bucket, why: str) -> Verdict:
+    return Verdict(right=False, why=why, bucket=bucket)
+
+
+RIGHT = Verdict(right=True, why="name and arguments match")
 
 
 def standard(value: Any) -> Any:
@@ -98,39 +127,109 @@ def _value_matches(value: Any, options: list[Any]) -> bool:
     return False
 
 
+def check_one(function: dict[str, Any], call: dict[str, Any], truth: dict[str, Any]) -> Verdict:
+    """One call ({name, arguments}) against one expected call `{name: {param: [options]}}` of
+    `function` (its BFCL schema): BFCL's simple_function_checker."""
+    ((expected_name, options),) = truth.items()
+    if call.get("name") != expected_name:
+        return _wrong("wrong_tool", f"called {call.get('name')!r}, not {expected_name!r}")
+    args = call.get("arguments")
+    if not isinstance(args, dict):
+        return _wrong("unparsed", f"arguments are not an object: {args!r}")
+    params = function.get("parameters") or {}
+    properties: dict[str, Any] = params.get("properties") or {}
+    for name in params.get("required") or []:
+        if name not in args:
+            return _wrong("missing_parameter", f"missing required argument {name!r}")
+    for name, value in args.items():
+        if name not in properties or name not in options:
+            return _wrong("unexpected_parameter", f"unexpected argument {name!r}")
+        spec = properties[name]
+        problem = _type_problem(name, value, spec, options[name])
+        if problem:
+            return _wrong("parameter_type", problem)
+        if spec.get("type") == "float" and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        if not _value_matches(value, options[name]):
+            return _wrong("parameter_value", f"{name}={value!r} is none of {options[name]!r}")
+    for name, opts in options.items():
+        if name not in args and "" not in opts:
+            return _wrong("missing_parameter", f"missing argument {name!r} (not optional)")
+    return RIGHT
+
+
+def _count(calls: list[dict[str, Any]], expected: int) -> Verdict | None:
+    if not calls:
+        return _wrong("no_call", "no function call")
+    if len(calls) != expected:
+        return _wrong("call_count", f"{len(calls)} calls where {expected} expected")
+    return None
+
+
+def _described(functions: list[dict[str, Any]], name: str) -> dict[str, Any]:
+    return next((f for f in functions if f.get("name") == name), {})
+
+
 def check_call(
     function: dict[str, Any], calls: list[dict[str, Any]], ground_truth: list[dict[str, Any]]
 ) -> Verdict:
     """The verdict on `calls` ([{name, arguments}]) for one BFCL simple question: `function` is
     the question's function (BFCL schema), `ground_truth` its `[{name: {param: [options]}}]`."""
-    if not calls:
-        return Verdict(right=False, why="no function call")
-    if len(calls) != len(ground_truth):
-        return Verdict(right=False, why=f"{len(calls)} calls where {len(ground_truth)} expected")
-    ((expected_name, options),) = ground_truth[0].items()
-    call = calls[0]
-    if call.get("name") != expected_name:
-        return Verdict(right=False, why=f"called {call.get('name')!r}, not {expected_name!r}")
-    args = call.get("arguments")
-    if not isinstance(args, dict):
-        return Verdict(right=False, why=f"arguments are not an object: {args!r}")
-    params = function.get("parameters") or {}
-    properties: dict[str, Any] = params.get("properties") or {}
-    for name in params.get("required") or []:
-        if name not in args:
-            return Verdict(right=False, why=f"missing required argument {name!r}")
-    for name, value in args.items():
-        if name not in properties or name not in options:
-            return Verdict(right=False, why=f"unexpected argument {name!r}")
-        spec = properties[name]
-        problem = _type_problem(name, value, spec, options[name])
-        if problem:
-            return Verdict(right=False, why=problem)
-        if spec.get("type") == "float" and isinstance(value, int) and not isinstance(value, bool):
-            value = float(value)
-        if not _value_matches(value, options[name]):
-            return Verdict(right=False, why=f"{name}={value!r} is none of {options[name]!r}")
-    for name, opts in options.items():
-        if name not in args and "" not in opts:
-            return Verdict(right=False, why=f"missing argument {name!r} (not optional)")
-    return Verdict(right=True, why="name and arguments match")
+    return check_multiple([function], calls, ground_truth)
+
+
+def check_multiple(
+    functions: list[dict[str, Any]], calls: list[dict[str, Any]], ground_truth: list[dict[str, Any]]
+) -> Verdict:
+    """BFCL multiple (and simple): several functions offered, exactly one call expected, to the
+    one the ground truth names."""
+    wrong = _count(calls, len(ground_truth))
+    if wrong:
+        return wrong
+    (expected,) = ground_truth[:1]
+    return check_one(_described(functions, next(iter(expected))), calls[0], expected)
+
+
+def check_parallel(
+    functions: list[dict[str, Any]], calls: list[dict[str, Any]], ground_truth: list[dict[str, Any]]
+) -> Verdict:
+    """BFCL parallel and parallel_multiple: as many calls as expected, each expected call matched
+    by a distinct call of the reply, in any order (BFCL's greedy first-match: expected calls in
+    their order, each taking the first unmatched call that passes). An expected call nothing
+    matches is explained by the first call of its name that failed it; a call to a function not
+    expected (as many times) is a wrong tool."""
+    wrong = _count(calls, len(ground_truth))
+    if wrong:
+        return wrong
+    expected_names = Counter(next(iter(e)) for e in ground_truth)
+    stray = Counter(str(c.get("name")) for c in calls) - expected_names
+    if stray:  # BFCL says only "cannot find a match"; the bucket says why
+        return _wrong("wrong_tool", f"called {', '.join(sorted(stray))}, not expected")
+    used: set[int] = set()
+    for k, expected in enumerate(ground_truth):
+        name = next(iter(expected))
+        function = _described(functions, name)
+        misses: list[Verdict] = []
+        for i, call in enumerate(calls):
+            if i in used:
+                continue
+            verdict = check_one(function, call, expected)
+            if verdict.right:
+                used.add(i)
+                break
+            misses.append(verdict)
+        else:
+            named = [v for v in misses if v.bucket != "wrong_tool"]
+            if named:
+                return _wrong(named[0].bucket or "parameter_value", f"call {k + 1}: {named[0].why}")
+            return _wrong("wrong_tool", f"call {k + 1}: no call to {name!r} left to match")
+    return Verdict(right=True, why=f"all {len(ground_truth)} calls match")
+
+
+def check_irrelevance(calls: list[dict[str, Any]]) -> Verdict:
+    """BFCL irrelevance: none of the offered functions fits the question, so any call is wrong
+    (BFCL counts a reply it cannot decode into calls as no call: right)."""
+    if calls:
+        names = ", ".join(str(c.get("name")) for c in calls)
+        return _wrong("spurious_call", f"called {names} where no function fits")
+    return Verdict(right=True, why="no function call, as none fits")

@@ -1,4 +1,5 @@
-"""BFCL's simple categories, read from the `bfcl-eval` wheel as PyPI ships it.
+"""BFCL's AST categories (simple, multiple, parallel, parallel_multiple, irrelevance and their
+live_ twins), read from the `bfcl-eval` wheel as PyPI ships it.
 
 Why the wheel and not BFCL's code: the package's dependencies are heavy (and its checker wants
 them), the questions and possible answers are plain JSON lines under `bfcl_eval/data/`. The
@@ -119,25 +120,32 @@ def as_tool(function: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def has_answers(category: str) -> bool:
+    """Irrelevance has no possible answers: the right reply is no call at all."""
+    return "irrelevance" not in category
+
+
 def load(category: BfclCategory, wheel: Path | None = None) -> list[Question]:
-    """The category's questions, each with its one function as a tool and its possible answers."""
+    """The category's questions, each with its functions as tools and its possible answers."""
     wheel = wheel or wheel_path()
     questions = read_lines(wheel, f"bfcl_eval/data/BFCL_v4_{category}.json")
-    answers = {
-        a["id"]: a["ground_truth"]
-        for a in read_lines(wheel, f"bfcl_eval/data/possible_answer/BFCL_v4_{category}.json")
-    }
+    answers: dict[str, Any] = {}
+    if has_answers(category):
+        member = f"bfcl_eval/data/possible_answer/BFCL_v4_{category}.json"
+        answers = {a["id"]: a["ground_truth"] for a in read_lines(wheel, member)}
     out = []
     for q in questions:
-        (function,) = q["function"]
+        functions = q["function"]
         out.append(
             Question(
                 id=q["id"],
                 messages=q["question"][0],
-                tools=[as_tool(function)],
-                answer=answers[q["id"]],
+                tools=[as_tool(f) for f in functions],
+                answer=answers.get(q["id"]),
                 scoring="bfcl",
-                function=function,
+                function=functions[0] if len(functions) == 1 else None,
+                functions=functions,
+                category=category,
             )
         )
     return out
