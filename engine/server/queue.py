@@ -14,7 +14,6 @@ request (a client that left, a stop string) is one flag on its sequence, read by
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -31,8 +30,6 @@ if TYPE_CHECKING:
     from tokenizers import Tokenizer
 
     from engine.interface import RequestHandle, ServedEngine
-
-log = logging.getLogger(__name__)
 
 
 @dataclass
