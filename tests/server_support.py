@@ -56,12 +56,12 @@ def _byte_level(text: str) -> str:
 
 
 def make_scripted_checkpoint(
-    out_dir: Path, chains: Sequence[Sequence[int | str]]
+    out_dir: Path, chains: Sequence[Sequence[int | str]], quantized: bool = True
 ) -> dict[str, int]:
     """Write a tiny checkpoint whose greedy continuation of token `chain[0]` is the rest of the
     chain (ints are existing token ids, strings new vocabulary pieces). Chains may share a tail
     (a token keeps one successor). Returns {piece: id} for the new pieces."""
-    make_checkpoint(out_dir, preset="tiny", seed=0)
+    make_checkpoint(out_dir, preset="tiny", seed=0, quantized=quantized)
     tok_path = out_dir / "tokenizer.json"
     tok = json.loads(tok_path.read_text())
     vocab: dict[str, int] = tok["model"]["vocab"]
@@ -113,7 +113,8 @@ def make_scripted_checkpoint(
     weights["model.embed_tokens.weight"] = table.to(embed.dtype)
     weights["model.norm.weight"] = norm.to(weights["model.norm.weight"].dtype)
     for name, tensor in weights.items():
-        if name.endswith("weight_scale") and any(z in name for z in ZEROED):
+        zeroed = name.endswith("weight_scale") or (not quantized and name.endswith(".weight"))
+        if zeroed and any(z in name for z in ZEROED):
             weights[name] = torch.zeros_like(tensor)
         elif name.endswith("layer_scalar"):
             weights[name] = torch.ones_like(tensor)

@@ -176,3 +176,58 @@ def accepted_flags(
                 note=f"read from vLLM's source ({why})",
             )
     return FlagSet(version=version, source="none", note=why or "no way to read vLLM's flags")
+
+
+# ---------------------------------------------------------------------------------------------
+# Tool calling
+
+# vLLM's tool parser per model family (vllm/tool_parsers/__init__.py names them); Gemma 4 writes
+# `<|tool_call>call:NAME{...}<tool_call|>`, which only its own parser reads
+TOOL_PARSERS = {"gemma4": "gemma4"}
+TOOL_FLAGS = ("--enable-auto-tool-choice", "--tool-call-parser")
+
+
+def model_family(model: str, local: str | None) -> str | None:
+    """`gemma4` for a Gemma 4 checkpoint: its config.json's model_type (or the text config's),
+    else, for a hub id, its name."""
+    if local:
+        try:
+            config = json.loads((Path(local) / "config.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            config = {}
+        types = [config.get("model_type"), (config.get("text_config") or {}).get("model_type")]
+        if any(str(t).startswith("gemma4") for t in types if t):
+            return "gemma4"
+    name = model.lower().replace("_", "-")
+    return "gemma4" if "gemma-4" in name or "gemma4" in name else None
+
+
+def parser_known(package_dir: Path | None, parser: str) -> bool:
+    """Whether this vLLM ships the parser (its registry names it); true where it cannot be read."""
+    registry = package_dir / "tool_parsers" / "__init__.py" if package_dir else None
+    try:
+        return registry is None or f'"{parser}"' in registry.read_text(encoding="utf-8")
+    except OSError:
+        return True
+
+
+def tool_call_flags(
+    model: str,
+    local: str | None,
+    extra_args: list[str],
+    accepted: FlagSet,
+    package_dir: Path | None,
+) -> list[str]:
+    """`--enable-auto-tool-choice --tool-call-parser gemma4` for a Gemma 4 model, so that
+    `tools` in a chat request come back as `tool_calls` (without them vLLM refuses
+    tool_choice=auto, the OpenAI default a client sends with tools). None where the user set
+    either flag in extra_args, the version lacks them, or it does not ship the parser."""
+    family = model_family(model, local)
+    parser = TOOL_PARSERS.get(family or "")
+    if parser is None or any(normalize(a) in TOOL_FLAGS for a in extra_args):
+        return []
+    if accepted.source != "none" and not all(f in accepted.flags for f in TOOL_FLAGS):
+        return []
+    if not parser_known(package_dir, parser):
+        return []
+    return ["--enable-auto-tool-choice", "--tool-call-parser", parser]

@@ -221,6 +221,10 @@ def start_vllm_server(
             accepted = flagmod.accepted_flags(
                 install.version, cmd.vllm_launcher(install), Path(install.package_dir), full_env
             )
+            tool_flags = flagmod.tool_call_flags(
+                model, local, extra_args, accepted, Path(install.package_dir)
+            )  # tools in, tool_calls out (bench/eval's BFCL)
+            command, ours = command + tool_flags, ours + tool_flags
             _refuse_unknown(
                 flagmod.unknown_flags(ours + extra_args, accepted),
                 accepted.flags,
