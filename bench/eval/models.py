@@ -70,7 +70,11 @@ class EvalOptions(BaseModel):
         None,
         description="jsonl suite; default: last_number where answers hold '#### N' or a number",
     )
-    bfcl_category: BfclCategory = "simple_python"
+    bfcl_category: BfclCategory = Field(
+        "simple_python",
+        description="bfcl suite: simple_python, multiple, parallel, parallel_multiple, "
+        "irrelevance, or a live_ one",
+    )
     recall_tokens: int = Field(1024, ge=64, le=1_000_000, description="recall prompt size")
     limit: int | None = Field(None, ge=1, description="the first N questions only")
     max_tokens: int = Field(256, ge=1, le=65536, description="per answer")
