@@ -3,6 +3,11 @@
 A cell never raises for a problem of the target: a server that is down, refuses the prompts or
 dies mid-cell gives a CellRecord with status "failed" (or "partial") and the reasons, so the
 sweep goes on with the others.
+
+Around the measured requests: the target's prefix cache emptied first (bench/sweep/
+cache_reset.py), NVML's energy counter read at both ends (bench/sweep/energy.py), stall probes
+beside the load (bench/sweep/probes.py); after them, the warm-up requests left out of the
+figures (bench/sweep/steady.py) and a rate cell's over-saturation check (saturation.py).
 """
 
 from __future__ import annotations
@@ -14,9 +19,12 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from bench.sweep import cellstats, driver_builtin, driver_vllm, slo
+from bench.sweep import cellstats, driver_builtin, driver_vllm, saturation, slo, steady
 from bench.sweep.arrivals import arrival_times, rate_of
+from bench.sweep.cache_reset import reset_cache
+from bench.sweep.energy import per_token
 from bench.sweep.models import CellKey, CellRecord, RequestResult, SweepConfig
+from bench.sweep.probes import PROBE_LEN, ProbePlan, probe_stats
 from bench.sweep.prompts import MEASURED, WARMUP, load_tokenizer, prompt_seed, token_prompt
 from bench.sweep.targets import Live, check_alive
 from bench.sweep.telemetry import CellWatch
@@ -28,7 +36,7 @@ from tools.settings import serving_python
 
 OnRequest = Callable[[RequestResult], None]
 WARMUP_TOKENS = 8
-ARRIVALS, ANSWER = 5, 6  # seed kinds of the arrival schedule and of stand-in answer ids
+ARRIVALS, ANSWER, PROBES = 5, 6, 7  # seed kinds: arrival schedule, stand-in answers, probes
 
 
 def vllm_seed(seed: int, key: CellKey) -> int:
@@ -95,6 +103,7 @@ def run_cell(
     reason = check_alive(live.base_url)
     if reason is not None:
         return failed_cell(config, key, reason)
+    reset = reset_cache(live.root_url) if config.cache_reset else None
     started = now_iso()
     with CellWatch(live.root_url, live.pid) as watch:
         if config.driver == "builtin":
@@ -103,8 +112,9 @@ def run_cell(
             fields, reason = _vllm(config, key, live, work_dir)
     if fields is None:
         cell = failed_cell(config, key, reason or "failed")
-        cell.telemetry = watch.result
+        cell.telemetry, cell.cache_reset = watch.result, reset
         return cell
+    per_token(watch.result.energy, fields["output_tokens"])
     status, why = cellstats.status_of(fields["completed"], fields["failed"])
     if status == "failed" and fields["failure_reasons"]:
         why = next(iter(fields["failure_reasons"]))
@@ -115,7 +125,8 @@ def run_cell(
         if config.driver == "builtin"
         else vllm_seed(config.seed, key)
     )
-    fields.update(slo.evaluate(fields["requests"], fields["duration_s"], config.slo))
+    counted, _ = steady.measured(fields["requests"])
+    fields.update(slo.evaluate(counted, fields["duration_s"], config.slo))
     return CellRecord(
         **key.model_dump(),
         seed=seed,
@@ -124,6 +135,7 @@ def run_cell(
         reason=why,
         started_at=started,
         telemetry=watch.result,
+        cache_reset=reset,
         **fields,
     )
 
@@ -149,6 +161,7 @@ def _builtin(
             return []
         return token_prompt(pool, config.seed, key.input_len, key.repeat, index, ANSWER, 0, n)
 
+    probe, probed = _probe_plan(config, key, pool, jobs), []
     requests, duration = driver_builtin.run_jobs(
         live.base_url,
         live.model,
@@ -158,14 +171,39 @@ def _builtin(
         on_request,
         arrivals,
         stand_in,
+        probe,
+        probed,
     )
     for r in requests:
         if r.input_tokens <= 0:  # text prompts: the length the server (or the ask) gave them
             r.input_tokens = r.prompt_tokens or key.input_len
-    fields = cellstats.stats(requests, duration, config.output_len)
+    excluded = steady.mark_warmup(requests, config.exclude_first, config.exclude_first_s)
+    counted, window = steady.measured(requests)
+    fields = cellstats.stats(counted, window or duration, config.output_len)
     if arrivals is not None:
         fields["scheduled_rate"] = rate_of(arrivals)
-    return {**fields, "requests": requests}, None
+        fields["saturation"] = saturation.check(requests)
+    if probe is not None:
+        fields["stall_probes"] = probe_stats(probe.rate, probed)
+    return {**fields, "requests": requests, "excluded": excluded}, None
+
+
+def _probe_plan(
+    config: SweepConfig, key: CellKey, pool: np.ndarray | None, jobs: list[Job]
+) -> ProbePlan | None:
+    """The cell's stall probes: seeded ids of PROBE_LEN tokens (text where the load is text)."""
+    if not config.probe_rate:
+        return None
+    as_text = bool(jobs) and bool(jobs[0].parts) and isinstance(jobs[0].parts[0], str)
+
+    def prompt(i: int) -> list[int] | str:
+        if pool is None or as_text:
+            return f"Probe {i} of repeat {key.repeat + 1}: answer with one word."
+        return token_prompt(pool, config.seed, key.input_len, key.repeat, i, PROBES, 0, PROBE_LEN)
+
+    rate = int(config.probe_rate * 1000)
+    seed_parts = [config.seed, key.input_len, key.repeat, PROBES, rate]
+    return ProbePlan(rate=config.probe_rate, prompt=prompt, seed_parts=seed_parts)
 
 
 def _vllm(

@@ -15,7 +15,8 @@ chunk that carries a choice, an ITL per later chunk, the output token count from
 usage (the chunk count where a server sends no usage). One event loop per cell, one connection
 per request through the lean client in sse_client.py (httpx for https); a chunk is parsed as
 JSON only when it carries usage or an error. The driver's own CPU cost is measured by
-lab/sweep_cost.py.
+lab/sweep_cost.py. Stall probes (bench/sweep/probes.py), where asked, run in the same event loop
+beside the load, outside its cap, until its last request ends.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from typing import Any
 import httpx
 
 from bench.sweep.models import RequestResult
+from bench.sweep.probes import ProbePlan, run_probes
 from bench.sweep.prompts import sha
 from bench.sweep.sse_client import HttpError, StreamClosed, stream_events
 from bench.sweep.workload import Job
@@ -180,12 +182,15 @@ async def _run_jobs(
     on_done: OnDone | None,
     arrivals: list[float] | None,
     stand_in: Callable[[int, int], list[int]] | None,
+    probe: ProbePlan | None = None,
+    probe_out: list[RequestResult] | None = None,
 ) -> tuple[list[RequestResult], float]:
     url = base_url.rstrip("/") + "/completions"
     sem = asyncio.Semaphore(concurrency) if concurrency else contextlib.nullcontext()
     client = None
     if url.startswith("https://"):  # the lean client speaks plain http only
-        limits = httpx.Limits(max_connections=(concurrency or len(jobs)) + 2)
+        extra = 16 if probe is not None else 0  # probes go outside the cap
+        limits = httpx.Limits(max_connections=(concurrency or len(jobs)) + 2 + extra)
         client = httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(timeout_s, connect=10.0))
     try:
         cell_start = time.perf_counter()
@@ -217,7 +222,22 @@ async def _run_jobs(
                         history = prompt + _history_part(part, answer, filler)  # type: ignore[operator]
             return out
 
-        nested = await asyncio.gather(*(conversation(p, j) for p, j in enumerate(jobs)))
+        stop = asyncio.Event()
+        probing = None
+        if probe is not None:
+
+            async def send(prompt: Prompt, i: int, start: float) -> RequestResult:
+                return await one_request(client, url, model, prompt, i, 1, start, timeout_s)
+
+            probing = asyncio.create_task(run_probes(probe, send, stop))
+        try:
+            nested = await asyncio.gather(*(conversation(p, j) for p, j in enumerate(jobs)))
+        finally:
+            stop.set()
+            if probing is not None:
+                found = await probing
+                if probe_out is not None:
+                    probe_out.extend(found)
     finally:
         if client is not None:
             await client.aclose()
@@ -246,14 +266,18 @@ def run_jobs(
     on_done: OnDone | None = None,
     arrivals: list[float] | None = None,
     stand_in: Callable[[int, int], list[int]] | None = None,
+    probe: ProbePlan | None = None,
+    probe_out: list[RequestResult] | None = None,
 ) -> tuple[list[RequestResult], float]:
     """Run a cell's jobs: closed loop at `concurrency`, or open loop at `arrivals` (send times,
     s) capped at `concurrency` (0: no cap). Every request's result and the cell's wall time in
     seconds (first send to last byte). `stand_in(index, n)`: ids for an answer the server
-    returned no ids of (multi-turn history)."""
+    returned no ids of (multi-turn history). `probe`: stall probes beside the load, their
+    results appended to `probe_out`."""
     return asyncio.run(
-        _run_jobs(base_url, model, jobs, concurrency, timeout_s, on_done, arrivals, stand_in)
-    )
+        _run_jobs(base_url, model, jobs, concurrency, timeout_s, on_done, arrivals, stand_in,
+                  probe, probe_out)
+    )  # fmt: skip
 
 
 def run_requests(

@@ -1,7 +1,8 @@
 """What the machine and the server did while a cell ran.
 
 - NVML, sampled a few times a second on a thread: utilization, SM clock against its maximum,
-  power against the limit, throttle reasons by name, memory used. No GPU -> the reason.
+  power against the limit, throttle reasons by name, memory used; and its energy counter read
+  at the start and the end (bench/sweep/energy.py). No GPU -> the reason.
 - The server process's CPU (and its children's: vLLM's engine core is one) with psutil: CPU
   seconds over the cell's wall time, in cores.
 - The server's Prometheus /metrics before and after the cell: vLLM's prefix-cache queries and
@@ -23,6 +24,8 @@ from typing import Any
 
 import httpx
 
+from bench.sweep.cell_models import CellEnergy
+from bench.sweep.energy import EnergyMeter, no_energy
 from bench.sweep.models import CellTelemetry, GpuTelemetry
 from engine.step_clock import HOST_PHASES
 from tools.gpu_nvml import nvml_error_text, throttle_names
@@ -114,8 +117,16 @@ def scrape(root_url: str, timeout_s: float = 5.0) -> tuple[dict[str, float], str
     return parse_metrics(resp.text), None
 
 
+def load_nvml() -> Any:
+    """The NVML binding (pynvml); tests put a stand-in that replays recorded values here."""
+    import pynvml
+
+    return pynvml
+
+
 class NvmlSampler:
-    """Samples one GPU on a daemon thread between start() and stop()."""
+    """Samples one GPU on a daemon thread between start() and stop(), and reads its energy
+    counter at both (`energy` after stop())."""
 
     def __init__(self, index: int = 0, interval_s: float = SAMPLE_INTERVAL_S) -> None:
         self.index = index
@@ -127,11 +138,12 @@ class NvmlSampler:
         self._static: dict[str, Any] = {}
         self._pynvml: Any = None
         self._handle: Any = None
+        self._meter: EnergyMeter | None = None
+        self.energy: CellEnergy | None = None
 
     def start(self) -> None:
         try:
-            import pynvml
-
+            pynvml = load_nvml()
             pynvml.nvmlInit()
         except Exception as exc:  # no library, no driver, no permission
             self.missing = nvml_error_text(exc) if not isinstance(exc, ImportError) else str(exc)
@@ -148,6 +160,8 @@ class NvmlSampler:
             "clock_max": _try(pynvml.nvmlDeviceGetMaxClockInfo, self._handle, pynvml.NVML_CLOCK_SM),
             "limit": _try(pynvml.nvmlDeviceGetPowerManagementLimit, self._handle),
         }
+        self._meter = EnergyMeter(pynvml, self._handle, self.index)
+        self._meter.start()
         self._thread = threading.Thread(target=self._loop, name="sweep-nvml", daemon=True)
         self._thread.start()
 
@@ -169,9 +183,11 @@ class NvmlSampler:
 
     def stop(self) -> tuple[GpuTelemetry | None, str | None]:
         if self._thread is None:
+            self.energy = no_energy(self.missing)
             return None, self.missing or "NVML not started"
         self._stop.set()
         self._thread.join(5)
+        self.energy = self._meter.stop() if self._meter is not None else no_energy(None)
         self._pynvml.nvmlShutdown()
         return summarize_samples(self.index, self.samples, self._static), None
 
@@ -281,6 +297,7 @@ class CellWatch:
         wall = time.perf_counter() - self._t0
         r = self.result
         r.gpu, r.gpu_missing = self.sampler.stop()
+        r.energy = self.sampler.energy
         self._stop.set()
         if self._poller is not None:
             self._poller.join(5)

@@ -18,7 +18,8 @@ that caused it.
 
 Layout: errors.py (the error shape), body.py (reading/validating bodies), state.py (what
 handlers share), chat.py and completions.py (the two generation endpoints), sse.py (waiting on
-a job, streaming), guard.py (API key, counting, last-resort 500s), openapi.py.
+a job, streaming), guard.py (API key, counting, last-resort 500s), openapi.py, cache_reset.py
+(POST /reset_prefix_cache, as vLLM names it: what a benchmark calls between runs).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
+from engine.server.cache_reset import reset_prefix_cache
 from engine.server.chat import chat_completions
 from engine.server.completions import completions
 from engine.server.errors import ApiError
@@ -109,6 +111,7 @@ ROUTES = [
     Route("/openapi.json", openapi, methods=["GET"]),
     Route("/tokenize", tokenize, methods=["POST"]),
     Route("/detokenize", detokenize, methods=["POST"]),
+    Route("/reset_prefix_cache", reset_prefix_cache, methods=["POST"]),
 ]
 KNOWN_PATHS = {r.path for r in ROUTES}
 
@@ -123,7 +126,8 @@ async def _http_error(_request: Request, exc: Exception) -> Response:
     code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
     message = (
         "No such endpoint. This server has POST /v1/chat/completions, POST /v1/completions, "
-        "GET /v1/models[/ID], GET /health, GET /metrics and GET /openapi.json."
+        "GET /v1/models[/ID], GET /health, GET /metrics, GET /openapi.json and POST "
+        "/reset_prefix_cache."
         if exc.status_code == 404
         else str(exc.detail)
     )
