@@ -173,6 +173,8 @@ def test_irrelevance_is_right_only_without_a_call() -> None:
     name = bfcl.openai_name(q.functions[0]["name"])
     v = verdict(q, [{"name": name, "arguments": {"weight": 70, "height": 1.8}}])
     assert (v.right, v.bucket) == (False, "spurious_call")
+    # BFCL decodes a reply whole or not at all: arguments that are not JSON make it no call
+    assert verdict(q, [{"name": name, "arguments": "weight=70"}]).right
     assert _load("live_irrelevance")
 
 
