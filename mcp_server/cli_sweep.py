@@ -154,6 +154,8 @@ SWEEP = Door(
         "out_dir": Flag(names=("--out",), help="output directory (default: a new one)"),
         "resume": Flag(metavar="DIR|ID", help="continue a sweep from its files"),
         "wait": Flag(names=("--detach",), invert=True, help="run in a background worker"),
+        "gate": Flag(names=("--no-gate",), invert=True, help="no correctness probes after cells"),
+        "reference": Flag(metavar="LABEL", help="the gate's reference target (default: the first)"),
     },
     cli_only={"--json": "prints the result as JSON instead of a table: nothing to send"},
 )

@@ -1,6 +1,7 @@
 """Mean and 95% confidence interval over a cell's repeats (Student's t: a handful of repeats is
-the usual case, where the normal 1.96 would claim too much), and whether two intervals overlap:
-the test `compare_sweeps` uses before it calls a difference real.
+the usual case, where the normal 1.96 would claim too much), whether two intervals overlap, and
+the paired difference (repeat by repeat) with its interval: the tests `compare_sweeps` uses
+before it calls a difference real.
 """
 
 from __future__ import annotations
@@ -38,3 +39,20 @@ def overlap(a: tuple[float | None, float | None], b: tuple[float | None, float |
     if ma is None or mb is None or ha is None or hb is None:
         return True
     return ma - ha <= mb + hb and mb - hb <= ma + ha
+
+
+def paired(
+    base: dict[int, float | None], other: dict[int, float | None]
+) -> tuple[float | None, float | None, int]:
+    """(mean, 95% half-width, pairs) of other - base over the keys both hold a value for (a
+    sweep's repeats): pairing takes out what the two share (the same prompts, the same repeat
+    position), so a difference can show where the two intervals of `overlap` still overlap."""
+    diffs = [other[k] - base[k] for k in sorted(base.keys() & other.keys())
+             if base[k] is not None and other[k] is not None]  # fmt: skip
+    mean, half = mean_ci(diffs)
+    return mean, half, len(diffs)
+
+
+def excludes_zero(mean: float | None, half: float | None) -> bool:
+    """The interval mean ± half lies wholly on one side of 0 (unknown: False)."""
+    return mean is not None and half is not None and (mean - half > 0 or mean + half < 0)

@@ -4,8 +4,11 @@ multi-run comparison), for "did my change make the server faster?".
 Cells are matched on (target label, input length, load); for each figure the table shows every
 sweep's mean over its repeats with the 95% interval, and each later sweep's ratio to the first.
 A difference is marked (`*`) only where the two intervals do not overlap: with one repeat
-there is no interval and nothing is marked, however far apart the numbers are. The overlay
-plots draw every sweep's line on the same axes, the intervals as error bars.
+there is no interval and nothing is marked, however far apart the numbers are. Beside that, the
+paired difference: cell by cell and repeat by repeat (the same seeded prompts in both sweeps),
+the mean of later - baseline and the 95% interval of those differences (`*` where it excludes
+0), which sees a steady difference that two wide intervals hide. The overlay plots draw every
+sweep's line on the same axes, the intervals as error bars.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from pydantic import BaseModel, Field
 from tabulate import tabulate
 
 from bench.sweep.aggregate import summarize
-from bench.sweep.ci import overlap
+from bench.sweep.ci import excludes_zero, overlap, paired
 from bench.sweep.models import TargetCell, load_name
 from bench.sweep.plots import save
 from bench.sweep.store import SweepStore
@@ -40,6 +43,10 @@ class CompareValue(BaseModel):
     repeats: int = 0
     ratio: float | None = Field(None, description="mean over the first sweep's mean")
     differs: bool = Field(False, description="its 95% interval and the first's do not overlap")
+    diff_mean: float | None = Field(None, description="mean of (this - first) per cell repeat")
+    diff_ci95: float | None = Field(None, description="half-width of its 95% interval")
+    pairs: int = Field(0, description="repeats both sweeps measured in this cell")
+    paired_differs: bool = Field(False, description="the paired interval excludes 0")
 
 
 class CompareRow(BaseModel):
@@ -72,6 +79,19 @@ def _cells_of(store: SweepStore) -> dict[tuple, TargetCell]:
     return out
 
 
+Repeats = dict[tuple, dict[int, dict[str, float | None]]]
+
+
+def repeats_of(store: SweepStore) -> Repeats:
+    """(target, input, concurrency, rate) -> repeat -> figure -> value, for cells not failed."""
+    out: Repeats = {}
+    for c in store.load_cells():
+        if c.status != "failed":
+            figures = {f: getattr(c, f) for f, _, _ in FIGURES}
+            out.setdefault((c.target, c.input_len, c.concurrency, c.rate), {})[c.repeat] = figures
+    return out
+
+
 def _labels(stores: list[SweepStore]) -> list[str]:
     ids = [s.load_config().sweep_id for s in stores]
     if len(set(ids)) == len(ids):
@@ -79,8 +99,13 @@ def _labels(stores: list[SweepStore]) -> list[str]:
     return [f"{i + 1}:{s.dir.name}" for i, s in enumerate(stores)]
 
 
-def compare_rows(labels: list[str], per_sweep: list[dict[tuple, TargetCell]]) -> list[CompareRow]:
-    """One row per (cell, figure) present in every sweep, in the first sweep's order."""
+def compare_rows(
+    labels: list[str],
+    per_sweep: list[dict[tuple, TargetCell]],
+    repeats: list[Repeats] | None = None,
+) -> list[CompareRow]:
+    """One row per (cell, figure) present in every sweep, in the first sweep's order; with
+    `repeats` (each sweep's repeats_of) the paired differences too."""
     common = [k for k in per_sweep[0] if all(k in cells for cells in per_sweep[1:])]
     rows = []
     for key in common:
@@ -103,6 +128,11 @@ def compare_rows(labels: list[str], per_sweep: list[dict[tuple, TargetCell]]) ->
                 if base.mean and v.mean is not None:
                     v.ratio = round(v.mean / base.mean, 4)
                 v.differs = not overlap((base.mean, base.ci95), (v.mean, v.ci95))
+            by_repeat = [{r: f[figure] for r, f in sweep.get(key, {}).items()}
+                         for sweep in repeats or []]  # fmt: skip
+            for v, mine in zip(values[1:], by_repeat[1:], strict=False):
+                v.diff_mean, v.diff_ci95, v.pairs = paired(by_repeat[0], mine)
+                v.paired_differs = excludes_zero(v.diff_mean, v.diff_ci95)
             rows.append(CompareRow(target=target, input_len=n, concurrency=conc, rate=rate,
                                    figure=figure, values=values))  # fmt: skip
     return rows
@@ -127,6 +157,26 @@ def table(labels: list[str], rows: list[CompareRow], figure: str) -> str:
                      *[_fmt(v, i == 0) for i, v in enumerate(r.values)]])  # fmt: skip
     return tabulate(body, headers=["target", "input", "load", *labels], tablefmt="github",
                     disable_numparse=True)  # fmt: skip
+
+
+def _fmt_diff(v: CompareValue) -> str:
+    if v.diff_mean is None:
+        return "-"
+    half = "" if v.diff_ci95 is None else f" ± {v.diff_ci95:,.2f}"
+    return f"{v.diff_mean:+,.2f}{half} ({v.pairs} pairs){' *' if v.paired_differs else ''}"
+
+
+def paired_table(labels: list[str], rows: list[CompareRow], figure: str) -> str:
+    """Each later sweep's paired difference from the baseline, per cell."""
+    body = []
+    for r in rows:
+        if r.figure != figure:
+            continue
+        n = "dataset" if r.input_len == 0 else str(r.input_len)
+        body.append([r.target, n, load_name(r.concurrency, r.rate),
+                     *[_fmt_diff(v) for v in r.values[1:]]])  # fmt: skip
+    headers = ["target", "input", "load", *[f"{label} - {labels[0]}" for label in labels[1:]]]
+    return tabulate(body, headers=headers, tablefmt="github", disable_numparse=True)
 
 
 def overlay_plots(labels: list[str], rows: list[CompareRow], out_dir: Path) -> list[str]:
@@ -174,7 +224,7 @@ def compare_sweeps(sweeps: list[str], out_dir: str | None = None) -> CompareResu
     stores = [SweepStore(find_sweep_dir(s)) for s in sweeps]
     labels = _labels(stores)
     per_sweep = [_cells_of(s) for s in stores]
-    rows = compare_rows(labels, per_sweep)
+    rows = compare_rows(labels, per_sweep, [repeats_of(s) for s in stores])
     if not rows:
         raise InvalidInputError(
             "these sweeps have no cell in common (same target label, input length and load)",
@@ -202,6 +252,16 @@ def compare_sweeps(sweeps: list[str], out_dir: str | None = None) -> CompareResu
     ]
     for figure, title, _ in FIGURES:
         parts += [f"## {title}", "", table(labels, rows, figure), ""]
+    parts += [
+        "## Paired differences",
+        "",
+        "Per cell, repeat by repeat (the same seeded prompts in each sweep): the mean of later - "
+        "baseline ± half-width of the 95% interval of those differences (Student's t); `*`: "
+        "the interval excludes 0. No interval below two pairs.",
+        "",
+    ]
+    for figure, title, _ in FIGURES:
+        parts += [f"### {title}, paired", "", paired_table(labels, rows, figure), ""]
     if only_some:
         parts += [f"{only_some} cell(s) are not in every sweep and are left out.", ""]
     parts += ["## Plots", "", *[f"![{Path(p).stem}](plots/{Path(p).name})" for p in plots], ""]

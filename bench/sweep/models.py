@@ -13,6 +13,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from bench.sweep.gate_models import ProbeAnswer
+from bench.sweep.order import check_gate_and_order
+
 # the plan's parts (bench/sweep/plan_models.py), importable from here as well
 from bench.sweep.plan_models import LABEL_PATTERN, SearchSpec, Target, Workload  # noqa: F401
 
@@ -85,6 +88,15 @@ class SweepRequest(BaseModel):
     out_dir: str | None = Field(None, description="default: GPURIG_HOME/sweeps/<sweep id>")
     resume: str | None = Field(None, description="a sweep's directory or id to continue")
     wait: bool = Field(True, description="false: return at once; follow with sweep_status")
+    gate: bool = Field(
+        True, description="after each cell, compare every target's greedy answers to fixed probes"
+    )
+    reference: str | None = Field(
+        None, description="the correctness gate's reference target label; default: the first"
+    )
+    interleave: bool = Field(
+        False, description="alternate running targets cell by cell (ABAB) for paired A/B"
+    )
 
     def arguments(self) -> dict[str, Any]:
         """The request as run_sweep's keyword arguments (nested models as the dicts it takes)."""
@@ -128,6 +140,9 @@ class SweepConfig(BaseModel):
     )
     prompt_source: PromptSource = "checkpoint"
     prompt_source_note: str = Field("", description="where the prompt vocabulary came from")
+    gate: bool = Field(True, description="probe answers after each cell (bench/sweep/gate.py)")
+    reference: str | None = Field(None, description="the gate's reference target label")
+    interleave: bool = Field(False, description="cells in ABAB order instead of target by target")
 
     @field_validator("input_lens")
     @classmethod
@@ -166,6 +181,7 @@ class SweepConfig(BaseModel):
     @model_validator(mode="after")
     def _labels(self) -> SweepConfig:
         labels = [t.label for t in self.targets]
+        check_gate_and_order(self, labels)
         dup = sorted({x for x in labels if labels.count(x) > 1})
         if dup:
             raise ValueError(f"target labels must be unique; repeated: {', '.join(dup)}")
@@ -206,6 +222,14 @@ class SweepConfig(BaseModel):
         GPU alone). A search's cells are decided as it goes (bench/sweep/search.py)."""
         if self.search is not None:
             return []
+        if self.interleave:  # ABAB: every target's cell, then the next cell
+            return [
+                CellKey(target=t.label, input_len=n, concurrency=c, rate=rate, repeat=r)
+                for n in self.input_lens
+                for c, rate in self.loads()
+                for r in range(self.repeats)
+                for t in self.targets
+            ]
         return [
             CellKey(target=t.label, input_len=n, concurrency=c, rate=rate, repeat=r)
             for t in self.targets
@@ -367,6 +391,9 @@ class CellRecord(BaseModel):
     mean_prompt_tokens: float | None = Field(None, description="as the server counted them")
     requests: list[RequestResult] = Field(default_factory=list)
     telemetry: CellTelemetry = Field(default_factory=CellTelemetry)
+    probes: list[ProbeAnswer] = Field(
+        default_factory=list, description="the correctness gate's answers, asked after the cell"
+    )
 
     def key(self) -> CellKey:
         return CellKey(

@@ -17,6 +17,10 @@ from pathlib import Path
 from tabulate import tabulate
 
 from bench.sweep.aggregate import add_c1_shares, failure_lines, search_answers, summarize
+from bench.sweep.gate import evaluate as evaluate_gate
+from bench.sweep.gate_models import GateReport
+from bench.sweep.gate_report import MARK as GATE_MARK
+from bench.sweep.gate_report import gate_section, mark_rows
 from bench.sweep.models import (
     VARIATION_FLAG,
     CellRecord,
@@ -109,6 +113,7 @@ def main_table(config: SweepConfig, rows: list[SummaryRow]) -> str:
                 line.append(f"FAILED: {(tc.reason or '')[:40]}")
                 continue
             mark = " ~" if tc.variable else ""
+            mark += GATE_MARK if tc.gate_departs else ""
             mark += " (partial)" if tc.status == "partial" else ""
             line.append(f"{_f(tc.output_tok_s, 2)} ({_f(tc.per_stream_tok_s, 2)}){mark}")
         if len(labels) > 1:
@@ -267,6 +272,7 @@ def render_markdown(
     plots: list[str],
     plot_note: str | None,
     answers: list[SearchAnswer] | None = None,
+    gate: GateReport | None = None,
 ) -> str:
     answers = answers or []
     targets = "\n".join(
@@ -314,6 +320,7 @@ def render_markdown(
         "",
         f"`~`: repeat-to-repeat variation of output tok/s above {VARIATION_FLAG:.0%}.",
         "",
+        *gate_section(gate),
         "## Means over repeats with 95% intervals",
         "",
         ci_table(config, rows),
@@ -406,14 +413,19 @@ def build_report(store: SweepStore) -> dict:
     add_c1_shares(roofline, rows)
     failures = failure_lines(cells)
     answers = search_answers(config, cells)
+    gate = evaluate_gate(config, cells)
+    mark_rows(rows, gate)
     plots, plot_note = make_plots(config, rows, store.dir / "plots")
-    markdown = render_markdown(config, rows, cells, roofline, failures, plots, plot_note, answers)
+    markdown = render_markdown(
+        config, rows, cells, roofline, failures, plots, plot_note, answers, gate
+    )
     results = {
         "config": config.model_dump(),
         "search": [a.model_dump() for a in answers],
         "roofline": [r.model_dump() for r in roofline],
         "summary": [r.model_dump() for r in rows],
         "failures": failures,
+        "gate": gate.model_dump() if gate else None,
         "cells": [c.model_dump() for c in cells],
     }
     write_atomic(store.dir / "results.json", json.dumps(results, separators=(",", ":")) + "\n")
@@ -424,6 +436,9 @@ def build_report(store: SweepStore) -> dict:
         "results_json": str(store.dir / "results.json"),
         "results_csv": str(store.dir / "results.csv"),
         "plots": plots,
+        "plots_dir": str(store.dir / "plots"),
+        "plot_note": plot_note,
+        "gate": gate,
         "summary": rows,
         "search": answers,
         "roofline": roofline,

@@ -9,6 +9,8 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
+from bench.sweep.gate_models import GateReport
+
 CellStatus = Literal["ok", "partial", "failed"]
 VARIATION_FLAG = 0.05  # repeat-to-repeat (max - min) / median above this is flagged
 
@@ -43,6 +45,9 @@ class TargetCell(BaseModel):
     prefix_cache_hit_rate: float | None = None
     ttft_cold_ms: float | None = None
     ttft_warm_ms: float | None = None
+    gate_departs: int | None = Field(
+        None, description="repeats whose probe answers departed from the reference's"
+    )
 
 
 class SummaryRow(BaseModel):
@@ -122,9 +127,12 @@ class SweepResult(BaseModel):
     results_json: str | None = None
     results_csv: str | None = None
     plots: list[str] = Field(default_factory=list)
+    plots_dir: str | None = Field(None, description="where the PNG plots are (out_dir/plots)")
+    plot_note: str | None = Field(None, description="why there are no plots")
     summary: list[SummaryRow] = Field(default_factory=list)
     search: list[SearchAnswer] = Field(default_factory=list)
     roofline: list[Roofline] = Field(default_factory=list)
     failures: list[str] = Field(default_factory=list, description="target: reason, per cause")
     table: str = Field("", description="the main table, as in REPORT.md")
+    gate: GateReport | None = Field(None, description="the correctness gate, per cell")
     status: SweepStatus | None = None

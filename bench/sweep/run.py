@@ -6,7 +6,7 @@ progress callback per request) or in a detached worker process (wait=False: `pyt
 bench.sweep.run DIR`, its own session, so the caller, an MCP server or a CLI, may exit). Both run
 `execute(dir)`, which is also what resume=DIR runs: cells already in cells.jsonl are skipped.
 Targets run one after the other; a `server` target is started before its cells and stopped
-after them.
+after them. An interleaved sweep (running servers only) alternates targets cell by cell.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import numpy as np
 from pydantic import ValidationError
 
 from bench.sweep import cellrun, search, targets
+from bench.sweep.gate import Prober
 from bench.sweep.lookup import (
     cell_requests,
     find_sweep_dir,
@@ -210,7 +211,9 @@ def execute(out_dir: str | Path, progress: Progress | None = None) -> SweepResul
         if store.load_roofline() is None:
             store.save_roofline(measure_roofline(config))
         pool = prompt_pool(config)
-        for target in config.targets:
+        if config.interleave:
+            _run_interleaved(store, config, pool, tracker, done)
+        for target in [] if config.interleave else config.targets:  # target by target
             if config.search is None:
                 keys = [k for k in config.cell_keys() if k.target == target.label and k not in done]
                 if not keys:
@@ -231,6 +234,11 @@ class _CellRunner:
         self.store, self.config, self.target = store, config, target
         self.pool, self.tracker, self.live, self.reason = pool, tracker, live, reason
         self.warmed: set[tuple[int, int, float | None]] = set()
+        self.prober = Prober(config, live) if config.gate and live is not None else None
+
+    def close(self) -> None:
+        if self.prober is not None:
+            self.prober.close()
 
     def run(self, key: CellKey) -> CellRecord:
         config, tracker = self.config, self.tracker
@@ -251,6 +259,8 @@ class _CellRunner:
             cell = cellrun.run_cell(
                 config, key, self.pool, self.live, self.store.dir / "vllm-bench", on_request
             )
+        if self.prober is not None and cell.status != "failed":
+            cell.probes = self.prober.answers()  # after the timed window: bench/sweep/gate.py
         self.store.append_cell(cell)
         # every cell moves progress by its planned requests, however it ended
         counted = tracker.done - before
@@ -291,6 +301,23 @@ def _run_target(
     tracker: _Tracker,
     done: dict[CellKey, CellRecord] | None = None,
 ) -> None:
+    record, live, reason = _start(config, target, tracker)
+    runner = None
+    try:
+        runner = _CellRunner(store, config, target, pool, tracker, live, reason)
+        if config.search is not None:
+            _run_search(runner, done or {})
+        for key in keys:
+            runner.run(key)
+    finally:
+        if runner is not None:
+            runner.close()
+        if record is not None:
+            targets.stop_server(record)
+
+
+def _start(config: SweepConfig, target: Target, tracker: _Tracker) -> tuple[Any, Any, str | None]:
+    """(the server record where the sweep starts it, the live target or None, why not)."""
     record, reason = None, None
     if target.server is not None:
         tracker.current = f"{target.label}: starting its server"
@@ -303,15 +330,23 @@ def _run_target(
         except Exception:
             reason = targets.check_alive(record.base_url if record else target.base_url or "")
             reason = reason or "target did not answer /v1/models"
+    return record, live, reason
+
+
+def _run_interleaved(store, config, pool, tracker, done: dict[CellKey, CellRecord]) -> None:
+    """ABAB: every target's cell before the next cell, on the same prompts (running servers
+    only, bench/sweep/order.py), so slow drift of the machine falls on both sides of a pair."""
+    runners: dict[str, _CellRunner] = {}
     try:
-        runner = _CellRunner(store, config, target, pool, tracker, live, reason)
-        if config.search is not None:
-            _run_search(runner, done or {})
-        for key in keys:
-            runner.run(key)
+        for t in config.targets:
+            _record, live, reason = _start(config, t, tracker)
+            runners[t.label] = _CellRunner(store, config, t, pool, tracker, live, reason)
+        for key in config.cell_keys():
+            if key not in done:
+                runners[key.target].run(key)
     finally:
-        if record is not None:
-            targets.stop_server(record)
+        for runner in runners.values():
+            runner.close()
 
 
 def sweep_result(store: SweepStore, state: str) -> SweepResult:
@@ -343,6 +378,9 @@ def run_sweep(
     slo: dict[str, float] | None = None,
     search: dict[str, Any] | None = None,
     workload: dict[str, Any] | None = None,
+    gate: bool = True,
+    reference: str | None = None,
+    interleave: bool = False,
 ) -> SweepResult:
     """Measure every target on the same prompts over input lengths x load x repeats.
 
@@ -351,7 +389,9 @@ def run_sweep(
     per cell; `search` ({axis, start, max}) replaces the grid by a search for the highest load
     meeting the SLO; `workload`: bench.sweep.models.Workload's fields. wait=False starts a
     detached worker and returns at once (state "running"); sweep_status follows it.
-    resume=DIR continues a sweep from its files (the other arguments are ignored).
+    resume=DIR continues a sweep from its files (the other arguments are ignored). `gate`:
+    after each cell every target answers fixed probes greedily, compared in the report with the
+    `reference` target's (default: the first); `interleave`: cells in ABAB order.
     """
     if resume:
         store = SweepStore(find_sweep_dir(resume))
@@ -377,6 +417,9 @@ def run_sweep(
             slo=slo,
             search=search,
             workload=workload,
+            gate=gate,
+            reference=reference,
+            interleave=interleave,
         )
         store = SweepStore(config.out_dir)
         store.save_config(config)
