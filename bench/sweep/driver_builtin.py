@@ -226,8 +226,8 @@ async def _run_jobs(
         probing = None
         if probe is not None:
 
-            async def send(prompt: Prompt, i: int, start: float) -> RequestResult:
-                return await one_request(client, url, model, prompt, i, 1, start, timeout_s)
+            async def send(prompt: Prompt, i: int) -> RequestResult:
+                return await one_request(client, url, model, prompt, i, 1, cell_start, timeout_s)
 
             probing = asyncio.create_task(run_probes(probe, send, stop))
         try:

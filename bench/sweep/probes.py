@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from collections import Counter
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
@@ -38,13 +37,12 @@ class ProbePlan:
 
 async def run_probes(
     plan: ProbePlan,
-    send: Callable[[list[int] | str, int, float], Coroutine[Any, Any, RequestResult]],
+    send: Callable[[list[int] | str, int], Coroutine[Any, Any, RequestResult]],
     stop: asyncio.Event,
 ) -> list[RequestResult]:
     """Send probes until `stop` is set (the load has ended), then wait for those still out (at
-    most DRAIN_S; the rest count as failed). `send(prompt, index, start)` sends one."""
+    most DRAIN_S; the rest count as failed). `send(prompt, index)` sends one."""
     rng = np.random.default_rng(plan.seed_parts)
-    start = time.perf_counter()
     tasks: list[asyncio.Task[RequestResult]] = []
     while True:
         gap = float(rng.exponential(1.0 / plan.rate))
@@ -53,7 +51,7 @@ async def run_probes(
         if stop.is_set():
             break
         i = len(tasks)
-        tasks.append(asyncio.create_task(send(plan.prompt(i), i, start)))
+        tasks.append(asyncio.create_task(send(plan.prompt(i), i)))
     if not tasks:
         return []
     done, pending = await asyncio.wait(tasks, timeout=DRAIN_S)
