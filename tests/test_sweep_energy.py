@@ -125,17 +125,20 @@ def test_a_sweep_reports_joules_per_token_beside_the_roofline(server, tmp_path, 
                        out_dir=str(tmp_path / "s"), **ARGS)  # fmt: skip
     cells = json.loads(Path(result.results_json).read_text())["cells"]
     assert len(cells) == 2 and len(nvml.energy_reads) == 8 - 4  # two reads per cell
-    for c, (e0, e1) in zip(cells, [(8114250113, 8114801337), (8115202114, 8115889021)]):
+    for c, (e0, e1) in zip(
+        cells, [(8114250113, 8114801337), (8115202114, 8115889021)], strict=True
+    ):
         energy = c["telemetry"]["energy"]
         assert energy["energy_j"] == pytest.approx((e1 - e0) / 1000)
         assert c["output_tokens"] == 3 * 8
         assert energy["j_per_output_token"] == pytest.approx(energy["energy_j"] / 24, rel=1e-4)
-        assert 0 < energy["avg_power_w"]
+        assert energy["avg_power_w"] > 0
     report = Path(result.report).read_text()
     section = report.split("## Energy per token (beside the roofline share)")[1].split("\n## ")[0]
     assert "e J/token" in section and "e roofline %" in section
     assert f"{cells[0]['telemetry']['energy']['j_per_output_token']:.4f}" in section
-    rows = sorted(csv.DictReader(Path(result.results_csv).open()), key=lambda r: r["concurrency"])
+    text = Path(result.results_csv).read_text().splitlines()
+    rows = sorted(csv.DictReader(text), key=lambda r: r["concurrency"])
     got = [(float(r["j_per_output_token"]), float(r["avg_power_w"])) for r in rows]
     want = [(c["telemetry"]["energy"]["j_per_output_token"], c["telemetry"]["energy"]["avg_power_w"])
             for c in sorted(cells, key=lambda c: c["concurrency"])]  # fmt: skip

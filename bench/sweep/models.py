@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from bench.sweep.cell_models import CacheReset, CellOptions, ProbeStats, Saturation
 from bench.sweep.gate_models import ProbeAnswer
 from bench.sweep.order import check_gate_and_order
 
@@ -31,13 +32,14 @@ from bench.sweep.result_models import (  # noqa: F401
     SweepStatus,
     TargetCell,
 )
+from bench.sweep.telemetry_models import CellTelemetry, GpuTelemetry  # noqa: F401
 
 Driver = Literal["builtin", "vllm-bench"]
 SLO_KEY = r"^(ttft|tpot|itl|e2e)_p(\d{1,2}(\.\d+)?|100)_ms$"
 PromptSource = Literal["checkpoint", "server", "hf-cache", "approximate-text", "dataset", "none"]
 
 
-class SweepRequest(BaseModel):
+class SweepRequest(CellOptions):
     """run_sweep's arguments, as the front doors take them: the one declaration of each (the MCP
     tool's input schema and `gpurig sweep run`'s flags are generated from these fields,
     mcp_server/request_params.py and request_flags.py). SweepConfig checks the whole plan."""
@@ -107,7 +109,7 @@ class SweepRequest(BaseModel):
         return out
 
 
-class SweepConfig(BaseModel):
+class SweepConfig(CellOptions):
     """The whole plan, saved as sweep.json before the first request: a resumed sweep runs it."""
 
     sweep_id: str
@@ -279,63 +281,7 @@ class RequestResult(BaseModel):
     group_first: bool = Field(False, description="the first request of its group to be sent")
     turn: int = Field(0, description="the turn in its conversation (0: the first)")
     error: str | None = None
-
-
-class GpuTelemetry(BaseModel):
-    """NVML samples taken a few times a second while the cell ran (GPU 0 or the given index)."""
-
-    index: int
-    name: str | None = None
-    samples: int
-    util_mean: float | None = None
-    util_max: float | None = None
-    sm_clock_mean_mhz: float | None = None
-    sm_clock_max_mhz: float | None = Field(None, description="the GPU's maximum SM clock")
-    clock_share: float | None = Field(None, description="mean SM clock / max SM clock")
-    power_mean_w: float | None = None
-    power_limit_w: float | None = None
-    memory_used_max_bytes: int | None = None
-    throttle: dict[str, float] = Field(
-        default_factory=dict, description="throttle reason -> share of samples it was active"
-    )
-
-
-class CellTelemetry(BaseModel):
-    gpu: GpuTelemetry | None = None
-    gpu_missing: str | None = Field(None, description="why there are no GPU samples")
-    server_pid: int | None = None
-    server_cpu_cores: float | None = Field(
-        None, description="CPU seconds of the server (and its children) / cell wall time"
-    )
-    cpu_missing: str | None = None
-    metrics_before: dict[str, float] = Field(default_factory=dict)
-    metrics_after: dict[str, float] = Field(default_factory=dict)
-    prefix_cache_hit_rate: float | None = None
-    kv_cache_usage: float | None = Field(None, description="peak KV cache usage (0-1)")
-    requests_waiting: float | None = Field(None, description="peak requests waiting")
-    requests_running: float | None = Field(None, description="peak requests running")
-    decode_rows_per_step: float | None = Field(
-        None, description="the engine's sequences per decode step over the cell (batching)"
-    )
-    decode_idle_share: float | None = Field(
-        None, description="the engine's decode stream: GPU time between steps / its GPU time"
-    )
-    decode_starved_share: float | None = Field(
-        None, description="the engine's decode steps launched after the one before had ended"
-    )
-    decode_idle_plain_share: float | None = Field(
-        None, description="of that idle time, the share before steps admitting/ending nothing"
-    )
-    decode_late_host_ms: dict[str, float] | None = Field(
-        None, description="per late decode step, the engine host's ms in each phase before it"
-    )
-    gc_ms_per_s: float | None = Field(
-        None, description="the engine server's garbage-collector pauses, ms per second of cell"
-    )
-    engine_gc_ms_per_s: float | None = Field(
-        None, description="the engine process's own collector pauses (--engine-process on), ms/s"
-    )
-    metrics_missing: str | None = None
+    excluded: bool = Field(False, description="warm-up: left out of the cell's figures")
 
 
 class CellRecord(BaseModel):
@@ -391,6 +337,10 @@ class CellRecord(BaseModel):
     mean_prompt_tokens: float | None = Field(None, description="as the server counted them")
     requests: list[RequestResult] = Field(default_factory=list)
     telemetry: CellTelemetry = Field(default_factory=CellTelemetry)
+    cache_reset: CacheReset | None = Field(None, description="the reset before the cell")
+    stall_probes: ProbeStats | None = Field(None, description="stall probes beside the load")
+    excluded: int = Field(0, description="requests left out of the figures as warm-up")
+    saturation: Saturation | None = Field(None, description="rate cells: over-saturation")
     probes: list[ProbeAnswer] = Field(
         default_factory=list, description="the correctness gate's answers, asked after the cell"
     )

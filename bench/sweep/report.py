@@ -32,7 +32,9 @@ from bench.sweep.models import (
     load_name,
 )
 from bench.sweep.plots import make_plots
+from bench.sweep.report_cells import CSV_EXTRA, cell_sections, csv_extra
 from bench.sweep.report_notes import telemetry_notes
+from bench.sweep.saturation import axis_stops
 from bench.sweep.store import SweepStore
 from tools.fileio import write_atomic
 
@@ -373,6 +375,7 @@ def render_markdown(
         "and the output layer (a tied embedding counted once); not the per-layer embedding "
         "rows (a lookup), not vision or audio towers.",
         "",
+        *cell_sections(config, cells, roofline, axis_stops(config, cells)),
         "## Failures",
         "",
         "\n".join(f"- {line}" for line in failures)
@@ -393,13 +396,13 @@ def render_markdown(
 
 def cells_csv(cells: list[CellRecord]) -> str:
     buf = io.StringIO()
-    writer = csv.DictWriter(buf, fieldnames=CSV_FIELDS, lineterminator="\n")
+    writer = csv.DictWriter(buf, fieldnames=CSV_FIELDS + CSV_EXTRA, lineterminator="\n")
     writer.writeheader()
     for c in sorted(
         cells, key=lambda c: (c.target, c.input_len, c.rate or 0.0, c.concurrency, c.repeat)
     ):
-        data = c.model_dump(include=set(CSV_FIELDS))
-        writer.writerow({k: "" if data.get(k) is None else data[k] for k in CSV_FIELDS})
+        data = {**c.model_dump(include=set(CSV_FIELDS)), **csv_extra(c)}
+        writer.writerow({k: "" if data.get(k) is None else data[k] for k in CSV_FIELDS + CSV_EXTRA})
     return buf.getvalue()
 
 
@@ -426,6 +429,7 @@ def build_report(store: SweepStore) -> dict:
         "summary": [r.model_dump() for r in rows],
         "failures": failures,
         "gate": gate.model_dump() if gate else None,
+        "axis_stops": [s.model_dump() for s in axis_stops(config, cells)],
         "cells": [c.model_dump() for c in cells],
     }
     write_atomic(store.dir / "results.json", json.dumps(results, separators=(",", ":")) + "\n")

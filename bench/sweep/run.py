@@ -26,7 +26,8 @@ from typing import Any
 import numpy as np
 from pydantic import ValidationError
 
-from bench.sweep import cellrun, search, targets
+from bench.sweep import cellrun, saturation, search, targets
+from bench.sweep.cell_models import CellOptions
 from bench.sweep.gate import Prober
 from bench.sweep.lookup import (
     cell_requests,
@@ -240,6 +241,15 @@ class _CellRunner:
         if self.prober is not None:
             self.prober.close()
 
+    def run_grid(self, key: CellKey) -> CellRecord | None:
+        """A grid cell, unless a lower rate of its axis stopped it (bench/sweep/saturation.py):
+        then nothing is run or recorded, and progress moves past its requests."""
+        stop = saturation.skipped_by(self.config, key, self.store.load_cells())
+        if stop is None:
+            return self.run(key)
+        self.tracker.add(cell_requests(self.config, key), f"{key.name()}: skipped", True)
+        return None
+
     def run(self, key: CellKey) -> CellRecord:
         config, tracker = self.config, self.tracker
         tracker.current = key.name()
@@ -308,7 +318,7 @@ def _run_target(
         if config.search is not None:
             _run_search(runner, done or {})
         for key in keys:
-            runner.run(key)
+            runner.run_grid(key)
     finally:
         if runner is not None:
             runner.close()
@@ -343,7 +353,7 @@ def _run_interleaved(store, config, pool, tracker, done: dict[CellKey, CellRecor
             runners[t.label] = _CellRunner(store, config, t, pool, tracker, live, reason)
         for key in config.cell_keys():
             if key not in done:
-                runners[key.target].run(key)
+                runners[key.target].run_grid(key)
     finally:
         for runner in runners.values():
             runner.close()
@@ -381,6 +391,7 @@ def run_sweep(
     gate: bool = True,
     reference: str | None = None,
     interleave: bool = False,
+    **options: Any,
 ) -> SweepResult:
     """Measure every target on the same prompts over input lengths x load x repeats.
 
@@ -391,8 +402,13 @@ def run_sweep(
     detached worker and returns at once (state "running"); sweep_status follows it.
     resume=DIR continues a sweep from its files (the other arguments are ignored). `gate`:
     after each cell every target answers fixed probes greedily, compared in the report with the
-    `reference` target's (default: the first); `interleave`: cells in ABAB order.
+    `reference` target's (default: the first); `interleave`: cells in ABAB order. `options`:
+    what happens in and between cells, CellOptions' fields (bench/sweep/cell_models.py: cache
+    reset, stall probes, warm-up exclusion, the rate axis's early stop).
     """
+    unknown = sorted(set(options) - set(CellOptions.model_fields))
+    if unknown:
+        raise TypeError(f"run_sweep() got unexpected keyword arguments: {', '.join(unknown)}")
     if resume:
         store = SweepStore(find_sweep_dir(resume))
         store.load_config()
@@ -420,6 +436,7 @@ def run_sweep(
             gate=gate,
             reference=reference,
             interleave=interleave,
+            **options,
         )
         store = SweepStore(config.out_dir)
         store.save_config(config)
