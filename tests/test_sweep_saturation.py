@@ -125,3 +125,4 @@ def test_a_real_rate_sweep_stops_once_the_server_falls_behind(one_at_a_time, tmp
     assert "the first 1 requests of each cell left out" in section
     assert "**e in=16: the rate axis stopped after 60/s** (over-saturated: completions" in section
     assert "not run: 120/s" in section
+    assert "FAILED: skipped: the rate axis stopped at 60/s" in result.table

@@ -11,7 +11,7 @@ from __future__ import annotations
 import statistics
 from collections import Counter
 
-from bench.sweep import search
+from bench.sweep import saturation, search
 from bench.sweep.ci import mean_ci
 from bench.sweep.models import (
     VARIATION_FLAG,
@@ -87,6 +87,7 @@ def load_levels(config: SweepConfig, cells: list[CellRecord]) -> list[tuple[int,
 
 
 def summarize(config: SweepConfig, cells: list[CellRecord]) -> list[SummaryRow]:
+    stops = saturation.axis_stops(config, cells)  # rates never run: say why, not "not run"
     by_key: dict[tuple, list[CellRecord]] = {}
     for c in cells:
         by_key.setdefault((c.target, c.input_len, c.concurrency, c.rate), []).append(c)
@@ -99,6 +100,11 @@ def summarize(config: SweepConfig, cells: list[CellRecord]) -> list[SummaryRow]:
             ):
                 continue
             tcs = [target_cell(lab, by_key.get((lab, n, conc, rate), [])) for lab in labels]
+            for tc in tcs:
+                stop = next((s for s in stops if (s.target, s.input_len, s.concurrency) ==
+                             (tc.target, n, conc) and rate in s.skipped), None)  # fmt: skip
+                if tc.reason == "not run" and stop is not None:
+                    tc.reason = f"skipped: the rate axis stopped at {stop.rate:g}/s"
             first = tcs[0].output_tok_s
             for tc in tcs:
                 if first and tc.output_tok_s is not None:
