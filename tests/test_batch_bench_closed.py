@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 
 import engine
-from lab.engine import batch_bench
 from engine.checkpoint_maker import make_checkpoint
 from engine.options import EngineOptions
 from engine.step_clock import HOST_PHASES, StepTimes
+from lab.engine import batch_bench
 
 
 def test_late_steps_are_the_counters_differences() -> None:

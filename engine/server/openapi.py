@@ -11,6 +11,7 @@ from typing import Any
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
+from engine.server.cache_reset import PrefixCacheReset
 from engine.server.schemas import (
     ChatCompletion,
     ChatCompletionRequest,
@@ -26,6 +27,7 @@ _ERRORS = {
     "400": "a request the model cannot serve (context, token ids, unsupported field, bad JSON)",
     "401": "a missing or wrong API key (when the server has one)",
     "404": "an unknown model",
+    "409": "requests are running: retry once they have ended",
     "413": "a body over the server's limit",
     "422": "a field of the wrong type or out of range (`param` names it)",
     "500": "a server bug (the reply says Connection: close)",
@@ -81,6 +83,7 @@ def openapi_spec(model_name: str, version: str, api_key: bool) -> dict[str, Any]
             (ModelList, "serialization"),
             (ModelCard, "serialization"),
             (ErrorResponse, "serialization"),
+            (PrefixCacheReset, "serialization"),
         ],
         ref_template=REF,
     )
@@ -127,6 +130,17 @@ def openapi_spec(model_name: str, version: str, api_key: bool) -> dict[str, Any]
                 },  # fmt: skip
             ],
         ),
+        "/reset_prefix_cache": {
+            "post": {
+                "summary": "vLLM's cache reset between benchmark runs (the engine keeps no "
+                "cross-request cache: says so)",
+                "operationId": "resetPrefixCache",
+                "responses": {
+                    "200": _json(_ref(PrefixCacheReset), "what was reset, and why no more"),
+                    **_errors("409"),
+                },
+            }
+        },
         "/openapi.json": _get("this document", "openapi", _json({"type": "object"}, "OpenAPI 3.1")),
     }
     components: dict[str, Any] = {"schemas": defs["$defs"]}
