@@ -55,7 +55,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Ask one or two OpenAI-compatible servers the same questions through "
         "/v1/chat/completions (greedy, seeded), score each answer, and pair them question by "
         "question: totals with 95% intervals, both right / only A / only B / both wrong, "
-        "McNemar's exact p and the ids that differ. Suites: bfcl (BFCL v4 simple), jsonl "
+        "McNemar's exact p and the ids that differ. Suites: bfcl (BFCL v4: simple, multiple, parallel, irrelevance, ...), jsonl "
         "(your {id, prompt, answer} file; exact or last number), recall (six-digit codes in "
         "numbered records). A killed run continues with --resume DIR.",
     )

@@ -51,9 +51,16 @@ def register(mcp: MCPServer) -> None:
         roofline (bytes per decode token from the safetensors headers over the GPU's measured
         read bandwidth) and telemetry (NVML, the server's CPU, its /metrics). A target that is
         down or dies gets its cells failed with the reason; the others go on. Writes REPORT.md,
-        results.json, results.csv and PNG plots to out_dir; each cell is saved as it finishes,
+        results.json, results.csv and PNG plots to out_dir/plots (plots_dir in the result);
+        each cell is saved as it finishes,
         so resume=<dir> continues a killed sweep. Takes minutes to hours: use wait=false for
         long sweeps.
+
+        Between and in cells: the targets' prefix caches are reset before each cell
+        (cache_reset), NVML energy per cell (J per output token, average W), stall probes
+        beside the load (probe_rate), warm-up exclusion, an early stop of a rate axis that
+        saturates, a correctness gate (greedy probe answers against a reference target after
+        each cell; departures marked), and interleave for ABAB cell order.
         """
 
         def progress(done: int, total: int, message: str) -> None:
