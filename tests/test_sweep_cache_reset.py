@@ -152,6 +152,31 @@ def test_llama_server_without_slot_save_path_refuses_with_the_reason(gguf: Path)
         _stop(proc)
 
 
+def test_a_llama_server_the_sweep_starts_can_be_reset(gguf: Path, tmp_path: Path, monkeypatch):
+    """A `server` target the sweep starts itself gets --slot-save-path, so its slots are erased
+    before each cell (a user's own flags win: bench.sweep.targets.resettable)."""
+    monkeypatch.setenv("GPURIG_HOME", str(tmp_path / "home"))
+    server = {"model": str(gguf), "backend": "llamacpp", "max_model_len": 512, "timeout_s": 120}
+    result = run_sweep([{"label": "l", "server": server}], out_dir=str(tmp_path / "s"),
+                       input_lens=[16], output_len=4, concurrency=[1], repeats=2,
+                       prompts_per_cell=2, gate=False)  # fmt: skip
+    cells = json.loads(Path(result.results_json).read_text())["cells"]
+    assert len(cells) == 2 and all(c["cache_reset"]["done"] for c in cells), cells
+    assert all("slot(s) erased" in c["cache_reset"]["detail"] for c in cells)
+
+
+def test_resettable_adds_the_switches_only_where_the_user_set_none() -> None:
+    from bench.sweep.targets import resettable
+
+    vllm = resettable({"model": "m", "env": {"X": "1"}}, "s1")
+    assert vllm["env"] == {"VLLM_SERVER_DEV_MODE": "1", "X": "1"}
+    mine = resettable({"model": "m", "env": {"VLLM_SERVER_DEV_MODE": "0"}}, "s1")
+    assert mine["env"]["VLLM_SERVER_DEV_MODE"] == "0"
+    own = resettable({"backend": "llamacpp", "extra_args": ["--slot-save-path=/x"]}, "s1")
+    assert own["extra_args"] == ["--slot-save-path=/x"]
+    assert resettable({"backend": "engine"}, "s1") == {"backend": "engine"}
+
+
 # ---- vLLM's CPU build ----------------------------------------------------------------------------
 
 

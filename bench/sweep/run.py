@@ -332,7 +332,7 @@ def _start(config: SweepConfig, target: Target, tracker: _Tracker) -> tuple[Any,
     if target.server is not None:
         tracker.current = f"{target.label}: starting its server"
         tracker.add(0, tracker.current, True)
-        record, reason = targets.start_server(target, config.sweep_id)
+        record, reason = targets.start_server(target, config.sweep_id, config.cache_reset)
     live = None
     if reason is None:
         try:

@@ -20,6 +20,7 @@ import httpx
 from bench.sweep.models import Target
 from bench.sweep.prompts import Vocab, read_vocab
 from tools.serving.preflight import hub_snapshot
+from tools.settings import state_dir
 
 log = logging.getLogger(__name__)
 LOOPBACK = {"127.0.0.1", "localhost", "::1", "0.0.0.0"}
@@ -143,13 +144,36 @@ def vocab_of(target: Target, ask_server: bool = True) -> Vocab | None:
 # ---- servers the sweep starts ------------------------------------------------------------------
 
 
-def start_server(target: Target, sweep_id: str) -> tuple[Any, str | None]:
+def resettable(spec: dict[str, Any], sweep_id: str) -> dict[str, Any]:
+    """The server's start spec with what lets the sweep reset its prefix cache between cells
+    (bench/sweep/cache_reset.py): vLLM serves /reset_prefix_cache only with
+    VLLM_SERVER_DEV_MODE=1, llama-server erases slots only with --slot-save-path. Only for
+    servers the sweep starts itself, and never over the user's own setting."""
+    spec = dict(spec)
+    backend = spec.get("backend", "vllm")
+    if backend == "vllm":
+        spec["env"] = {"VLLM_SERVER_DEV_MODE": "1", **(spec.get("env") or {})}
+    elif backend == "llamacpp":
+        extra = list(spec.get("extra_args") or [])
+        if not any(a.split("=")[0] == "--slot-save-path" for a in extra):
+            slots = state_dir() / "slots" / sweep_id
+            slots.mkdir(parents=True, exist_ok=True)
+            extra += ["--slot-save-path", str(slots)]
+        spec["extra_args"] = extra
+    return spec
+
+
+def start_server(
+    target: Target, sweep_id: str, cache_reset: bool = False
+) -> tuple[Any, str | None]:
     """Start a `server` target through the lifecycle tools: (record, None) once it serves, or
-    (record or None, why it does not)."""
+    (record or None, why it does not). `cache_reset`: started so that its cache can be reset."""
     from tools.serving import start_vllm_server, stop_vllm_server
     from tools.serving.process import free_port
 
     spec = dict(target.server or {})
+    if cache_reset:
+        spec = resettable(spec, sweep_id)
     spec.setdefault("name", f"{sweep_id}-{target.label}"[:64])
     # a server of this sweep that a killed run left behind (it would hold the GPU and the name)
     with contextlib.suppress(Exception):
