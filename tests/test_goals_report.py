@@ -1,4 +1,4 @@
-"""lab.engine.goals on results the GPU runs committed, laid out as goals.sh lays them out."""
+"""lab.engine.goals on results GPU runs recorded, laid out as goals.sh lays them out."""
 
 from __future__ import annotations
 
@@ -10,10 +10,11 @@ import pytest
 
 from lab.engine import goals
 
-RESULTS = Path(__file__).resolve().parents[1] / "bench" / "results"
-COLD = RESULTS / "engine" / "cold_start_h100_2026-12-07.json"
-SWEEP = RESULTS / "sweep_e2b_planner_ab_h100_2026-12-07" / "head" / "results.json"
-STEPS = RESULTS / "engine" / "steps_at_depth_h100_2026-12-06.json"
+# files GPU runs wrote (e67ed01:bench/results/, kept here as the recorded fixture)
+RESULTS = Path(__file__).resolve().parent / "data" / "goals"
+COLD = RESULTS / "cold_start_h100_2026-12-07.json"
+SWEEP = RESULTS / "sweep_planner_head_h100_2026-12-07.json"
+STEPS = RESULTS / "steps_at_depth_h100_2026-12-06.json"
 
 
 def _folder(tmp_path: Path, cold=COLD, sweep=SWEEP, steps=STEPS) -> Path:
@@ -94,7 +95,7 @@ def test_bad_input_says_what_to_do(tmp_path: Path, bad: str, capsys) -> None:
     assert not (tmp_path / "g.md").exists()
 
 
-H200 = RESULTS / "goals_h200_2026-12-07"  # gemm.json and long/ as goals.sh's gemm and long parts
+H200 = RESULTS / "h200_2026-12-07"  # gemm.json and long/ as goals.sh's gemm and long parts
 
 
 def test_the_product_and_long_prompt_goals_from_the_recorded_h200_files() -> None:
