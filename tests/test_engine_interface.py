@@ -10,6 +10,7 @@ import ast
 import inspect
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -113,6 +114,10 @@ def test_the_in_process_engine_steps_itself_once_started(checkpoint: Path) -> No
     eng.start()
     try:
         assert len(asyncio.run(one())) == 3
+        # the last token reaches the sink inside the thread's step: the step returns after it
+        deadline = time.monotonic() + 10
+        while eng.has_work and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert not eng.has_work
     finally:
         eng.stop()
