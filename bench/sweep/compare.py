@@ -147,14 +147,18 @@ def _fmt(v: CompareValue, first: bool) -> str:
     return text
 
 
+def _cell(r: CompareRow) -> list[str]:
+    """A row's target, input and load columns."""
+    n = "dataset" if r.input_len == 0 else str(r.input_len)
+    return [r.target, n, load_name(r.concurrency, r.rate)]
+
+
 def table(labels: list[str], rows: list[CompareRow], figure: str) -> str:
     body = []
     for r in rows:
         if r.figure != figure:
             continue
-        n = "dataset" if r.input_len == 0 else str(r.input_len)
-        body.append([r.target, n, load_name(r.concurrency, r.rate),
-                     *[_fmt(v, i == 0) for i, v in enumerate(r.values)]])  # fmt: skip
+        body.append([*_cell(r), *[_fmt(v, i == 0) for i, v in enumerate(r.values)]])
     return tabulate(body, headers=["target", "input", "load", *labels], tablefmt="github",
                     disable_numparse=True)  # fmt: skip
 
@@ -172,9 +176,7 @@ def paired_table(labels: list[str], rows: list[CompareRow], figure: str) -> str:
     for r in rows:
         if r.figure != figure:
             continue
-        n = "dataset" if r.input_len == 0 else str(r.input_len)
-        body.append([r.target, n, load_name(r.concurrency, r.rate),
-                     *[_fmt_diff(v) for v in r.values[1:]]])  # fmt: skip
+        body.append([*_cell(r), *[_fmt_diff(v) for v in r.values[1:]]])
     headers = ["target", "input", "load", *[f"{label} - {labels[0]}" for label in labels[1:]]]
     return tabulate(body, headers=headers, tablefmt="github", disable_numparse=True)
 

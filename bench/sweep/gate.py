@@ -16,6 +16,8 @@ kind is asked is tools/compare_client.py's, reused here.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
 from bench.sweep.gate_models import CellGate, GateDeparture, GateReport, ProbeAnswer
@@ -88,6 +90,13 @@ def _shown_ids(tokens: list[int], pos: int, text: str | None) -> str:
     return f"{tail}{more}" + ("" if text is None else f" (answer {text[:SHOWN_CHARS]!r})")
 
 
+def first_difference(a: Sequence[object], b: Sequence[object]) -> int:
+    """Where two answers (ids or characters) first differ; the shorter length if one is a
+    prefix of the other."""
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y),
+                min(len(a), len(b)))  # fmt: skip
+
+
 def compare_answer(ref: ProbeAnswer, got: ProbeAnswer) -> GateDeparture | None | str:
     """None: the same; a departure; or a string saying why the two cannot be compared."""
     if ref.error or got.error:
@@ -96,9 +105,7 @@ def compare_answer(ref: ProbeAnswer, got: ProbeAnswer) -> GateDeparture | None |
         a, b = ref.tokens, got.tokens
         if a == b:
             return None
-        pos = next(
-            (i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b))
-        )
+        pos = first_difference(a, b)
         return GateDeparture(probe=got.probe, unit="token", position=pos,
                              reference=_shown_ids(a, pos, ref.text),
                              target=_shown_ids(b, pos, got.text))  # fmt: skip
@@ -106,9 +113,7 @@ def compare_answer(ref: ProbeAnswer, got: ProbeAnswer) -> GateDeparture | None |
         a, b = ref.text, got.text
         if a == b:
             return None
-        pos = next(
-            (i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b))
-        )
+        pos = first_difference(a, b)
         return GateDeparture(probe=got.probe, unit="character", position=pos,
                              reference=repr(a[pos : pos + SHOWN_CHARS]),
                              target=repr(b[pos : pos + SHOWN_CHARS]))  # fmt: skip
